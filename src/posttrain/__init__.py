@@ -1,0 +1,36 @@
+"""posttrain: post-training for language models with a TRL-compatible API.
+
+The public names are imported lazily, so ``from posttrain import GRPOConfig`` does not pull
+torch or transformers in until one of them is used.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "GRPOConfig": "posttrain.grpo.config",
+    "GRPOTrainer": "posttrain.grpo.trainer",
+}
+
+__all__ = [*_LAZY, "__version__"]
+
+if TYPE_CHECKING:  # pragma: no cover
+    from posttrain.grpo.config import GRPOConfig
+    from posttrain.grpo.trainer import GRPOTrainer
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'posttrain' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
