@@ -1,0 +1,510 @@
+"""GRPOTrainer: Group Relative Policy Optimization on top of ``transformers.Trainer``.
+
+One training step, top to bottom (``_prepare_inputs`` then ``compute_loss``)::
+
+    rollout = generator.generate(prompts)                 # Rollout: ids and masks
+    rewards = rewards.score(...)                           # [N, F], NaN where a function skipped
+    adv     = advantages.compute(gathered rewards, ...)    # pure function
+    loss    = objectives.policy_loss(logps, old, adv, ...) # pure function
+
+``transformers.Trainer`` brings the optimisation loop, checkpoints, callbacks, integrations,
+``resume_from_checkpoint`` and ``push_to_hub``. This class only supplies the data plan (groups
+kept whole), the generation buffer, the loss and the metrics.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from accelerate.utils import gather
+from transformers import PreTrainedModel, Trainer, TrainerCallback
+
+from posttrain.data import formats
+from posttrain.data.sampling import grouped_dataloader
+from posttrain.generation.base import Generator, build_rollout
+from posttrain.generation.transformers_backend import TransformersGenerator, sampling_config
+from posttrain.grpo import advantages, objectives
+from posttrain.grpo.config import GRPOConfig
+from posttrain.grpo.rollout import Rollout, ScoredRollout
+from posttrain.models import loading
+from posttrain.observe.metrics import MetricStore
+from posttrain.ops.logprobs import completion_logps
+from posttrain.ops.padding import left_pad
+from posttrain.rewards.runner import RewardRunner
+
+RewardFunc = Callable[..., list[float | None]]
+
+
+def _not_built(name: str, value: Any) -> None:
+    if value is not None:
+        raise NotImplementedError(
+            f"GRPOTrainer({name}=...) is not implemented yet in posttrain; remove the argument for now."
+        )
+
+
+class GRPOTrainer(Trainer):
+    """Trainer for Group Relative Policy Optimization (GRPO, DeepSeekMath).
+
+    The public API is TRL's: a script written for ``trl.GRPOTrainer`` runs after changing the
+    import.
+
+    Args:
+        model: hub id, local path, embedded name (``"smollm2-135m-instruct"``) or a
+            ``PreTrainedModel`` causal LM. Strings are loaded with ``args.model_init_kwargs``,
+            in float32 unless a ``dtype`` is given there.
+        reward_funcs: a reward callable (sync or ``async def``) or a list of them. Each receives
+            ``prompts``, ``completions``, ``completion_ids``, ``trainer_state``, ``log_metric``,
+            ``log_extra`` and every dataset column but ``prompt`` as keyword arguments, and
+            returns one float (or ``None`` when it does not apply) per completion.
+        args: the configuration; a default ``GRPOConfig`` when ``None``.
+        train_dataset: a ``Dataset`` or ``IterableDataset`` (then ``max_steps`` is required)
+            with a ``"prompt"`` column, standard or conversational.
+        eval_dataset: same format, or a dict of such datasets evaluated one by one.
+        processing_class: the tokenizer; loaded from the model when ``None``. Left padding is
+            set, and the pad token falls back to EOS.
+        reward_processing_classes: tokenizers of reward models (ignored for callables).
+        callbacks: extra ``TrainerCallback`` s.
+        optimizers: ``(optimizer, scheduler)``; AdamW with a linear schedule by default.
+        quantization_config: not implemented yet.
+        peft_config: not implemented yet.
+        tools: not implemented yet.
+        rollout_func: not implemented yet.
+        environment_factory: not implemented yet.
+    """
+
+    _tag_names = ["posttrain", "grpo"]
+    loss_is_scaled_for_ga = True  # compute_loss divides by the accumulated batch itself
+
+    def __init__(
+        self,
+        model: str | PreTrainedModel,
+        reward_funcs: RewardFunc | list[RewardFunc] | None = None,
+        args: GRPOConfig | None = None,
+        train_dataset: Any = None,
+        eval_dataset: Any = None,
+        processing_class: Any = None,
+        reward_processing_classes: Any = None,
+        callbacks: list[TrainerCallback] | None = None,
+        optimizers: tuple[torch.optim.Optimizer | None, torch.optim.lr_scheduler.LambdaLR | None] = (None, None),
+        quantization_config: Any = None,
+        peft_config: Any = None,
+        tools: list[Callable] | None = None,
+        rollout_func: Callable | None = None,
+        environment_factory: Any = None,
+    ) -> None:
+        for name, value in [
+            ("quantization_config", quantization_config),
+            ("peft_config", peft_config),
+            ("tools", tools or None),
+            ("rollout_func", rollout_func),
+            ("environment_factory", environment_factory),
+        ]:
+            _not_built(name, value)
+        if args is None:
+            base = model if isinstance(model, str) else model.config._name_or_path
+            args = GRPOConfig(output_dir=f"{os.path.basename(str(base).rstrip('/')) or 'model'}-GRPO")
+        funcs = self._setup_reward_funcs(reward_funcs, args)
+        self._check_datasets(train_dataset, eval_dataset, args)
+        model, source = self._setup_model(model, args)
+        processing_class = self._setup_tokenizer(processing_class, source, args)
+        super().__init__(
+            model=model,
+            args=args,
+            data_collator=_identity,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            callbacks=callbacks,
+            optimizers=optimizers,
+        )
+        self.rewards = RewardRunner(funcs)
+        self.reward_weights = torch.tensor(args.reward_weights or [1.0] * len(funcs), dtype=torch.float32)
+        self.generator: Generator = self._setup_generator()
+        self._metrics = MetricStore()
+        self._buffer: list[ScoredRollout] = []
+        self._micro_step = 0
+        self._step_time = 0.0
+        self._micro_in_step = 0
+        self.log_extra_columns: dict[str, list[Any]] = {}
+
+    # ---- setup -------------------------------------------------------------------------------
+
+    @staticmethod
+    def _setup_reward_funcs(reward_funcs: Any, args: GRPOConfig) -> list[RewardFunc]:
+        if reward_funcs is None or (isinstance(reward_funcs, list) and not reward_funcs):
+            raise ValueError(
+                "GRPOTrainer needs a reward: pass reward_funcs (a callable or a list of callables), or an "
+                "environment_factory whose environments define get_reward."
+            )
+        funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+        for f in funcs:
+            if isinstance(f, (str, PreTrainedModel)):
+                raise NotImplementedError(
+                    "Reward models (reward_funcs given as a hub id, path or PreTrainedModel) are not implemented "
+                    "yet in posttrain; pass reward callables."
+                )
+        if args.reward_weights is not None and len(args.reward_weights) != len(funcs):
+            raise ValueError(
+                f"reward_weights has {len(args.reward_weights)} entries but there are {len(funcs)} reward "
+                "functions; give one weight per function, in the same order, or leave reward_weights=None."
+            )
+        return funcs
+
+    @staticmethod
+    def _check_datasets(train_dataset: Any, eval_dataset: Any, args: GRPOConfig) -> None:
+        if train_dataset is None:
+            raise ValueError("GRPOTrainer needs a train_dataset with a 'prompt' column.")
+        _check_dataset(train_dataset, "train_dataset", args, args.num_generations, train=True)
+        if eval_dataset is None:
+            return
+        items = eval_dataset.items() if isinstance(eval_dataset, Mapping) else [("", eval_dataset)]
+        for key, ds in items:
+            name = f"eval_dataset[{key!r}]" if key else "eval_dataset"
+            _check_dataset(ds, name, args, args.num_generations_eval, train=False)
+
+    @staticmethod
+    def _setup_model(model: Any, args: GRPOConfig) -> tuple[PreTrainedModel, str]:
+        if isinstance(model, str):
+            source = loading.resolve_model_path(model)
+            policy = loading.load_policy(source, args.model_init_kwargs, args.trust_remote_code)
+        elif isinstance(model, PreTrainedModel):
+            if args.model_init_kwargs:
+                raise ValueError(
+                    "model_init_kwargs is only used when model is a string (hub id or path); the model was "
+                    "passed already loaded. Drop model_init_kwargs or pass the model's name."
+                )
+            policy, source = model, model.config._name_or_path
+        else:
+            raise TypeError(
+                f"model must be a hub id, a local path, an embedded name or a PreTrainedModel; got "
+                f"{type(model).__name__}."
+            )
+        if not hasattr(policy, "generate"):
+            raise TypeError("model must be a causal language model (it has no generate method).")
+        if args.disable_dropout:
+            loading.disable_dropout(policy)
+        return policy, source
+
+    @staticmethod
+    def _setup_tokenizer(processing_class: Any, source: str, args: GRPOConfig) -> Any:
+        if processing_class is None:
+            revision = (args.model_init_kwargs or {}).get("revision")
+            processing_class = loading.load_tokenizer(source, revision, args.trust_remote_code)
+        return loading.prepare_tokenizer(processing_class)
+
+    def _setup_generator(self) -> Generator:
+        a = self.args
+        return TransformersGenerator(
+            get_model=lambda: self.accelerator.unwrap_model(self.model),
+            config=sampling_config(
+                max_new_tokens=a.max_completion_length,
+                temperature=a.temperature,
+                top_p=a.top_p,
+                top_k=a.top_k,
+                min_p=a.min_p,
+                repetition_penalty=a.repetition_penalty,
+                cache_implementation=a.cache_implementation,
+                pad_token_id=self._tokenizer.pad_token_id,
+                eos_token_ids=self._eos_token_ids,
+                generation_kwargs=a.generation_kwargs,
+            ),
+        )
+
+    @property
+    def _tokenizer(self) -> Any:
+        return getattr(self.processing_class, "tokenizer", self.processing_class)
+
+    @property
+    def _eos_token_ids(self) -> list[int]:
+        ids = {self._tokenizer.eos_token_id}
+        gen_eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
+        ids.update(gen_eos if isinstance(gen_eos, list) else [gen_eos])
+        return sorted(i for i in ids if i is not None)
+
+    # ---- data --------------------------------------------------------------------------------
+
+    def _dataloader(self, dataset: Any, per_process: int, group: int, repeat: int, shuffle: bool) -> Any:
+        a = self.args
+        if a.remove_unused_columns and hasattr(dataset, "select_columns"):
+            dataset = dataset.select_columns([formats.PROMPT_COLUMN])
+        if shuffle and not hasattr(dataset, "__len__") and hasattr(dataset, "shuffle"):
+            dataset = dataset.shuffle(seed=a.data_seed or a.seed, buffer_size=1000)
+        return grouped_dataloader(
+            dataset, group, per_process, a.world_size, a.process_index, repeat, shuffle, a.data_seed or a.seed
+        )
+
+    def get_train_dataloader(self) -> Any:
+        """Per-process generation batches, each yielded ``steps_per_generation * num_iterations`` times."""
+        a = self.args
+        return self._dataloader(
+            self.train_dataset,
+            per_process=a.per_device_train_batch_size * a.steps_per_generation,
+            group=a.num_generations,
+            repeat=a.steps_per_generation * a.num_iterations,
+            shuffle=a.shuffle_dataset,
+        )
+
+    def get_eval_dataloader(self, eval_dataset: Any = None) -> Any:
+        """Evaluation batches with ``num_generations_eval`` completions per prompt, in order."""
+        if isinstance(eval_dataset, str):
+            eval_dataset = self.eval_dataset[eval_dataset]
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        a = self.args
+        return self._dataloader(dataset, a.per_device_eval_batch_size, a.num_generations_eval, 1, False)
+
+    def _set_signature_columns_if_needed(self) -> None:
+        self._signature_columns = [formats.PROMPT_COLUMN]
+
+    # ---- one step: generate, score, buffer ---------------------------------------------------
+
+    def _prepare_inputs(self, batch: list[dict[str, Any]]) -> ScoredRollout:  # type: ignore[override]
+        """Generate and score once per ``steps_per_generation * num_iterations`` micro-steps."""
+        a = self.args
+        period = a.steps_per_generation * a.num_iterations
+        if self._micro_step % period == 0 or not self._buffer:
+            self._buffer = self._generate_and_score(batch, "train", num_chunks=a.steps_per_generation)
+        micro = self._buffer[self._micro_step % a.steps_per_generation]
+        self._micro_step += 1
+        return micro
+
+    def _generate_and_score(self, batch: list[dict[str, Any]], mode: str, num_chunks: int) -> list[ScoredRollout]:
+        """Sample completions for this process's rows, score them, compute advantages."""
+        group = self.args.num_generations if mode == "train" else self.args.num_generations_eval
+        prompts = [row.get(formats.PROMPT_COLUMN) for row in batch]
+        for i, p in enumerate(prompts):
+            formats.check_prompt(p, f"{i} of this batch")
+        rollout = self._generate(prompts)
+        completions, completion_ids = self._decode(rollout, prompts)
+        rewards_local = self.rewards.score(len(batch), self._reward_kwargs(batch, prompts, completions, completion_ids, mode))
+        rewards = gather(rewards_local.to(self.accelerator.device)).cpu()  # [N, F]
+        adv, adv_metrics = advantages.compute(
+            rewards, self.reward_weights, group, self.args.scale_rewards, self.args.multi_objective_aggregation
+        )
+        n, start = len(batch), self.accelerator.process_index * len(batch)
+        adv_local = adv[start : start + n]
+        self._record_rollout_metrics(mode, rollout, rewards, adv_metrics)
+        scored = ScoredRollout(rollout=rollout, rewards=rewards_local, advantages=adv_local)
+        return self._prepare_chunks(scored, num_chunks, mode)
+
+    def _generate(self, prompts: list[Any]) -> Rollout:
+        tok = self._tokenizer
+        kwargs = self.args.chat_template_kwargs
+        ids = [
+            tok(formats.render_prompt(p, tok, kwargs), add_special_tokens=isinstance(p, str))["input_ids"]
+            for p in prompts
+        ]
+        multiple = self.args.pad_to_multiple_of if isinstance(self.args.pad_to_multiple_of, int) else None
+        prompt_ids, prompt_mask = left_pad(ids, tok.pad_token_id, multiple)
+        device = self.accelerator.device
+        prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
+        samples = self.generator.generate(prompt_ids, prompt_mask)
+        return build_rollout(prompt_ids, prompt_mask, samples, self._eos_token_ids, tok.pad_token_id)
+
+    def _decode(self, rollout: Rollout, prompts: list[Any]) -> tuple[list[Any], list[list[int]]]:
+        lengths = rollout.completion_lengths.tolist()
+        completion_ids = [row[:n] for row, n in zip(rollout.completion_ids.tolist(), lengths, strict=True)]
+        texts = self._tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        return [formats.as_completion(t, p) for t, p in zip(texts, prompts, strict=True)], completion_ids
+
+    def _reward_kwargs(
+        self, batch: list[dict[str, Any]], prompts: list[Any], completions: list[Any], ids: list[list[int]], mode: str
+    ) -> dict[str, Any]:
+        columns = {k: [row.get(k) for row in batch] for k in batch[0] if k != formats.PROMPT_COLUMN}
+        self.log_extra_columns = {}
+        return {
+            **columns,
+            "prompts": prompts,
+            "completions": completions,
+            "completion_ids": ids,
+            "trainer_state": self.state,
+            "log_metric": lambda name, value: self._metrics.add(mode, name, value),
+            "log_extra": lambda column, values: self.log_extra_columns.__setitem__(column, list(values)),
+        }
+
+    def _prepare_chunks(self, scored: ScoredRollout, num_chunks: int, mode: str) -> list[ScoredRollout]:
+        """Split into micro-batches, set each one's loss denominator and, off-policy, old log-probs."""
+        a = self.args
+        mask = self._loss_mask(scored.rollout)
+        accumulation = a.gradient_accumulation_steps if mode == "train" else 1
+        if objectives.LOSS_TYPES[a.loss_type].reduction == "token":
+            global_tokens = gather(mask.sum().reshape(1).float()).sum().item()
+            denominator = max(global_tokens / num_chunks * accumulation / a.world_size, 1.0)
+        else:
+            denominator = float(scored.advantages.shape[0] // num_chunks * accumulation)
+        scored.loss_denominator = denominator
+        chunks = scored.split(num_chunks)
+        on_policy = a.num_iterations == 1 and a.gradient_accumulation_steps % a.steps_per_generation == 0
+        if mode == "train" and not on_policy:
+            with torch.no_grad():
+                for c in chunks:
+                    r = c.rollout
+                    c.old_logps, _ = completion_logps(
+                        self.model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, a.temperature
+                    )
+        return chunks
+
+    def _loss_mask(self, rollout: Rollout) -> torch.Tensor:
+        """Completion tokens that count in the loss: [N, T]."""
+        mask = rollout.completion_mask
+        if self.args.mask_truncated_completions:
+            mask = mask * rollout.is_terminated.unsqueeze(1).to(mask.dtype)
+        return mask
+
+    # ---- loss --------------------------------------------------------------------------------
+
+    def compute_loss(
+        self, model: torch.nn.Module, inputs: ScoredRollout, return_outputs: bool = False, num_items_in_batch: Any = None
+    ) -> torch.Tensor:
+        """The GRPO loss of one micro-batch (already normalised for accumulation and processes)."""
+        if return_outputs:
+            raise ValueError("GRPOTrainer.compute_loss does not return model outputs.")
+        a, r = self.args, inputs.rollout
+        mode = "train" if model.training else "eval"
+        logps, entropy = completion_logps(
+            model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, a.temperature, with_entropy=True
+        )
+        old = inputs.old_logps if inputs.old_logps is not None else logps.detach()
+        mask = self._loss_mask(r)
+        eps_high = a.epsilon_high if a.epsilon_high is not None else a.epsilon
+        loss, clip = objectives.policy_loss(
+            a.loss_type, logps, old, inputs.advantages.to(logps.device), mask, a.epsilon, eps_high, inputs.loss_denominator
+        )
+        self._record_loss_metrics(mode, entropy, mask, clip)
+        return loss
+
+    def training_step(self, model: torch.nn.Module, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
+        """One micro-step; also times whole optimizer steps for the ``step_time`` metric."""
+        start = time.perf_counter()
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        self._step_time += time.perf_counter() - start
+        self._micro_in_step += 1
+        if self._micro_in_step >= self.current_gradient_accumulation_steps:
+            self._metrics.add("train", "step_time", self._step_time)
+            self._step_time, self._micro_in_step = 0.0, 0
+        return loss
+
+    def prediction_step(
+        self, model: torch.nn.Module, inputs: Any, prediction_loss_only: bool, ignore_keys: list[str] | None = None
+    ) -> tuple[torch.Tensor, None, None]:
+        """Evaluation: generate ``num_generations_eval`` completions per prompt, score, report the loss."""
+        with torch.no_grad():
+            (scored,) = self._generate_and_score(inputs, "eval", num_chunks=1)
+            loss = self.compute_loss(model, scored)
+        return loss.detach(), None, None
+
+    # ---- metrics -----------------------------------------------------------------------------
+
+    def _record_rollout_metrics(
+        self, mode: str, rollout: Rollout, rewards: torch.Tensor, adv_metrics: dict[str, float]
+    ) -> None:
+        device = self.accelerator.device
+        lengths = gather(rollout.completion_lengths.to(device)).float().cpu()
+        terminated = gather(rollout.is_terminated.to(device)).cpu()
+        tokens = gather((rollout.prompt_mask.sum() + rollout.completion_mask.sum()).reshape(1).to(device)).sum()
+        if mode == "train":
+            self.state.num_input_tokens_seen += int(tokens.item())
+        m = {"num_tokens": float(self.state.num_input_tokens_seen)}
+        m.update(_stats("completions/{}_length", lengths))
+        m.update(_stats("completions/{}_terminated_length", lengths[terminated]))
+        m["completions/clipped_ratio"] = 1.0 - terminated.float().mean().item()
+        for j, name in enumerate(self.rewards.names):
+            col = rewards[:, j]
+            m[f"rewards/{name}/mean"] = torch.nanmean(col).item()
+            m[f"rewards/{name}/std"] = _nanstd(col)
+        total = advantages.weighted_sum(rewards, self.reward_weights)
+        m["reward"] = total.mean().item()
+        m["reward_std"] = total.std().item() if total.numel() > 1 else 0.0
+        m.update(adv_metrics)
+        self._metrics.add_all(mode, m)
+
+    def _record_loss_metrics(
+        self, mode: str, entropy: torch.Tensor, mask: torch.Tensor, clip: dict[str, torch.Tensor]
+    ) -> None:
+        mask = mask.to(entropy.dtype)
+        sums = torch.stack([(entropy * mask).sum(), mask.sum()]).to(self.accelerator.device)
+        ent_sum, count = gather(sums.reshape(1, 2)).sum(dim=0).tolist()
+        per_seq = {k: gather(v.detach().to(self.accelerator.device)).cpu() for k, v in clip.items()}
+        weight = per_seq["tokens"].clamp(min=0)
+        total = max(weight.sum().item(), 1.0)
+        self._metrics.add_all(
+            mode,
+            {
+                "entropy": ent_sum / max(count, 1.0),
+                "clip_ratio/low_mean": (per_seq["low"] * weight).sum().item() / total,
+                "clip_ratio/low_min": per_seq["low"].min().item(),
+                "clip_ratio/high_mean": (per_seq["high"] * weight).sum().item() / total,
+                "clip_ratio/high_max": per_seq["high"].max().item(),
+                "clip_ratio/region_mean": (per_seq["region"] * weight).sum().item() / total,
+            },
+        )
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """Add the GRPO metrics averaged since the last log (``eval_``-prefixed during evaluation)."""
+        eval_loss = next((k for k in logs if k.startswith("eval") and k.endswith("_loss")), None)
+        if eval_loss is not None:
+            prefix = eval_loss[: -len("loss")]
+            metrics = {prefix + k: v for k, v in self._metrics.pop_means("eval").items()}
+        else:
+            metrics = self._metrics.pop_means("train")
+        super().log({**logs, **metrics}, start_time)
+
+    def _track_num_input_tokens(self, inputs: Any) -> None:
+        """Token counting happens at generation (``num_tokens``); nothing to do per micro-batch."""
+
+    def floating_point_ops(self, inputs: Any) -> int:
+        """FLOPs are not estimated for GRPO steps (generation dominates and varies)."""
+        return 0
+
+
+def _identity(batch: list[Any]) -> list[Any]:
+    return batch
+
+
+def _stats(pattern: str, values: torch.Tensor) -> dict[str, float]:
+    if values.numel() == 0:
+        return {pattern.format(k): 0.0 for k in ("mean", "min", "max")}
+    return {
+        pattern.format("mean"): values.mean().item(),
+        pattern.format("min"): values.min().item(),
+        pattern.format("max"): values.max().item(),
+    }
+
+
+def _nanstd(values: torch.Tensor) -> float:
+    present = values[~torch.isnan(values)]
+    return present.std().item() if present.numel() > 1 else 0.0
+
+
+def _check_dataset(dataset: Any, name: str, args: GRPOConfig, group: int, train: bool) -> None:
+    """Clear errors for a dataset GRPO cannot use, before any model is loaded."""
+    formats.check_prompt_column(getattr(dataset, "column_names", None), name)
+    if not hasattr(dataset, "__len__"):
+        if train and args.max_steps <= 0:
+            raise ValueError(
+                f"{name} is an IterableDataset, whose length is unknown; set max_steps in GRPOConfig "
+                "(e.g. max_steps=1000) so the trainer knows when to stop and how to schedule the learning rate."
+            )
+        return
+    if len(dataset) == 0:
+        raise ValueError(f"{name} is empty; it needs at least one row with a 'prompt'.")
+    for i, p in enumerate(dataset[formats.PROMPT_COLUMN]):
+        formats.check_prompt(p, i)
+    per_process = args.per_device_train_batch_size * args.steps_per_generation if train else args.per_device_eval_batch_size
+    global_batch = per_process * args.world_size
+    if global_batch % group != 0:
+        which = "per_device_train_batch_size" if train else "per_device_eval_batch_size"
+        raise ValueError(
+            f"The global {'generation' if train else 'evaluation'} batch ({global_batch} completions) is not a "
+            f"multiple of the {'num_generations' if train else 'num_generations_eval'}={group}; adjust {which} "
+            "or the number of generations so every prompt's completions fit in one batch."
+        )
+    needed = global_batch // group
+    if len(dataset) < needed:
+        raise ValueError(
+            f"{name} has {len(dataset)} prompts but one batch needs {needed} distinct prompts "
+            f"({global_batch} completions / {group} per prompt). Add prompts or lower the batch size."
+        )

@@ -1,0 +1,75 @@
+"""Log-probabilities and entropy of completion tokens.
+
+The model is run on ``[prompt | completion]`` and only the logits of the completion positions
+are kept (``logits_to_keep``). Log-probs are taken of ``softmax(logits / temperature)``, the
+distribution the sampler drew from. The log-softmax is done one row at a time so at most one
+row's float32 copy of ``[T, V]`` exists besides the logits themselves.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions that skip left padding, as ``generate`` uses them: [B, L] -> [B, L]."""
+    return (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)
+
+
+def selective_log_softmax(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """``log_softmax(logits)[..., target]`` without building the full log-softmax: [B, T]."""
+    out = []
+    for row_logits, row_targets in zip(logits, targets, strict=True):  # [T, V], [T]
+        row = row_logits.float()
+        chosen = row.gather(-1, row_targets.unsqueeze(-1)).squeeze(-1)
+        out.append(chosen - torch.logsumexp(row, dim=-1))
+    return torch.stack(out)
+
+
+@torch.no_grad()
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of ``softmax(logits)`` at each position, row by row: [B, T, V] -> [B, T]."""
+    out = []
+    for row_logits in logits:
+        logp = torch.log_softmax(row_logits.float(), dim=-1)
+        out.append(-(logp.exp() * logp).sum(dim=-1))
+    return torch.stack(out)
+
+
+def completion_logps(
+    model: torch.nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (and optionally entropy) of each completion token under ``model``.
+
+    Args:
+        model: a causal LM accepting ``logits_to_keep``.
+        prompt_ids: [B, P] left-padded prompts; prompt_mask: [B, P].
+        completion_ids: [B, T] right-padded completions; completion_mask: [B, T].
+        temperature: sampling temperature the logits are divided by.
+        with_entropy: also return the per-token entropy (no gradient).
+
+    Returns:
+        ``logps`` [B, T] and ``entropy`` [B, T] or ``None``.
+    """
+    T = completion_ids.shape[1]
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [B, P + T]
+    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        logits_to_keep=T + 1,
+        use_cache=False,
+    )
+    logits = out.logits[:, :-1, :]  # [B, T, V]: position t predicts completion token t
+    if temperature != 1.0:
+        logits = logits / temperature
+    logps = selective_log_softmax(logits, completion_ids)
+    entropy = entropy_from_logits(logits.detach()) if with_entropy else None
+    return logps, entropy
