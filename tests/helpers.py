@@ -1,0 +1,74 @@
+"""Test helpers: a scripted generator, small datasets and a config factory."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from posttrain.generation.base import Samples
+
+
+class ScriptedGenerator:
+    """Returns fixed completions, one per row in batch order (rule 4 of DESIGN.md)."""
+
+    def __init__(self, completions: list[list[int]], pad_token_id: int) -> None:
+        self.completions = completions
+        self.pad = pad_token_id
+        self.calls = 0
+
+    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> Samples:
+        rows = [self.completions[(self.calls + i) % len(self.completions)] for i in range(prompt_ids.shape[0])]
+        self.calls += prompt_ids.shape[0]
+        width = max(len(r) for r in rows)
+        out = torch.full((len(rows), width), self.pad, dtype=torch.long)
+        for i, r in enumerate(rows):
+            out[i, : len(r)] = torch.tensor(r)
+        return Samples(completion_ids=out)
+
+
+def make_config(tmp_path: Any, **overrides: Any):
+    """A small CPU GRPOConfig for tests; overrides win."""
+    from posttrain import GRPOConfig
+
+    values: dict[str, Any] = {
+        "output_dir": str(tmp_path),
+        "per_device_train_batch_size": 4,
+        "num_generations": 4,
+        "max_completion_length": 8,
+        "max_steps": 2,
+        "logging_steps": 1,
+        "learning_rate": 1e-2,
+        "bf16": False,
+        "use_cpu": True,
+        "report_to": "none",
+        "save_strategy": "no",
+        "disable_tqdm": True,
+        "gradient_checkpointing": False,
+    }
+    values.update(overrides)
+    return GRPOConfig(**values)
+
+
+def standard_dataset(n: int = 16):
+    from datasets import Dataset
+
+    return Dataset.from_dict(
+        {"prompt": [f"Question {i}: what is {i} plus one?" for i in range(n)], "solution": [str(i + 1) for i in range(n)]}
+    )
+
+
+def conversational_dataset(n: int = 16):
+    from datasets import Dataset
+
+    return Dataset.from_dict(
+        {
+            "prompt": [[{"role": "user", "content": f"What is {i} plus one?"}] for i in range(n)],
+            "solution": [str(i + 1) for i in range(n)],
+        }
+    )
+
+
+def length_reward(completion_ids, **kwargs):
+    """Number of completion tokens."""
+    return [float(len(ids)) for ids in completion_ids]
