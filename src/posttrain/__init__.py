@@ -19,8 +19,8 @@ _LAZY = {
 __all__ = [*_LAZY, "__version__"]
 
 if TYPE_CHECKING:  # pragma: no cover
-    from posttrain.grpo.config import GRPOConfig
-    from posttrain.grpo.trainer import GRPOTrainer
+    from posttrain.grpo.config import GRPOConfig  # noqa: F401
+    from posttrain.grpo.trainer import GRPOTrainer  # noqa: F401
 
 
 def __getattr__(name: str) -> Any:

@@ -1,0 +1,1003 @@
+"""Configuration of the GRPO trainer: ``GRPOConfig``.
+
+``GRPOConfig`` extends :class:`transformers.TrainingArguments` with the GRPO-specific parameters of
+the public TRL API, with the same names, types and defaults, so that code written for
+``trl.GRPOConfig`` only has to change its import.
+
+Everything a config can get wrong is checked in ``__post_init__``, before any model or dataset is
+touched: each error names the parameter, the value it got and how to fix it. Options that the API
+accepts but posttrain does not build yet are listed in :data:`UNBUILT_OPTIONS` and raise
+``NotImplementedError`` when set away from their default.
+"""
+
+import json
+import math
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from transformers import TrainingArguments
+from transformers.utils import is_torch_bf16_gpu_available, is_torch_xla_available
+
+__all__ = ["GRPOConfig", "UNBUILT_OPTIONS", "UnbuiltOption"]
+
+
+# --------------------------------------------------------------------------------------------
+# Options accepted by the API but not built yet. Building a feature means deleting its row.
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class UnbuiltOption:
+    """One option that ``GRPOConfig`` accepts but posttrain does not implement yet.
+
+    Attributes:
+        default: The value that works today (the spec default).
+        feature: Name of the planned feature, quoted in the error message.
+        fix: One sentence telling the user how to get a working config now.
+        example: A value that needs the missing feature (the tests set it).
+        unbuilt_if: Predicate on the value; when omitted, any value other than ``default``.
+    """
+
+    default: Any
+    feature: str
+    fix: str
+    example: Any
+    unbuilt_if: Callable[[Any], bool] | None = None
+
+    def is_unbuilt(self, value: Any) -> bool:
+        """Whether ``value`` needs the missing feature."""
+        return self.unbuilt_if(value) if self.unbuilt_if is not None else value != self.default
+
+
+# One row per option; when a feature is built, delete its row (and its line in docs/config.md).
+# fmt: off
+UNBUILT_OPTIONS: dict[str, UnbuiltOption] = {
+    "loss_type":                            UnbuiltOption("dapo", "objective variants", "Use loss_type='dapo' or 'grpo'.", "cispo", unbuilt_if=lambda v: v not in ("dapo", "grpo")),
+    "importance_sampling_level":            UnbuiltOption("token", "sequence-level importance sampling", "Use importance_sampling_level='token'.", "sequence"),
+    "beta":                                 UnbuiltOption(0.0, "KL penalty and reference model", "Use beta=0.0.", 0.04),
+    "delta":                                UnbuiltOption(None, "two-sided clipping", "Leave delta=None.", 1.5),
+    "sync_ref_model":                       UnbuiltOption(False, "reference model synchronisation", "Use sync_ref_model=False.", True),
+    "top_entropy_quantile":                 UnbuiltOption(1.0, "high-entropy token selection", "Use top_entropy_quantile=1.0.", 0.2),
+    "entropy_coef":                         UnbuiltOption(0.0, "entropy regularisation", "Use entropy_coef=0.0.", 0.01),
+    "use_adaptive_entropy":                 UnbuiltOption(False, "adaptive entropy control", "Use use_adaptive_entropy=False.", True),
+    "off_policy_mask_threshold":            UnbuiltOption(None, "off-policy sequence masking", "Leave off_policy_mask_threshold=None.", 0.5),
+    "cast_lm_head_to_fp32":                 UnbuiltOption(False, "float32 LM head", "Use cast_lm_head_to_fp32=False.", True),
+    "router_aux_loss_coef":                 UnbuiltOption(None, "MoE router auxiliary loss", "Leave router_aux_loss_coef=None.", 0.001),
+    "use_vllm":                             UnbuiltOption(False, "vLLM generation", "Use use_vllm=False (completions are then generated with transformers).", True),
+    "use_transformers_paged":               UnbuiltOption(False, "transformers continuous batching", "Use use_transformers_paged=False (the flag is deprecated as well).", True),
+    "use_transformers_continuous_batching": UnbuiltOption(False, "transformers continuous batching", "Use use_transformers_continuous_batching=False.", True),
+    "log_completions":                      UnbuiltOption(False, "completion logging", "Use log_completions=False.", True),
+    "log_completions_hub_repo":             UnbuiltOption(None, "completion upload to the Hub", "Leave log_completions_hub_repo=None.", "user/completions"),
+    "deepspeed":                            UnbuiltOption(None, "DeepSpeed ZeRO", "Leave deepspeed unset and run data-parallel with accelerate or torchrun.", {"zero_optimization": {"stage": 2}}, unbuilt_if=bool),
+    "fsdp":                                 UnbuiltOption(None, "FSDP", "Leave fsdp unset and run data-parallel with accelerate or torchrun.", "full_shard", unbuilt_if=bool),
+}
+# fmt: on
+
+
+# --------------------------------------------------------------------------------------------
+# Validation tables
+# --------------------------------------------------------------------------------------------
+
+LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo", "luspo", "vespo")
+
+#: Allowed values of the string-valued choice parameters.
+CHOICES: dict[str, tuple[str, ...]] = {
+    "loss_type": LOSS_TYPES,
+    "scale_rewards": ("group", "batch", "none"),
+    "importance_sampling_level": ("token", "sequence"),
+    "multi_objective_aggregation": ("sum_then_normalize", "normalize_then_sum"),
+    "vllm_importance_sampling_mode": ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"),
+    "vllm_mode": ("server", "colocate"),
+    "vllm_model_impl": ("transformers", "vllm"),
+}
+
+#: Parameters that take a dict and may arrive from the command line as a JSON string.
+JSON_DICT_FIELDS = (
+    "model_init_kwargs",
+    "generation_kwargs",
+    "chat_template_kwargs",
+    "transformers_continuous_batching_config",
+)
+
+
+def _is_num(v: Any) -> bool:
+    """Whether ``v`` is an int or a float that is neither a bool nor NaN."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v)
+
+
+def _is_int(v: Any) -> bool:
+    """Whether ``v`` is an integer that is not a bool."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _optional(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    """Wrap ``check`` so that ``None`` also passes."""
+    return lambda v: v is None or check(v)
+
+
+@dataclass(frozen=True)
+class _Rule:
+    """A constraint on one parameter: ``name`` must satisfy ``ok``; otherwise say ``must``/``fix``."""
+
+    name: str
+    ok: Callable[[Any], bool]
+    must: str
+    fix: str
+
+
+def _positive_int(v: Any) -> bool:
+    """Whether ``v`` is an integer >= 1."""
+    return _is_int(v) and v >= 1
+
+
+# One row per parameter: name, is the value ok?, what it must be, how to fix it.
+# fmt: off
+_RULES: tuple[_Rule, ...] = (
+    _Rule("num_generations", lambda v: _is_int(v) and v >= 2, "an integer >= 2, because GRPO needs at least two completions per prompt to compute a group baseline", "set num_generations=2 or more (the default is 8)"),
+    _Rule("num_generations_eval", _optional(_positive_int), "None or an integer >= 1", "set num_generations_eval to a positive integer, or to None to reuse num_generations"),
+    _Rule("max_completion_length", _positive_int, "a positive integer (the most tokens a completion may have)", "set max_completion_length to a positive integer such as 512 (the default)"),
+    _Rule("per_device_train_batch_size", _positive_int, "a positive integer", "set per_device_train_batch_size to 1 or more"),
+    _Rule("gradient_accumulation_steps", _positive_int, "a positive integer", "set gradient_accumulation_steps to 1 or more"),
+    _Rule("pad_to_multiple_of", _optional(lambda v: v == "auto" or _positive_int(v)), "None, 'auto' or a positive integer", "set pad_to_multiple_of to a positive integer such as 64, to 'auto' (the default) or to None"),
+    _Rule("generation_batch_size", _optional(_positive_int), "None or a positive integer", "set generation_batch_size to a positive multiple of num_generations, or leave it None"),
+    _Rule("steps_per_generation", _optional(_positive_int), "None or a positive integer", "set steps_per_generation to 1 or more, or leave it None to use gradient_accumulation_steps"),
+    _Rule("temperature", lambda v: _is_num(v) and v > 0, "a number > 0", "set temperature to a positive value such as 1.0 (the default)"),
+    _Rule("top_p", lambda v: _is_num(v) and 0 < v <= 1, "a number in (0, 1]", "set top_p to a value in (0, 1], or to 1.0 to keep all tokens"),
+    _Rule("top_k", lambda v: _is_int(v) and v >= 0, "an integer >= 0", "set top_k to a non-negative integer, or to 0 to disable top-k filtering"),
+    _Rule("min_p", _optional(lambda v: _is_num(v) and 0 <= v <= 1), "None or a number in [0, 1]", "set min_p to a value in [0, 1] such as 0.05, or leave it None"),
+    _Rule("epsilon", lambda v: _is_num(v) and v >= 0, "a number >= 0", "set epsilon to a non-negative clipping range such as 0.2 (the default)"),
+    _Rule("epsilon_high", _optional(lambda v: _is_num(v) and v >= 0), "None or a number >= 0", "set epsilon_high to a non-negative value such as 0.28, or leave it None to reuse epsilon"),
+    _Rule("beta", lambda v: _is_num(v) and v >= 0, "a number >= 0", "set beta to 0.0 (no KL term) or to a positive KL coefficient"),
+    _Rule("num_iterations", _positive_int, "an integer >= 1", "set num_iterations to 1 (the default) or more"),
+    _Rule("top_entropy_quantile", lambda v: _is_num(v) and 0 <= v <= 1, "a number in [0, 1]", "set top_entropy_quantile to a value in [0, 1], or to 1.0 to keep every token"),
+    _Rule("reward_weights", _optional(lambda v: isinstance(v, (list, tuple)) and all(_is_num(w) for w in v)), "None or a list of numbers, one per reward function", "pass a list of floats such as [1.0, 0.5], or None to weight every reward function 1.0"),
+) + tuple(
+    _Rule(name, lambda v, allowed=allowed: v in allowed, "one of " + ", ".join(repr(a) for a in allowed), "use one of the listed values")
+    for name, allowed in CHOICES.items()
+)
+# fmt: on
+
+
+def _bf16_supported(use_cpu: bool) -> bool:
+    """Whether ``TrainingArguments`` will accept ``bf16=True`` on this machine."""
+    return use_cpu or is_torch_bf16_gpu_available() or is_torch_xla_available()
+
+
+def _divisors_near(n: int, target: int, count: int = 6) -> list[int]:
+    """Up to ``count`` divisors of ``n`` that are >= 2 and closest to ``target``, ascending."""
+    divisors = [d for d in range(2, n + 1) if n % d == 0]
+    return sorted(sorted(divisors, key=lambda d: abs(d - target))[:count])
+
+
+# --------------------------------------------------------------------------------------------
+# The config
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class GRPOConfig(TrainingArguments):
+    r"""Configuration of :class:`~posttrain.GRPOTrainer`, a drop-in for ``trl.GRPOConfig``.
+
+    It holds every :class:`transformers.TrainingArguments` parameter plus the GRPO-specific ones
+    below; a few ``TrainingArguments`` defaults are changed to suit GRPO (first group below).
+
+    Derived values, filled in after construction: ``num_generations_eval`` (from
+    ``num_generations``), and ``steps_per_generation`` and ``generation_batch_size`` (one from the
+    other; see ``generation_batch_size``). Invalid values raise ``ValueError``; options that
+    posttrain accepts but does not build yet raise ``NotImplementedError`` (see
+    :data:`UNBUILT_OPTIONS`). With :class:`~transformers.HfArgumentParser` every parameter is also
+    a command-line flag; dict-valued ones accept a JSON object string.
+
+    TrainingArguments defaults changed for GRPO:
+        learning_rate (`float`, defaults to `1e-6` instead of `5e-5`): Initial learning rate.
+        logging_steps (`float`, defaults to `10` instead of `500`): Log every this many steps.
+        gradient_checkpointing (`bool`, defaults to `True` instead of off): Recompute activations
+            in the backward pass to save memory. Passed on to `activation_checkpointing`, its
+            transformers 5 name, unless that one is set.
+        bf16 (`bool | None`, defaults to `None` instead of `False`): bfloat16 mixed precision.
+            `None` resolves to `True` unless `fp16=True`; on a machine that cannot run bfloat16
+            (no bf16 GPU or XLA device) without `use_cpu=True` it resolves to `False` instead.
+        remove_unused_columns (`bool | None`, defaults to `False` instead of `True`): Keep only the
+            `"prompt"` column of the dataset. Leave `False` when a reward function reads other
+            columns.
+
+    Model and reference model:
+        model_init_kwargs (`dict[str, Any] | str | None`, defaults to `None`): Keyword arguments
+            for `from_pretrained` when the trainer's `model` is given as a string. Its `revision`
+            is also used to load the processing class.
+        trust_remote_code (`bool`, defaults to `False`): Allow models and tokenizers that ship
+            custom Python code on the Hub, for the policy, the reward models and their tokenizers.
+        router_aux_loss_coef (`float | None`, defaults to `None`): Weight of the load-balancing
+            auxiliary loss of Mixture-of-Experts models; `None` uses the model config's value and
+            `0.0` turns it off. Only valid for MoE models.
+        disable_dropout (`bool`, defaults to `False`): Disable dropout in the model, so that the
+            same input always yields the same log-probabilities.
+        cast_lm_head_to_fp32 (`bool`, defaults to `False`): Run the language-model head of the
+            policy and reference models in float32 (ScaleRL recipe); needs untied word embeddings.
+
+    Data preprocessing (and `remove_unused_columns`, above):
+        num_generations (`int | None`, defaults to `8`): Completions sampled per prompt (the group
+            size G). At least 2, and it must divide `generation_batch_size`.
+        num_generations_eval (`int | None`, defaults to `None`): Completions per prompt during
+            evaluation; `None` uses `num_generations`.
+        max_completion_length (`int | None`, defaults to `512`): Maximum number of tokens of a
+            generated completion.
+        ds3_gather_for_generation (`bool`, defaults to `True`): With DeepSpeed ZeRO-3, gather the
+            policy weights for generation (faster); disable it to train models larger than one
+            GPU's memory, at the cost of slower generation. Disabling it is incompatible with vLLM.
+        shuffle_dataset (`bool | None`, defaults to `True`): Shuffle the training dataset.
+        pad_to_multiple_of (`int | str | None`, defaults to `"auto"`): Pad prompt and completion
+            ids to a multiple of this value; `"auto"` pads to multiples of 128 on AWS Neuron
+            (which compiles once per shape) and does not pad elsewhere.
+
+    Generation:
+        generation_batch_size (`int | None`, defaults to `None`): Number of completions generated
+            at once, for all processes together. `None` means `per_device_train_batch_size *
+            num_processes * steps_per_generation`, i.e. one generation batch per optimizer step.
+            Mutually exclusive with `steps_per_generation`.
+        steps_per_generation (`int | None`, defaults to `None`): Optimizer micro-steps fed by one
+            generation batch; `None` means `gradient_accumulation_steps`. Mutually exclusive with
+            `generation_batch_size`.
+        temperature (`float`, defaults to `1.0`): Sampling temperature; higher is more random.
+        top_p (`float`, defaults to `1.0`): Nucleus sampling: keep the smallest set of tokens whose
+            cumulative probability reaches `top_p`. In (0, 1]; `1.0` keeps all tokens.
+        top_k (`int`, defaults to `0`): Keep only the `top_k` most likely tokens; `0` disables
+            the filter.
+        min_p (`float | None`, defaults to `None`): Minimum token probability, relative to the most
+            likely token's probability. In [0, 1]; typical values are 0.01-0.2.
+        generation_kwargs (`dict | str | None`, defaults to `None`): Extra keyword arguments for
+            the generation config (transformers) or `SamplingParams` (vLLM), e.g.
+            `suppress_tokens`. They override the sampling parameters above on conflict.
+        chat_template_kwargs (`dict | str | None`, defaults to `None`): Extra keyword arguments for
+            `apply_chat_template` when building prompts for generation.
+        repetition_penalty (`float`, defaults to `1.0`): Penalty on tokens already present in the
+            prompt or the text so far; above 1.0 favours new tokens, below 1.0 repetition.
+        cache_implementation (`str | None`, defaults to `None`): KV-cache implementation used by
+            transformers generation (when `use_vllm=False`).
+
+    vLLM generation:
+        use_vllm (`bool`, defaults to `False`): Generate completions with vLLM instead of
+            `model.generate()`. Needs `vllm` installed.
+        vllm_mode (`str`, defaults to `"colocate"`): `"server"` sends requests to a separate vLLM
+            server (start it with `vllm serve`); `"colocate"` runs vLLM inside the training
+            processes, sharing their GPUs.
+        vllm_model_impl (`str`, defaults to `"vllm"`): Model implementation used by vLLM:
+            `"vllm"` or `"transformers"`.
+        vllm_enable_sleep_mode (`bool`, defaults to `False`): Put vLLM to sleep during the
+            optimizer step to release its weights and cache; saves GPU memory, costs wake-up time.
+        vllm_structured_outputs_regex (`str | None`, defaults to `None`): Regex constraining vLLM
+            outputs; `None` disables structured outputs.
+
+    vLLM server (`vllm_mode="server"`):
+        vllm_server_base_url (`str | None`, defaults to `None`): Base URL of the vLLM server, e.g.
+            `"http://localhost:8000"`; when set, host and port are ignored.
+        vllm_server_host (`str`, defaults to `"0.0.0.0"`): Host of the vLLM server.
+        vllm_server_port (`int`, defaults to `8000`): Port of the vLLM server.
+        vllm_server_timeout (`float`, defaults to `240.0`): Seconds to wait for the server to come
+            up before raising `ConnectionError`.
+        vllm_group_port (`int`, defaults to `51216`): Port of the weight-update process group
+            shared with the server.
+
+    vLLM colocated (`vllm_mode="colocate"`):
+        vllm_gpu_memory_utilization (`float`, defaults to `0.3`): Fraction of GPU memory vLLM may
+            use. For a server, pass it to the server instead.
+        vllm_max_model_length (`int | None`, defaults to `None`): Context window of vLLM; at least
+            the longest prompt plus `max_completion_length`. `None` reads it from the model config.
+        vllm_tensor_parallel_size (`int`, defaults to `1`): Tensor-parallel size of the colocated
+            vLLM engine. For a server, pass it to the server instead.
+
+    Training:
+        beta (`float`, defaults to `0.0`): KL coefficient. `0.0` skips the reference model
+            entirely (less memory, faster); DeepSeek-R1 uses `0.001`.
+        num_iterations (`int`, defaults to `1`): Optimisation passes over each generation batch
+            (μ in the GRPO algorithm).
+        epsilon (`float`, defaults to `0.2`): Clipping range of the importance ratio.
+        delta (`float | None`, defaults to `None`): Upper clip of the two-sided GRPO loss
+            (INTELLECT-2); should exceed `1 + epsilon`. `None` uses standard clipping.
+        epsilon_high (`float | None`, defaults to `None`): Upper clipping range; `None` reuses
+            `epsilon`. DAPO recommends `0.28`; with `loss_type="cispo"` it is ε_max of ScaleRL
+            and defaults to `5.0`.
+        sapo_temperature_neg (`float`, defaults to `1.05`): SAPO temperature for tokens with
+            non-positive advantage.
+        sapo_temperature_pos (`float`, defaults to `1.0`): SAPO temperature for tokens with
+            positive advantage.
+        vespo_k_pos (`float`, defaults to `2.0`): VESPO power exponent for positive advantages;
+            how strongly samples with importance ratio < 1 are down-weighted.
+        vespo_lambda_pos (`float`, defaults to `3.0`): VESPO decay factor for positive
+            advantages; how strongly samples with importance ratio > 1 are down-weighted.
+        vespo_k_neg (`float`, defaults to `3.0`): VESPO power exponent for negative advantages.
+        vespo_lambda_neg (`float`, defaults to `2.0`): VESPO exponential decay factor for
+            negative advantages.
+        importance_sampling_level (`str`, defaults to `"token"`): `"token"` keeps one importance
+            ratio per token; `"sequence"` averages the log-ratios over a sequence's tokens into one
+            ratio per sequence (GSPO).
+        reward_weights (`list[float] | None`, defaults to `None`): One weight per reward function;
+            `None` weights all of them 1.0.
+        multi_objective_aggregation (`str`, defaults to `"sum_then_normalize"`): How several
+            rewards combine. `"sum_then_normalize"` sums the weighted rewards, then scales as
+            `scale_rewards` says; `"normalize_then_sum"` normalises each reward within its group
+            first, sums with the weights and normalises the sum over the batch (GDPO).
+        scale_rewards (`str`, defaults to `"group"`): Reward scaling. `"group"` (or `True`)
+            divides by the group's standard deviation; `"batch"` by the batch's (PPO Lite);
+            `"none"` (or `False`) does not scale (Dr. GRPO).
+        loss_type (`str`, defaults to `"dapo"`): Loss formulation. `"grpo"` normalises each
+            sequence by its length (length-biased); `"dr_grpo"` by a global constant
+            (`max_completion_length`); `"dapo"` by the active tokens of the global accumulated
+            batch; `"bnpo"` by the active tokens of the local batch; `"cispo"` clips the importance
+            weights themselves (MiniMax-M1); `"sapo"` replaces hard clipping with a soft,
+            temperature-controlled gate; `"luspo"` is a length-unbiased sequence-level loss that
+            needs `importance_sampling_level="sequence"`; `"vespo"` weights sequence-level
+            importance ratios with a smooth asymmetric Gamma function.
+        mask_truncated_completions (`bool`, defaults to `False`): Leave truncated completions out
+            of the loss (recommended by DAPO).
+        sync_ref_model (`bool`, defaults to `False`): Mix the policy into the reference model
+            every `ref_model_sync_steps` steps with weight `ref_model_mixup_alpha` (TR-DPO).
+        ref_model_mixup_alpha (`float`, defaults to `0.6`): α of TR-DPO:
+            `ref = α * policy + (1 - α) * ref_prev`. Needs `sync_ref_model=True`.
+        ref_model_sync_steps (`int`, defaults to `512`): τ of TR-DPO, steps between reference
+            syncs. Needs `sync_ref_model=True`.
+        top_entropy_quantile (`float`, defaults to `1.0`): ρ of "Beyond the 80/20 rule": keep only
+            the top-ρ quantile of tokens by entropy in the policy loss. In [0, 1]; `1.0` keeps
+            all tokens, `0.0` only the highest-entropy one; the paper uses `0.2`.
+        entropy_coef (`float`, defaults to `0.0`): Coefficient of an entropy bonus (mean per-token
+            entropy, same meaning for every loss type); the starting value under adaptive control.
+        use_adaptive_entropy (`bool`, defaults to `False`): Adaptive entropy control
+            (Skywork-OR1): each optimizer step moves `entropy_coef` by `entropy_coef_delta`, up
+            below `entropy_target` and down otherwise; the bonus applies only at or below target.
+        entropy_coef_min (`float`, defaults to `0.0`): Lower bound of the adaptive coefficient.
+        entropy_coef_max (`float`, defaults to `1.0`): Upper bound of the adaptive coefficient.
+        entropy_coef_delta (`float`, defaults to `0.005`): Step of the adaptive coefficient.
+        entropy_target (`float`, defaults to `0.2`): Target mean per-token entropy (nats) of
+            adaptive control, measured on the tokens the policy loss uses.
+        max_tool_calling_iterations (`int | None`, defaults to `None`): Maximum tool-calling turns
+            of an agent; `None` is unlimited.
+        vllm_importance_sampling_correction (`bool`, defaults to `True`): Correct the mismatch
+            between vLLM's sampling log-probs and the recomputed training log-probs with importance
+            sampling.
+        vllm_importance_sampling_mode (`str`, defaults to `"sequence_mask"`): How that correction
+            works: `"token_truncate"`, `"token_mask"`, `"sequence_truncate"` or `"sequence_mask"`
+            (truncate clips ratios to [C_min, C_max], mask zeroes those outside).
+        vllm_importance_sampling_clip_max (`float | None`, defaults to `3.0`): C_max of that
+            correction; `None` means no upper bound.
+        vllm_importance_sampling_clip_min (`float | None`, defaults to `None`): C_min of that
+            correction; `None` means no lower bound.
+        off_policy_mask_threshold (`float | None`, defaults to `None`): Mask sequences with
+            negative advantage whose KL divergence exceeds this threshold (δ of DeepSeek-V3.2,
+            e.g. 0.5); `None` disables masking.
+        use_bias_correction_kl (`bool`, defaults to `True`): Multiply the KL term by the
+            importance ratio so its gradient is the unbiased reverse-KL gradient (DeepSeek-V3.2).
+
+    Logging:
+        log_completions (`bool`, defaults to `False`): Log a sample of (prompt, completion) pairs
+            every `logging_steps` steps.
+        log_multimodal (`bool`, defaults to `True`): Log images and other media with completions.
+        num_completions_to_print (`int | None`, defaults to `None`): Completions printed with
+            `rich`; `None` prints all.
+        log_unique_prompts (`bool`, defaults to `False`): Log each distinct prompt only once.
+        log_completions_hub_repo (`str | None`, defaults to `None`): Hub repository
+            (`"user/name"`, `"org/name"` or `"name"`) to save completions to; public unless
+            `hub_private_repo=True` or the organisation defaults to private.
+
+    Transformers continuous batching:
+        use_transformers_continuous_batching (`bool`, defaults to `False`): Generate with the
+            continuous-batching engine of transformers (>= 5.8).
+        transformers_continuous_batching_config (`dict | str | None`, defaults to `None`): Keyword
+            arguments for `ContinuousBatchingConfig`.
+
+    Deprecated:
+        use_transformers_paged (`bool`, defaults to `False`): Deprecated alias of
+            `use_transformers_continuous_batching`; removed in TRL v2.0.0.
+        vllm_importance_sampling_cap (`float | None`, defaults to `None`): Deprecated alias of
+            `vllm_importance_sampling_clip_max`; removed in TRL v2.0.0.
+    """
+
+    # ---- TrainingArguments fields whose default differs for GRPO --------------------------
+    learning_rate: float = field(
+        default=1e-6, metadata={"help": "Initial learning rate of the optimizer (AdamW by default)."}
+    )
+    gradient_checkpointing: bool = field(
+        default=True,
+        metadata={"help": "Recompute activations in the backward pass to save memory (slower steps)."},
+    )
+    logging_steps: float = field(
+        default=10,
+        metadata={"help": "Log every this many steps; a value below 1 is a fraction of the total steps."},
+    )
+    bf16: bool | None = field(
+        default=None,
+        metadata={"help": "Train in bfloat16 mixed precision. None means True unless fp16 is set."},
+    )
+    remove_unused_columns: bool | None = field(
+        default=False,
+        metadata={
+            "help": "Keep only the 'prompt' column of the dataset. Leave False when a reward function "
+            "reads other columns."
+        },
+    )
+
+    # ---- Model and reference model ---------------------------------------------------------
+    model_init_kwargs: dict[str, Any] | str | None = field(
+        default=None,
+        metadata={
+            "help": "Keyword arguments (a dict or a JSON object string) for from_pretrained when the "
+            "model is given by name; its revision also selects the processing class."
+        },
+    )
+    trust_remote_code: bool = field(
+        default=False,
+        metadata={"help": "Allow loading models, reward models and tokenizers that ship custom Python code."},
+    )
+    router_aux_loss_coef: float | None = field(
+        default=None,
+        metadata={
+            "help": "Weight of the MoE load-balancing auxiliary loss; None uses the model config's "
+            "value, 0.0 disables it. Fails on non-MoE models."
+        },
+    )
+    disable_dropout: bool = field(
+        default=False, metadata={"help": "Disable dropout so log-probabilities are deterministic."}
+    )
+    cast_lm_head_to_fp32: bool = field(
+        default=False,
+        metadata={
+            "help": "Run the LM head of the policy and reference models in float32 (ScaleRL); needs "
+            "untied word embeddings."
+        },
+    )
+
+    # ---- Data preprocessing ----------------------------------------------------------------
+    num_generations: int | None = field(
+        default=8,
+        metadata={
+            "help": "Completions sampled per prompt (group size); at least 2 and a divisor of "
+            "generation_batch_size."
+        },
+    )
+    num_generations_eval: int | None = field(
+        default=None,
+        metadata={"help": "Completions per prompt during evaluation; None uses num_generations."},
+    )
+    max_completion_length: int | None = field(
+        default=512, metadata={"help": "Maximum number of tokens in a generated completion."}
+    )
+    ds3_gather_for_generation: bool = field(
+        default=True,
+        metadata={
+            "help": "With DeepSpeed ZeRO-3, gather the policy weights for faster generation; disable "
+            "to fit models larger than one GPU (slower, not compatible with vLLM)."
+        },
+    )
+    shuffle_dataset: bool | None = field(default=True, metadata={"help": "Shuffle the training dataset."})
+    pad_to_multiple_of: int | str | None = field(
+        default="auto",
+        metadata={
+            "help": "Pad prompt and completion ids to a multiple of this value; 'auto' pads to 128 on "
+            "AWS Neuron and not at all elsewhere."
+        },
+    )
+
+    # ---- Generation ------------------------------------------------------------------------
+    generation_batch_size: int | None = field(
+        default=None,
+        metadata={
+            "help": "Completions generated at once across all processes; None means "
+            "per_device_train_batch_size * num_processes * steps_per_generation. Exclusive with "
+            "steps_per_generation."
+        },
+    )
+    steps_per_generation: int | None = field(
+        default=None,
+        metadata={
+            "help": "Micro-steps fed by one generation batch; None means gradient_accumulation_steps. "
+            "Exclusive with generation_batch_size."
+        },
+    )
+    temperature: float = field(
+        default=1.0, metadata={"help": "Sampling temperature; higher gives more random completions."}
+    )
+    top_p: float = field(
+        default=1.0,
+        metadata={"help": "Nucleus sampling probability mass, in (0, 1]; 1.0 keeps all tokens."},
+    )
+    top_k: int = field(
+        default=0, metadata={"help": "Keep only the top_k most likely tokens; 0 disables the filter."}
+    )
+    min_p: float | None = field(
+        default=None,
+        metadata={
+            "help": "Minimum token probability relative to the most likely token, in [0, 1] "
+            "(typically 0.01-0.2); None disables it."
+        },
+    )
+    generation_kwargs: dict | str | None = field(
+        default=None,
+        metadata={
+            "help": "Extra generation keyword arguments (dict or JSON object string) for the "
+            "generation config or vLLM SamplingParams; they win over the other sampling options."
+        },
+    )
+    chat_template_kwargs: dict | str | None = field(
+        default=None,
+        metadata={
+            "help": "Extra keyword arguments (dict or JSON object string) for apply_chat_template "
+            "when building prompts."
+        },
+    )
+    repetition_penalty: float = field(
+        default=1.0,
+        metadata={
+            "help": "Penalty on tokens already in the prompt or completion; > 1.0 favours new tokens, "
+            "< 1.0 repetition."
+        },
+    )
+    cache_implementation: str | None = field(
+        default=None,
+        metadata={"help": "KV-cache implementation for transformers generation (without vLLM)."},
+    )
+
+    # ---- vLLM generation -------------------------------------------------------------------
+    use_vllm: bool = field(
+        default=False,
+        metadata={"help": "Generate completions with vLLM instead of model.generate(); needs vllm."},
+    )
+    vllm_mode: str = field(
+        default="colocate",
+        metadata={
+            "help": "'server' sends requests to a separate vLLM server; 'colocate' runs vLLM inside "
+            "the training processes."
+        },
+    )
+    vllm_model_impl: str = field(
+        default="vllm",
+        metadata={"help": "Model implementation used by vLLM: 'vllm' or 'transformers'."},
+    )
+    vllm_enable_sleep_mode: bool = field(
+        default=False,
+        metadata={
+            "help": "Let vLLM release weights and cache during the optimizer step (less GPU memory, "
+            "wake-up latency)."
+        },
+    )
+    vllm_structured_outputs_regex: str | None = field(
+        default=None,
+        metadata={"help": "Regex for vLLM structured outputs; None disables them."},
+    )
+
+    # ---- vLLM server -----------------------------------------------------------------------
+    vllm_server_base_url: str | None = field(
+        default=None,
+        metadata={
+            "help": "Base URL of the vLLM server (e.g. http://localhost:8000); overrides host and port."
+        },
+    )
+    vllm_server_host: str = field(default="0.0.0.0", metadata={"help": "Host of the vLLM server."})
+    vllm_server_port: int = field(default=8000, metadata={"help": "Port of the vLLM server."})
+    vllm_server_timeout: float = field(
+        default=240.0,
+        metadata={"help": "Seconds to wait for the vLLM server to come up before raising ConnectionError."},
+    )
+    vllm_group_port: int = field(
+        default=51216,
+        metadata={"help": "Port of the weight-update process group shared with the vLLM server."},
+    )
+
+    # ---- vLLM colocated --------------------------------------------------------------------
+    vllm_gpu_memory_utilization: float = field(
+        default=0.3,
+        metadata={
+            "help": "Fraction of GPU memory the colocated vLLM engine may use (pass it to the server "
+            "in server mode)."
+        },
+    )
+    vllm_max_model_length: int | None = field(
+        default=None,
+        metadata={
+            "help": "vLLM context window, at least the longest prompt plus max_completion_length; None "
+            "reads it from the model config."
+        },
+    )
+    vllm_tensor_parallel_size: int = field(
+        default=1,
+        metadata={
+            "help": "Tensor-parallel size of the colocated vLLM engine (pass it to the server in "
+            "server mode)."
+        },
+    )
+
+    # ---- Training --------------------------------------------------------------------------
+    beta: float = field(
+        default=0.0,
+        metadata={
+            "help": "KL coefficient; 0.0 skips the reference model (less memory, faster). DeepSeek-R1 "
+            "uses 0.001."
+        },
+    )
+    num_iterations: int = field(
+        default=1, metadata={"help": "Optimisation passes over each generation batch (mu)."}
+    )
+    epsilon: float = field(default=0.2, metadata={"help": "Clipping range of the importance ratio."})
+    delta: float | None = field(
+        default=None,
+        metadata={
+            "help": "Upper clip of the two-sided GRPO loss (INTELLECT-2), above 1 + epsilon; None uses "
+            "standard clipping."
+        },
+    )
+    epsilon_high: float | None = field(
+        default=None,
+        metadata={
+            "help": "Upper clipping range; None reuses epsilon. DAPO recommends 0.28; for cispo it is "
+            "epsilon_max (default 5.0)."
+        },
+    )
+    sapo_temperature_neg: float = field(
+        default=1.05,
+        metadata={"help": "SAPO temperature for tokens with non-positive advantage."},
+    )
+    sapo_temperature_pos: float = field(
+        default=1.0, metadata={"help": "SAPO temperature for tokens with positive advantage."}
+    )
+    vespo_k_pos: float = field(
+        default=2.0,
+        metadata={
+            "help": "VESPO power exponent for positive advantages (down-weights importance ratios < 1)."
+        },
+    )
+    vespo_lambda_pos: float = field(
+        default=3.0,
+        metadata={"help": "VESPO decay factor for positive advantages (down-weights importance ratios > 1)."},
+    )
+    vespo_k_neg: float = field(
+        default=3.0,
+        metadata={
+            "help": "VESPO power exponent for negative advantages (down-weights importance ratios < 1)."
+        },
+    )
+    vespo_lambda_neg: float = field(
+        default=2.0,
+        metadata={
+            "help": "VESPO exponential decay factor for negative advantages (down-weights importance "
+            "ratios > 1)."
+        },
+    )
+    importance_sampling_level: str = field(
+        default="token",
+        metadata={
+            "help": "'token': one importance ratio per token; 'sequence': one ratio per sequence from "
+            "the mean log-ratio (GSPO)."
+        },
+    )
+    reward_weights: list[float] | None = field(
+        default=None,
+        metadata={"help": "One weight per reward function; None weights every function 1.0."},
+    )
+    multi_objective_aggregation: str = field(
+        default="sum_then_normalize",
+        metadata={
+            "help": "'sum_then_normalize': sum weighted rewards, then scale; 'normalize_then_sum': "
+            "normalise each reward per group, sum, then normalise over the batch (GDPO)."
+        },
+    )
+    scale_rewards: str = field(
+        default="group",
+        metadata={
+            "help": "Reward scaling: 'group' (or true) by the group std, 'batch' by the batch std, "
+            "'none' (or false) not at all."
+        },
+    )
+    loss_type: str = field(
+        default="dapo",
+        metadata={
+            "help": "Loss formulation: one of 'grpo', 'dapo', 'dr_grpo', 'bnpo', 'cispo', 'sapo', "
+            "'luspo' (needs importance_sampling_level='sequence'), 'vespo'."
+        },
+    )
+    mask_truncated_completions: bool = field(
+        default=False,
+        metadata={"help": "Exclude truncated completions from the loss (recommended by DAPO)."},
+    )
+    sync_ref_model: bool = field(
+        default=False,
+        metadata={
+            "help": "Mix the policy into the reference model every ref_model_sync_steps steps (TR-DPO)."
+        },
+    )
+    ref_model_mixup_alpha: float = field(
+        default=0.6,
+        metadata={
+            "help": "TR-DPO alpha: ref = alpha * policy + (1 - alpha) * ref_prev; needs sync_ref_model."
+        },
+    )
+    ref_model_sync_steps: int = field(
+        default=512,
+        metadata={"help": "TR-DPO tau: steps between reference syncs; needs sync_ref_model."},
+    )
+    top_entropy_quantile: float = field(
+        default=1.0,
+        metadata={
+            "help": "Keep only the top rho quantile of tokens by entropy in the policy loss, in [0, 1]; "
+            "1.0 keeps all tokens."
+        },
+    )
+    entropy_coef: float = field(
+        default=0.0,
+        metadata={
+            "help": "Coefficient of the mean per-token entropy bonus; the starting value under "
+            "adaptive entropy control. 0.0 disables it."
+        },
+    )
+    use_adaptive_entropy: bool = field(
+        default=False,
+        metadata={"help": "Adapt entropy_coef every optimizer step towards entropy_target (Skywork-OR1)."},
+    )
+    entropy_coef_min: float = field(
+        default=0.0, metadata={"help": "Lower bound of the adaptive entropy coefficient."}
+    )
+    entropy_coef_max: float = field(
+        default=1.0, metadata={"help": "Upper bound of the adaptive entropy coefficient."}
+    )
+    entropy_coef_delta: float = field(
+        default=0.005,
+        metadata={"help": "Change of the adaptive entropy coefficient per optimizer step."},
+    )
+    entropy_target: float = field(
+        default=0.2,
+        metadata={
+            "help": "Target mean per-token entropy (nats) of adaptive entropy control; set it near the "
+            "entropy logged early in training."
+        },
+    )
+    max_tool_calling_iterations: int | None = field(
+        default=None,
+        metadata={"help": "Maximum tool-calling turns when training an agent; None is unlimited."},
+    )
+    vllm_importance_sampling_correction: bool = field(
+        default=True,
+        metadata={
+            "help": "Correct the gap between vLLM sampling log-probs and training log-probs with "
+            "importance sampling."
+        },
+    )
+    vllm_importance_sampling_mode: str = field(
+        default="sequence_mask",
+        metadata={
+            "help": "Importance-sampling correction: 'token_truncate', 'token_mask', "
+            "'sequence_truncate' or 'sequence_mask'."
+        },
+    )
+    vllm_importance_sampling_clip_max: float | None = field(
+        default=3.0,
+        metadata={"help": "Upper bound C_max of the importance-sampling correction; None: unbounded."},
+    )
+    vllm_importance_sampling_clip_min: float | None = field(
+        default=None,
+        metadata={"help": "Lower bound C_min of the importance-sampling correction; None: unbounded."},
+    )
+    off_policy_mask_threshold: float | None = field(
+        default=None,
+        metadata={
+            "help": "Mask negative-advantage sequences whose KL divergence exceeds this threshold "
+            "(DeepSeek-V3.2, e.g. 0.5); None disables it."
+        },
+    )
+    use_bias_correction_kl: bool = field(
+        default=True,
+        metadata={
+            "help": "Multiply the KL term by the importance ratio for an unbiased reverse-KL gradient "
+            "(DeepSeek-V3.2)."
+        },
+    )
+
+    # ---- Logging ---------------------------------------------------------------------------
+    log_completions: bool = field(
+        default=False,
+        metadata={"help": "Log a sample of (prompt, completion) pairs every logging_steps steps."},
+    )
+    log_multimodal: bool = field(
+        default=True, metadata={"help": "Log images and other media alongside completions."}
+    )
+    num_completions_to_print: int | None = field(
+        default=None, metadata={"help": "Completions printed with rich; None prints all."}
+    )
+    log_unique_prompts: bool = field(default=False, metadata={"help": "Log each distinct prompt only once."})
+    log_completions_hub_repo: str | None = field(
+        default=None,
+        metadata={
+            "help": "Hub repository ('user/name', 'org/name' or 'name') to save completions to; public "
+            "unless hub_private_repo=True."
+        },
+    )
+
+    # ---- Transformers continuous batching --------------------------------------------------
+    use_transformers_continuous_batching: bool = field(
+        default=False,
+        metadata={"help": "Generate with the transformers continuous-batching engine (transformers >= 5.8)."},
+    )
+    transformers_continuous_batching_config: dict | str | None = field(
+        default=None,
+        metadata={"help": "Keyword arguments (dict or JSON object string) for ContinuousBatchingConfig."},
+    )
+
+    # ---- Deprecated ------------------------------------------------------------------------
+    use_transformers_paged: bool = field(
+        default=False,
+        metadata={"help": "Deprecated: use use_transformers_continuous_batching instead."},
+    )
+    vllm_importance_sampling_cap: float | None = field(
+        default=None,
+        metadata={"help": "Deprecated: use vllm_importance_sampling_clip_max instead."},
+    )
+
+    def __post_init__(self) -> None:
+        """Normalise, validate and derive the GRPO values around ``TrainingArguments``'s own setup.
+
+        Order: cheap normalisation and checks first, then the ``TrainingArguments`` setup (which
+        initialises the distributed state), then the values that depend on the world size.
+
+        Raises:
+            ValueError: A parameter has an invalid value or an invalid combination.
+            NotImplementedError: An option that posttrain does not build yet is set.
+        """
+        self._normalise_inputs()
+        self._validate_values()
+        self._reject_unbuilt_options()
+        self._resolve_changed_defaults()
+        super().__post_init__()
+        self._derive_generation_batch()
+
+    # ---- steps of __post_init__ --------------------------------------------------------------
+
+    def _normalise_inputs(self) -> None:
+        """Parse JSON dict strings, map ``scale_rewards`` aliases and deprecated parameters."""
+        for name in JSON_DICT_FIELDS:
+            setattr(self, name, _parse_json_dict(name, getattr(self, name)))
+
+        if isinstance(self.pad_to_multiple_of, str) and self.pad_to_multiple_of.isdigit():
+            self.pad_to_multiple_of = int(self.pad_to_multiple_of)  # "64" from the command line
+
+        scale = self.scale_rewards
+        if isinstance(scale, bool):
+            self.scale_rewards = "group" if scale else "none"
+        elif isinstance(scale, str) and scale.lower() in ("true", "false"):
+            self.scale_rewards = "group" if scale.lower() == "true" else "none"
+
+        if self.use_transformers_paged:
+            warnings.warn(
+                "`use_transformers_paged` is deprecated and will be removed; use "
+                "`use_transformers_continuous_batching=True` instead.",
+                FutureWarning,
+                stacklevel=4,
+            )
+            self.use_transformers_continuous_batching = True
+        if self.vllm_importance_sampling_cap is not None:
+            warnings.warn(
+                "`vllm_importance_sampling_cap` is deprecated and will be removed; use "
+                f"`vllm_importance_sampling_clip_max={self.vllm_importance_sampling_cap}` instead.",
+                FutureWarning,
+                stacklevel=4,
+            )
+            self.vllm_importance_sampling_clip_max = self.vllm_importance_sampling_cap
+
+    def _validate_values(self) -> None:
+        """Check each parameter against its rule and the combinations that cannot work."""
+        for rule in _RULES:
+            value = getattr(self, rule.name)
+            if not rule.ok(value):
+                raise ValueError(f"{rule.name}={value!r} is invalid: it must be {rule.must}; {rule.fix}.")
+        if self.loss_type == "luspo" and self.importance_sampling_level != "sequence":
+            raise ValueError(
+                f"loss_type='luspo' is a sequence-level loss but importance_sampling_level="
+                f"{self.importance_sampling_level!r}; set importance_sampling_level='sequence'."
+            )
+
+    def _reject_unbuilt_options(self) -> None:
+        """Raise ``NotImplementedError`` listing every option of :data:`UNBUILT_OPTIONS` in use."""
+        problems = [
+            f"{name}={getattr(self, name)!r} is not implemented yet in posttrain "
+            f"(planned: {row.feature}). {row.fix}"
+            for name, row in UNBUILT_OPTIONS.items()
+            if row.is_unbuilt(getattr(self, name))
+        ]
+        if problems:
+            raise NotImplementedError("\n".join(problems))
+
+    def _resolve_changed_defaults(self) -> None:
+        """Resolve ``bf16=None`` and route ``gradient_checkpointing`` without a deprecation warning."""
+        if self.bf16 is None:
+            self.bf16 = not self.fp16 and _bf16_supported(self.use_cpu)
+        # transformers 5 treats `gradient_checkpointing` as a deprecated alias of
+        # `activation_checkpointing` and warns whenever it is set; GRPO sets it by default, so
+        # hand the value over to the new name unless the user chose that one explicitly.
+        if self.activation_checkpointing is None:
+            self.activation_checkpointing = self.gradient_checkpointing
+
+    def _derive_generation_batch(self) -> None:
+        """Fill ``num_generations_eval``, ``steps_per_generation`` and ``generation_batch_size``.
+
+        ``generation_batch_size = per_device_train_batch_size * world_size * steps_per_generation``;
+        whichever of the two is unset follows from the other (``steps_per_generation`` defaults to
+        ``gradient_accumulation_steps``). A config that already carries both (a copy of a built
+        config) is accepted when they agree.
+        """
+        if self.num_generations_eval is None:
+            self.num_generations_eval = self.num_generations
+        per_step = self.per_device_train_batch_size * self.world_size
+        per_step_text = (
+            f"per_device_train_batch_size x world_size = {self.per_device_train_batch_size} x "
+            f"{self.world_size} = {per_step}"
+        )
+        gbs, spg = self.generation_batch_size, self.steps_per_generation
+        if gbs is not None and spg is not None and gbs != per_step * spg:
+            raise ValueError(
+                f"generation_batch_size={gbs} and steps_per_generation={spg} are mutually exclusive "
+                f"({per_step_text}, so steps_per_generation={spg} already means generation_batch_size="
+                f"{per_step * spg}); set only one of them."
+            )
+        spg_text = f"steps_per_generation={spg}"
+        if gbs is None:
+            if spg is None:
+                spg = self.gradient_accumulation_steps
+                spg_text = f"steps_per_generation={spg} (from gradient_accumulation_steps)"
+            gbs = per_step * spg
+        elif gbs % per_step != 0:
+            both = math.lcm(per_step, self.num_generations)
+            nearby = [m for m in (gbs // both * both, (gbs // both + 1) * both) if m > 0]
+            raise ValueError(
+                f"generation_batch_size={gbs} is not a multiple of {per_step_text}; set it to a multiple "
+                f"of both {per_step} and num_generations={self.num_generations}, such as "
+                f"{' or '.join(map(str, nearby))}, or set steps_per_generation instead."
+            )
+        else:
+            spg = gbs // per_step
+            spg_text = f"steps_per_generation={spg}"
+        self.generation_batch_size, self.steps_per_generation = gbs, spg
+        if gbs % self.num_generations != 0:
+            raise ValueError(
+                _group_split_message(
+                    gbs, f"{per_step_text}, times {spg_text}", per_step, spg, self.num_generations
+                )
+            )
+
+
+def _parse_json_dict(name: str, value: Any) -> Any:
+    """Turn a JSON object string (as given on the command line) into a dict; pass others through."""
+    if not isinstance(value, str):
+        return value
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as err:
+        raise ValueError(
+            f"{name}={value!r} is not valid JSON ({err.msg}); pass a dict or a JSON object string "
+            "such as '{\"key\": 1}'."
+        ) from None
+    if not isinstance(parsed, dict):
+        raise ValueError(
+            f"{name}={value!r} is JSON but not an object; pass a dict or a JSON object string "
+            "such as '{\"key\": 1}'."
+        )
+    return parsed
+
+
+def _group_split_message(gbs: int, how: str, per_step: int, spg: int, num_generations: int) -> str:
+    """Explain why ``gbs`` completions cannot hold whole groups of ``num_generations``, with fixes.
+
+    Args:
+        gbs: The generation batch size.
+        how: How ``gbs`` was computed, for the message.
+        per_step: ``per_device_train_batch_size * world_size``.
+        spg: The steps per generation.
+        num_generations: The group size.
+    """
+    step = num_generations // math.gcd(num_generations, per_step)  # smallest working steps_per_generation
+    good_spg = step * math.ceil(spg / step)
+    divisors = _divisors_near(gbs, num_generations)
+    options = f"set steps_per_generation={good_spg} (generation_batch_size={good_spg * per_step})"
+    if divisors:
+        options += f" or use num_generations in {divisors}"
+    return (
+        f"generation_batch_size={gbs} ({how}) is not a "
+        f"multiple of num_generations={num_generations}, so a prompt's group of completions would be "
+        f"split across generation batches; {options}."
+    )
