@@ -58,7 +58,12 @@ def weighted_sum(rewards: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
 
 
 def group_std(values: torch.Tensor, group_size: int) -> torch.Tensor:
-    """Unbiased standard deviation of each sample's group, repeated per sample: [N] -> [N]."""
+    """Unbiased standard deviation of each sample's group, repeated per sample: [N] -> [N].
+
+    A group of one completion has no spread: its std is 0 (not NaN), so its advantage is 0.
+    """
+    if group_size == 1:
+        return torch.zeros_like(values)
     return _grouped(values, group_size).std(dim=1).repeat_interleave(group_size)
 
 

@@ -32,12 +32,10 @@ def _call(func: Callable, kwargs: dict[str, Any]) -> Any:
     """Call ``func``; run it to completion if it is a coroutine function."""
     out = func(**kwargs)
     if inspect.isawaitable(out):
-        out = asyncio.run(_await(out))
+        out = asyncio.run(_gather_all([out]))[0]
+        if isinstance(out, BaseException):
+            raise out
     return out
-
-
-async def _await(awaitable: Any) -> Any:
-    return await awaitable
 
 
 def _row_kwargs(kwargs: dict[str, Any], i: int, n: int) -> dict[str, Any]:
@@ -109,6 +107,10 @@ class RewardRunner:
     def score(self, n: int, kwargs: dict[str, Any]) -> torch.Tensor:
         """Call every function on the same keyword arguments.
 
+        Sync functions are called one after the other, outside any event loop (so they may use
+        ``asyncio.run`` themselves); the coroutines of ``async def`` functions are then awaited
+        together, so their latencies overlap.
+
         Args:
             n: number of completions.
             kwargs: ``prompts``, ``completions``, ``completion_ids``, the dataset columns and the
@@ -117,7 +119,17 @@ class RewardRunner:
         Returns:
             [n, F] float32 rewards, NaN where a function returned ``None``.
         """
-        results = asyncio.run(self._gather(kwargs))
+        results: list[Any] = []
+        for func in self.funcs:
+            try:
+                results.append(func(**kwargs))
+            except Exception as exc:  # reported with the function's name below
+                results.append(exc)
+        pending = [i for i, r in enumerate(results) if inspect.isawaitable(r)]
+        if pending:
+            awaited = asyncio.run(_gather_all([results[i] for i in pending]))
+            for i, value in zip(pending, awaited, strict=True):
+                results[i] = value
         columns = []
         for func, name, result in zip(self.funcs, self.names, results, strict=True):
             if isinstance(result, BaseException):
@@ -130,14 +142,7 @@ class RewardRunner:
             columns.append(check_output(name, result, n))
         return torch.tensor(columns, dtype=torch.float32).T.reshape(n, len(self.funcs))
 
-    async def _gather(self, kwargs: dict[str, Any]) -> list[Any]:
-        """Run sync functions in order, and all async ones concurrently."""
 
-        async def run(func: Callable) -> Any:
-            try:
-                out = func(**kwargs)
-                return (await out) if inspect.isawaitable(out) else out
-            except Exception as exc:  # reported with the function's name by the caller
-                return exc
-
-        return await asyncio.gather(*(run(f) for f in self.funcs))
+async def _gather_all(awaitables: list[Any]) -> list[Any]:
+    """Await concurrently; an exception is returned in place of its result."""
+    return await asyncio.gather(*awaitables, return_exceptions=True)
