@@ -18,7 +18,9 @@ class ScriptedGenerator:
         self.calls = 0
 
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> Samples:
-        rows = [self.completions[(self.calls + i) % len(self.completions)] for i in range(prompt_ids.shape[0])]
+        rows = [
+            self.completions[(self.calls + i) % len(self.completions)] for i in range(prompt_ids.shape[0])
+        ]
         self.calls += prompt_ids.shape[0]
         width = max(len(r) for r in rows)
         out = torch.full((len(rows), width), self.pad, dtype=torch.long)
@@ -54,7 +56,10 @@ def standard_dataset(n: int = 16):
     from datasets import Dataset
 
     return Dataset.from_dict(
-        {"prompt": [f"Question {i}: what is {i} plus one?" for i in range(n)], "solution": [str(i + 1) for i in range(n)]}
+        {
+            "prompt": [f"Question {i}: what is {i} plus one?" for i in range(n)],
+            "solution": [str(i + 1) for i in range(n)],
+        }
     )
 
 

@@ -97,13 +97,27 @@ def test_training_changes_parameters_and_logs_every_metric(tmp_path, tok, datase
     logs = _train_logs(trainer)
     assert len(logs) == 2
     for log in logs:
-        for key in METRICS + [f"rewards/{n}/{s}" for n in ("char_reward", "slow_parity_reward") for s in ("mean", "std")]:
+        for key in METRICS + [
+            f"rewards/{n}/{s}" for n in ("char_reward", "slow_parity_reward") for s in ("mean", "std")
+        ]:
             assert key in log, key
             assert math.isfinite(log[key]), key
-        assert 1 <= log["completions/min_length"] <= log["completions/mean_length"] <= log["completions/max_length"] <= 8
+        assert (
+            1
+            <= log["completions/min_length"]
+            <= log["completions/mean_length"]
+            <= log["completions/max_length"]
+            <= 8
+        )
         assert 0.0 <= log["completions/clipped_ratio"] <= 1.0
         assert 0.0 < log["entropy"] <= math.log(len(tok)) + 1e-4
-        for key in ("low_mean", "low_min", "high_mean", "high_max", "region_mean", ):
+        for key in (
+            "low_mean",
+            "low_min",
+            "high_mean",
+            "high_max",
+            "region_mean",
+        ):
             assert 0.0 <= log[f"clip_ratio/{key}"] <= 1.0
         assert log["step_time"] > 0
         expected = (
@@ -136,7 +150,9 @@ def test_async_rewards_are_awaited(tmp_path, tok):
 
 def test_model_and_tokenizer_load_from_a_path(tmp_path, tiny_model_dir):
     args = make_config(tmp_path, max_steps=1)
-    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=length_reward, args=args, train_dataset=standard_dataset())
+    trainer = GRPOTrainer(
+        model=tiny_model_dir, reward_funcs=length_reward, args=args, train_dataset=standard_dataset()
+    )
     assert trainer.model.dtype == torch.float32
     assert trainer.processing_class.padding_side == "left"
     assert trainer.processing_class.pad_token == trainer.processing_class.eos_token  # fell back to EOS
@@ -146,7 +162,9 @@ def test_model_and_tokenizer_load_from_a_path(tmp_path, tiny_model_dir):
 
 def test_model_init_kwargs_dtype(tmp_path, tiny_model_dir):
     args = make_config(tmp_path, max_steps=1, model_init_kwargs={"dtype": "bfloat16"})
-    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=length_reward, args=args, train_dataset=standard_dataset())
+    trainer = GRPOTrainer(
+        model=tiny_model_dir, reward_funcs=length_reward, args=args, train_dataset=standard_dataset()
+    )
     assert trainer.model.dtype == torch.bfloat16
 
 
@@ -154,7 +172,11 @@ def test_iterable_dataset_trains_with_max_steps(tmp_path, tok):
     stream = conversational_dataset(32).to_iterable_dataset()
     args = make_config(tmp_path, max_steps=3)
     trainer = GRPOTrainer(
-        model=build_tiny_model(tok), reward_funcs=char_reward, args=args, train_dataset=stream, processing_class=tok
+        model=build_tiny_model(tok),
+        reward_funcs=char_reward,
+        args=args,
+        train_dataset=stream,
+        processing_class=tok,
     )
     trainer.train()
     assert trainer.state.global_step == 3
@@ -170,7 +192,11 @@ def test_completions_are_masked_after_eos(tmp_path, tok):
 
     args = make_config(tmp_path, max_steps=1)
     trainer = GRPOTrainer(
-        model=build_tiny_model(tok), reward_funcs=record, args=args, train_dataset=standard_dataset(), processing_class=tok
+        model=build_tiny_model(tok),
+        reward_funcs=record,
+        args=args,
+        train_dataset=standard_dataset(),
+        processing_class=tok,
     )
     trainer.generator = ScriptedGenerator([[5, 6, eos, 7, 8], [9, 10, 11, 12, 13], [eos, 14], [15, eos]], pad)
     trainer.train()
@@ -194,7 +220,11 @@ def test_groups_share_a_prompt_and_batches_count_completions(tmp_path, tok):
         tmp_path, per_device_train_batch_size=6, num_generations=2, gradient_accumulation_steps=2, max_steps=2
     )
     trainer = GRPOTrainer(
-        model=build_tiny_model(tok), reward_funcs=record, args=args, train_dataset=standard_dataset(), processing_class=tok
+        model=build_tiny_model(tok),
+        reward_funcs=record,
+        args=args,
+        train_dataset=standard_dataset(),
+        processing_class=tok,
     )
     trainer.train()
     assert [len(b) for b in batches] == [12, 12]  # generated once per optimizer step
@@ -226,7 +256,9 @@ def test_none_rewards_are_excluded_per_sample(tmp_path, tok):
     def only_odd_rows(solution, **kwargs):
         return [3.0 if int(s) % 2 == 1 else None for s in solution]
 
-    args = make_config(tmp_path, max_steps=4, shuffle_dataset=False, per_device_train_batch_size=4, num_generations=2)
+    args = make_config(
+        tmp_path, max_steps=4, shuffle_dataset=False, per_device_train_batch_size=4, num_generations=2
+    )
     trainer = GRPOTrainer(
         model=build_tiny_model(tok),
         reward_funcs=[only_even_rows, only_odd_rows],
@@ -247,7 +279,11 @@ def test_all_none_rewards_warn(tmp_path, tok):
 
     args = make_config(tmp_path, max_steps=1)
     trainer = GRPOTrainer(
-        model=build_tiny_model(tok), reward_funcs=never, args=args, train_dataset=standard_dataset(), processing_class=tok
+        model=build_tiny_model(tok),
+        reward_funcs=never,
+        args=args,
+        train_dataset=standard_dataset(),
+        processing_class=tok,
     )
     with pytest.warns(UserWarning, match="All reward functions returned None"):
         trainer.train()
@@ -261,7 +297,11 @@ def test_log_metric_and_log_extra_reach_the_trainer(tmp_path, tok):
 
     args = make_config(tmp_path, max_steps=1)
     trainer = GRPOTrainer(
-        model=build_tiny_model(tok), reward_funcs=reward, args=args, train_dataset=standard_dataset(), processing_class=tok
+        model=build_tiny_model(tok),
+        reward_funcs=reward,
+        args=args,
+        train_dataset=standard_dataset(),
+        processing_class=tok,
     )
     trainer.train()
     assert trainer.state.log_history[0]["my_accuracy"] == 0.25
@@ -277,7 +317,11 @@ def test_num_iterations_reuses_generations_with_old_logps(tmp_path, tok):
 
     args = make_config(tmp_path, num_iterations=2, max_steps=4, epsilon=0.01, learning_rate=0.05)
     trainer = GRPOTrainer(
-        model=build_tiny_model(tok), reward_funcs=record, args=args, train_dataset=standard_dataset(), processing_class=tok
+        model=build_tiny_model(tok),
+        reward_funcs=record,
+        args=args,
+        train_dataset=standard_dataset(),
+        processing_class=tok,
     )
     trainer.train()
     assert calls == [4, 4]  # one generation per two optimizer steps
@@ -296,7 +340,11 @@ def test_steps_per_generation_buffers_rollouts(tmp_path, tok):
 
     args = make_config(tmp_path, steps_per_generation=2, max_steps=4)
     trainer = GRPOTrainer(
-        model=build_tiny_model(tok), reward_funcs=record, args=args, train_dataset=standard_dataset(), processing_class=tok
+        model=build_tiny_model(tok),
+        reward_funcs=record,
+        args=args,
+        train_dataset=standard_dataset(),
+        processing_class=tok,
     )
     trainer.train()
     assert calls == [8, 8]  # 8 completions generated at once, used over two optimizer steps
@@ -338,10 +386,16 @@ def test_evaluation_with_dict_of_datasets_and_num_generations_eval(tmp_path, tok
 def test_mask_truncated_completions_excludes_cut_completions(tmp_path, tok):
     args = make_config(tmp_path, max_steps=1, mask_truncated_completions=True)
     trainer = GRPOTrainer(
-        model=build_tiny_model(tok), reward_funcs=length_reward, args=args, train_dataset=standard_dataset(), processing_class=tok
+        model=build_tiny_model(tok),
+        reward_funcs=length_reward,
+        args=args,
+        train_dataset=standard_dataset(),
+        processing_class=tok,
     )
     # every completion is truncated: nothing is left in the loss, so nothing moves
-    trainer.generator = ScriptedGenerator([[5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15, 16], [17, 18, 19, 20]], 0)
+    trainer.generator = ScriptedGenerator(
+        [[5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15, 16], [17, 18, 19, 20]], 0
+    )
     before = _params(trainer.model)
     trainer.train()
     assert trainer.state.log_history[0]["completions/clipped_ratio"] == 1.0
@@ -352,12 +406,22 @@ def test_disable_dropout(tmp_path, tok):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
         attention_dropout=0.3,
     )
     model = LlamaForCausalLM(config)
     args = make_config(tmp_path, disable_dropout=True)
-    GRPOTrainer(model=model, reward_funcs=length_reward, args=args, train_dataset=standard_dataset(), processing_class=tok)
+    GRPOTrainer(
+        model=model,
+        reward_funcs=length_reward,
+        args=args,
+        train_dataset=standard_dataset(),
+        processing_class=tok,
+    )
     assert model.config.attention_dropout == 0.3  # config untouched, modules switched off
     assert all(m.p == 0.0 for m in model.modules() if isinstance(m, torch.nn.Dropout))
 
@@ -365,13 +429,21 @@ def test_disable_dropout(tmp_path, tok):
 def test_checkpoint_and_resume(tmp_path, tok):
     args = make_config(tmp_path, max_steps=2, save_strategy="steps", save_steps=1)
     trainer = GRPOTrainer(
-        model=build_tiny_model(tok), reward_funcs=length_reward, args=args, train_dataset=standard_dataset(), processing_class=tok
+        model=build_tiny_model(tok),
+        reward_funcs=length_reward,
+        args=args,
+        train_dataset=standard_dataset(),
+        processing_class=tok,
     )
     trainer.train()
     assert (tmp_path / "checkpoint-1").is_dir() and (tmp_path / "checkpoint-2").is_dir()
     args = make_config(tmp_path, max_steps=3, save_strategy="no")
     resumed = GRPOTrainer(
-        model=build_tiny_model(tok), reward_funcs=length_reward, args=args, train_dataset=standard_dataset(), processing_class=tok
+        model=build_tiny_model(tok),
+        reward_funcs=length_reward,
+        args=args,
+        train_dataset=standard_dataset(),
+        processing_class=tok,
     )
     resumed.train(resume_from_checkpoint=True)
     assert resumed.state.global_step == 3

@@ -17,7 +17,16 @@ from posttrain import GRPOTrainer
 
 # completions of different lengths (EOS = 2 in the tiny tokenizer) so token and sequence
 # normalisations differ
-SCRIPT = [[5, 6, 2], [7, 8, 9, 10, 11, 2], [12, 2], [13, 14, 15, 16], [17, 18, 2], [19, 2], [20, 21, 22, 2], [23]]
+SCRIPT = [
+    [5, 6, 2],
+    [7, 8, 9, 10, 11, 2],
+    [12, 2],
+    [13, 14, 15, 16],
+    [17, 18, 2],
+    [19, 2],
+    [20, 21, 22, 2],
+    [23],
+]
 
 
 def token_sum_reward(completion_ids, **kwargs):
@@ -40,7 +49,11 @@ def _updated_params(tmp_path, loss_type: str, per_device: int, accumulation: int
         lr_scheduler_type="constant",
     )
     trainer = GRPOTrainer(
-        model=model, reward_funcs=token_sum_reward, args=args, train_dataset=standard_dataset(), processing_class=tok
+        model=model,
+        reward_funcs=token_sum_reward,
+        args=args,
+        train_dataset=standard_dataset(),
+        processing_class=tok,
     )
     trainer.generator = ScriptedGenerator(SCRIPT, pad_token_id=0)
     trainer.train()

@@ -75,7 +75,9 @@ LOSS_TYPES: dict[str, LossSpec] = {
 }
 
 
-def reduce_loss(per_token: torch.Tensor, mask: torch.Tensor, reduction: str, denominator: float) -> torch.Tensor:
+def reduce_loss(
+    per_token: torch.Tensor, mask: torch.Tensor, reduction: str, denominator: float
+) -> torch.Tensor:
     """Reduce masked per-token losses to a scalar.
 
     Args:
@@ -123,7 +125,9 @@ def policy_loss(
     """
     spec = LOSS_TYPES.get(loss_type)
     if spec is None:
-        raise NotImplementedError(f"loss_type={loss_type!r} is not implemented; use one of {sorted(LOSS_TYPES)}.")
+        raise NotImplementedError(
+            f"loss_type={loss_type!r} is not implemented; use one of {sorted(LOSS_TYPES)}."
+        )
     per_token = spec.term(logps, old_logps, advantages, eps_low, eps_high)
     loss = reduce_loss(per_token, mask, spec.reduction, denominator)
     stats = clip_fractions(importance_ratio(logps.detach(), old_logps), advantages, mask, eps_low, eps_high)

@@ -78,7 +78,9 @@ class ScoredRollout:
         )
         old = self.old_logps[rows] if self.old_logps is not None else None
         sub, old = _trim(sub, old)
-        return replace(self, rollout=sub, rewards=self.rewards[rows], advantages=self.advantages[rows], old_logps=old)
+        return replace(
+            self, rollout=sub, rewards=self.rewards[rows], advantages=self.advantages[rows], old_logps=old
+        )
 
 
 def _trim(r: Rollout, old: torch.Tensor | None) -> tuple[Rollout, torch.Tensor | None]:

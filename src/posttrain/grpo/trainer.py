@@ -89,7 +89,10 @@ class GRPOTrainer(Trainer):
         processing_class: Any = None,
         reward_processing_classes: Any = None,
         callbacks: list[TrainerCallback] | None = None,
-        optimizers: tuple[torch.optim.Optimizer | None, torch.optim.lr_scheduler.LambdaLR | None] = (None, None),
+        optimizers: tuple[torch.optim.Optimizer | None, torch.optim.lr_scheduler.LambdaLR | None] = (
+            None,
+            None,
+        ),
         quantization_config: Any = None,
         peft_config: Any = None,
         tools: list[Callable] | None = None,
@@ -271,7 +274,9 @@ class GRPOTrainer(Trainer):
         self._micro_step += 1
         return micro
 
-    def _generate_and_score(self, batch: list[dict[str, Any]], mode: str, num_chunks: int) -> list[ScoredRollout]:
+    def _generate_and_score(
+        self, batch: list[dict[str, Any]], mode: str, num_chunks: int
+    ) -> list[ScoredRollout]:
         """Sample completions for this process's rows, score them, compute advantages."""
         group = self.args.num_generations if mode == "train" else self.args.num_generations_eval
         prompts = [row.get(formats.PROMPT_COLUMN) for row in batch]
@@ -279,10 +284,16 @@ class GRPOTrainer(Trainer):
             formats.check_prompt(p, f"{i} of this batch")
         rollout = self._generate(prompts)
         completions, completion_ids = self._decode(rollout, prompts)
-        rewards_local = self.rewards.score(len(batch), self._reward_kwargs(batch, prompts, completions, completion_ids, mode))
+        rewards_local = self.rewards.score(
+            len(batch), self._reward_kwargs(batch, prompts, completions, completion_ids, mode)
+        )
         rewards = gather(rewards_local.to(self.accelerator.device)).cpu()  # [N, F]
         adv, adv_metrics = advantages.compute(
-            rewards, self.reward_weights, group, self.args.scale_rewards, self.args.multi_objective_aggregation
+            rewards,
+            self.reward_weights,
+            group,
+            self.args.scale_rewards,
+            self.args.multi_objective_aggregation,
         )
         n, start = len(batch), self.accelerator.process_index * len(batch)
         adv_local = adv[start : start + n]
@@ -311,7 +322,12 @@ class GRPOTrainer(Trainer):
         return [formats.as_completion(t, p) for t, p in zip(texts, prompts, strict=True)], completion_ids
 
     def _reward_kwargs(
-        self, batch: list[dict[str, Any]], prompts: list[Any], completions: list[Any], ids: list[list[int]], mode: str
+        self,
+        batch: list[dict[str, Any]],
+        prompts: list[Any],
+        completions: list[Any],
+        ids: list[list[int]],
+        mode: str,
     ) -> dict[str, Any]:
         columns = {k: [row.get(k) for row in batch] for k in batch[0] if k != formats.PROMPT_COLUMN}
         self.log_extra_columns = {}
@@ -343,7 +359,12 @@ class GRPOTrainer(Trainer):
                 for c in chunks:
                     r = c.rollout
                     c.old_logps, _ = completion_logps(
-                        self.model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, a.temperature
+                        self.model,
+                        r.prompt_ids,
+                        r.prompt_mask,
+                        r.completion_ids,
+                        r.completion_mask,
+                        a.temperature,
                     )
         return chunks
 
@@ -357,7 +378,11 @@ class GRPOTrainer(Trainer):
     # ---- loss --------------------------------------------------------------------------------
 
     def compute_loss(
-        self, model: torch.nn.Module, inputs: ScoredRollout, return_outputs: bool = False, num_items_in_batch: Any = None
+        self,
+        model: torch.nn.Module,
+        inputs: ScoredRollout,
+        return_outputs: bool = False,
+        num_items_in_batch: Any = None,
     ) -> torch.Tensor:
         """The GRPO loss of one micro-batch (already normalised for accumulation and processes)."""
         if return_outputs:
@@ -365,18 +390,33 @@ class GRPOTrainer(Trainer):
         a, r = self.args, inputs.rollout
         mode = "train" if model.training else "eval"
         logps, entropy = completion_logps(
-            model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, a.temperature, with_entropy=True
+            model,
+            r.prompt_ids,
+            r.prompt_mask,
+            r.completion_ids,
+            r.completion_mask,
+            a.temperature,
+            with_entropy=True,
         )
         old = inputs.old_logps if inputs.old_logps is not None else logps.detach()
         mask = self._loss_mask(r)
         eps_high = a.epsilon_high if a.epsilon_high is not None else a.epsilon
         loss, clip = objectives.policy_loss(
-            a.loss_type, logps, old, inputs.advantages.to(logps.device), mask, a.epsilon, eps_high, inputs.loss_denominator
+            a.loss_type,
+            logps,
+            old,
+            inputs.advantages.to(logps.device),
+            mask,
+            a.epsilon,
+            eps_high,
+            inputs.loss_denominator,
         )
         self._record_loss_metrics(mode, entropy, mask, clip)
         return loss
 
-    def training_step(self, model: torch.nn.Module, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
+    def training_step(
+        self, model: torch.nn.Module, inputs: Any, num_items_in_batch: Any = None
+    ) -> torch.Tensor:
         """One micro-step; also times whole optimizer steps for the ``step_time`` metric."""
         start = time.perf_counter()
         loss = super().training_step(model, inputs, num_items_in_batch)
@@ -388,7 +428,11 @@ class GRPOTrainer(Trainer):
         return loss
 
     def prediction_step(
-        self, model: torch.nn.Module, inputs: Any, prediction_loss_only: bool, ignore_keys: list[str] | None = None
+        self,
+        model: torch.nn.Module,
+        inputs: Any,
+        prediction_loss_only: bool,
+        ignore_keys: list[str] | None = None,
     ) -> tuple[torch.Tensor, None, None]:
         """Evaluation: generate ``num_generations_eval`` completions per prompt, score, report the loss."""
         with torch.no_grad():
@@ -404,7 +448,9 @@ class GRPOTrainer(Trainer):
         device = self.accelerator.device
         lengths = gather(rollout.completion_lengths.to(device)).float().cpu()
         terminated = gather(rollout.is_terminated.to(device)).cpu()
-        tokens = gather((rollout.prompt_mask.sum() + rollout.completion_mask.sum()).reshape(1).to(device)).sum()
+        tokens = gather(
+            (rollout.prompt_mask.sum() + rollout.completion_mask.sum()).reshape(1).to(device)
+        ).sum()
         if mode == "train":
             self.state.num_input_tokens_seen += int(tokens.item())
         m = {"num_tokens": float(self.state.num_input_tokens_seen)}
@@ -493,7 +539,11 @@ def _check_dataset(dataset: Any, name: str, args: GRPOConfig, group: int, train:
         raise ValueError(f"{name} is empty; it needs at least one row with a 'prompt'.")
     for i, p in enumerate(dataset[formats.PROMPT_COLUMN]):
         formats.check_prompt(p, i)
-    per_process = args.per_device_train_batch_size * args.steps_per_generation if train else args.per_device_eval_batch_size
+    per_process = (
+        args.per_device_train_batch_size * args.steps_per_generation
+        if train
+        else args.per_device_eval_batch_size
+    )
     global_batch = per_process * args.world_size
     if global_batch % group != 0:
         which = "per_device_train_batch_size" if train else "per_device_eval_batch_size"

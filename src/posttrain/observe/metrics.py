@@ -14,7 +14,10 @@ class MetricStore:
     """Per-mode (``"train"`` / ``"eval"``) series of floats."""
 
     def __init__(self) -> None:
-        self._series: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
+        self._series: dict[str, dict[str, list[float]]] = {
+            "train": defaultdict(list),
+            "eval": defaultdict(list),
+        }
 
     def add(self, mode: str, name: str, value: float) -> None:
         """Record one value of ``name``."""
