@@ -448,3 +448,83 @@ def test_checkpoint_and_resume(tmp_path, tok):
     resumed.train(resume_from_checkpoint=True)
     assert resumed.state.global_step == 3
     assert resumed.state.num_input_tokens_seen > trainer.state.num_input_tokens_seen
+
+
+def test_gradient_checkpointing_still_trains(tmp_path, tok):
+    model = build_tiny_model(tok)
+    args = make_config(tmp_path, max_steps=1, gradient_checkpointing=True)
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=char_reward,
+        args=args,
+        train_dataset=standard_dataset(),
+        processing_class=tok,
+    )
+    before = _params(model)
+    trainer.train()
+    assert model.is_activation_checkpointing
+    changed = [not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True)]
+    assert all(changed)  # every parameter received a gradient through the checkpointed layers
+
+
+def test_sampling_parameters_reach_generate(tmp_path, tok):
+    args = make_config(
+        tmp_path,
+        temperature=0.7,
+        top_p=0.9,
+        top_k=20,
+        min_p=0.05,
+        repetition_penalty=1.1,
+        max_completion_length=5,
+        generation_kwargs={"top_k": 7, "suppress_tokens": [3]},
+        cache_implementation="static",
+    )
+    trainer = GRPOTrainer(
+        model=build_tiny_model(tok),
+        reward_funcs=char_reward,
+        args=args,
+        train_dataset=standard_dataset(),
+        processing_class=tok,
+    )
+    config = trainer.generator.config
+    assert (config.temperature, config.top_p, config.min_p, config.repetition_penalty) == (
+        0.7,
+        0.9,
+        0.05,
+        1.1,
+    )
+    assert config.top_k == 7  # generation_kwargs override the named parameters
+    assert config.suppress_tokens == [3]
+    assert config.max_new_tokens == 5 and config.do_sample and config.use_cache
+    assert config.cache_implementation == "static"
+
+
+def test_generation_batch_size_sets_steps_per_generation(tmp_path, tok):
+    calls = []
+
+    def record(prompts, **kwargs):
+        calls.append(len(prompts))
+        return [float(i % 2) for i in range(len(prompts))]
+
+    args = make_config(tmp_path, generation_batch_size=12, max_steps=3)
+    assert args.steps_per_generation == 3
+    trainer = GRPOTrainer(
+        model=build_tiny_model(tok),
+        reward_funcs=record,
+        args=args,
+        train_dataset=standard_dataset(),
+        processing_class=tok,
+    )
+    trainer.train()
+    assert calls == [12]
+
+
+def test_importing_posttrain_is_cheap():
+    import subprocess
+    import sys
+
+    code = "import sys, posttrain; print('torch' in sys.modules, 'transformers' in sys.modules)"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert out == ["False", "False"]

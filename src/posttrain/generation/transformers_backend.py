@@ -28,6 +28,9 @@ def sampling_config(
     values: dict[str, Any] = {
         "max_new_tokens": max_new_tokens,
         "do_sample": True,
+        # The Trainer sets model.config.use_cache from TrainingArguments.use_cache (False) for
+        # training; sampling always wants the KV cache.
+        "use_cache": True,
         "temperature": temperature,
         "top_p": top_p,
         "top_k": top_k if top_k > 0 else None,
