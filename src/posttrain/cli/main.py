@@ -88,8 +88,8 @@ def _reward_funcs(names: list[str]) -> list[Any]:
     return [registry[n] for n in names]
 
 
-def grpo(argv: list[str]) -> None:
-    """Parse ``argv`` and run GRPO training."""
+def grpo(argv: list[str]) -> Any:
+    """Parse ``argv``, run GRPO training, save the model; returns the trainer."""
     from transformers import HfArgumentParser
 
     from posttrain import GRPOConfig, GRPOTrainer
@@ -105,6 +105,7 @@ def grpo(argv: list[str]) -> None:
     trainer.train()
     trainer.save_model(config.output_dir)
     print(f"posttrain grpo: saved the trained model to {config.output_dir}")
+    return trainer
 
 
 COMMANDS = {"grpo": grpo}
