@@ -110,7 +110,7 @@ class GRPOTrainer(Trainer):
         if args is None:
             base = model if isinstance(model, str) else model.config._name_or_path
             args = GRPOConfig(output_dir=f"{os.path.basename(str(base).rstrip('/')) or 'model'}-GRPO")
-        funcs = self._setup_reward_funcs(reward_funcs, args)
+        rewards = RewardRunner(self._setup_reward_funcs(reward_funcs, args))
         self._check_datasets(train_dataset, eval_dataset, args)
         model, source = self._setup_model(model, args)
         processing_class = self._setup_tokenizer(processing_class, source, args)
@@ -124,8 +124,8 @@ class GRPOTrainer(Trainer):
             callbacks=callbacks,
             optimizers=optimizers,
         )
-        self.rewards = RewardRunner(funcs)
-        self.reward_weights = torch.tensor(args.reward_weights or [1.0] * len(funcs), dtype=torch.float32)
+        self.rewards = rewards
+        self.reward_weights = torch.tensor(args.reward_weights or [1.0] * len(rewards.funcs), dtype=torch.float32)
         self.generator: Generator = self._setup_generator()
         self._metrics = MetricStore()
         self._buffer: list[ScoredRollout] = []
