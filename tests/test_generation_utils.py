@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from posttrain.generation.base import Samples, build_rollout, mask_after_eos
+from posttrain.grpo.objectives import Normalizers
 from posttrain.grpo.rollout import Rollout, ScoredRollout
 from posttrain.ops.logprobs import entropy_from_logits, position_ids_from_mask, selective_log_softmax
 from posttrain.ops.padding import left_pad
@@ -110,7 +111,7 @@ def make_scored() -> ScoredRollout:
         rewards=torch.tensor([[1.0, 10.0], [2.0, 20.0], [3.0, 30.0], [4.0, 40.0]]),
         advantages=torch.tensor([0.1, 0.2, 0.3, 0.4]),
         old_logps=torch.arange(20, dtype=torch.float32).view(4, 5),
-        loss_denominator=3.5,
+        norms=Normalizers(tokens=3.5),
         extra={"tag": "x"},
     )
 
@@ -143,7 +144,7 @@ def test_split_trims_padding_per_chunk_and_keeps_rows_aligned():
     torch.testing.assert_close(second.rewards, torch.tensor([[3.0, 30.0], [4.0, 40.0]]))
 
     for chunk in (first, second):
-        assert chunk.loss_denominator == 3.5
+        assert chunk.norms.tokens == 3.5
         assert chunk.extra == {"tag": "x"}
     # The original is left untouched.
     assert scored.rollout.completion_ids.shape == (4, 5)

@@ -81,7 +81,16 @@ def test_ratio_one_gives_reinforce_gradient_token_reduction():
     advantages = torch.tensor([1.5, -0.7, 0.3])
     mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]])
     denominator = 7.0
-    loss, _ = obj.policy_loss("dapo", logps, logps.detach(), advantages, mask, EPS_LOW, EPS_HIGH, denominator)
+    loss, _ = obj.policy_loss(
+        "dapo",
+        logps,
+        logps.detach(),
+        advantages,
+        mask,
+        EPS_LOW,
+        EPS_HIGH,
+        obj.Normalizers(tokens=denominator),
+    )
     loss.backward()
     expected = -advantages.unsqueeze(1) * mask.float() / denominator
     close(logps.grad, expected)
@@ -96,7 +105,16 @@ def test_ratio_one_gives_reinforce_gradient_sequence_reduction():
     advantages = torch.tensor([1.0, -2.0, 0.5])
     mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]])
     denominator = 3.0
-    loss, _ = obj.policy_loss("grpo", logps, logps.detach(), advantages, mask, EPS_LOW, EPS_HIGH, denominator)
+    loss, _ = obj.policy_loss(
+        "grpo",
+        logps,
+        logps.detach(),
+        advantages,
+        mask,
+        EPS_LOW,
+        EPS_HIGH,
+        obj.Normalizers(sequences=denominator),
+    )
     loss.backward()
     lengths = mask.sum(dim=1, keepdim=True).float()
     close(logps.grad, -advantages.unsqueeze(1) * mask.float() / (lengths * denominator))
@@ -112,20 +130,20 @@ def test_reduce_loss_token_vs_sequence_by_hand():
     """
     per_token = torch.tensor([[1.0, 2.0, 3.0, 4.0], [10.0, 20.0, 99.0, 99.0]])
     mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])
-    close(obj.reduce_loss(per_token, mask, "token", 6.0), torch.tensor(40 / 6))
-    close(obj.reduce_loss(per_token, mask, "sequence", 2.0), torch.tensor(8.75))
+    close(obj.reduce_loss(per_token, mask, "token", obj.Normalizers(tokens=6.0)), torch.tensor(40 / 6))
+    close(obj.reduce_loss(per_token, mask, "sequence", obj.Normalizers(sequences=2.0)), torch.tensor(8.75))
 
 
 def test_reduce_loss_sequence_with_empty_row_counts_zero():
     """A fully masked row contributes 0 (its length is clamped to 1), not NaN."""
     per_token = torch.tensor([[2.0, 4.0], [5.0, 5.0]])
     mask = torch.tensor([[1, 1], [0, 0]])
-    close(obj.reduce_loss(per_token, mask, "sequence", 2.0), torch.tensor(3.0 / 2))
+    close(obj.reduce_loss(per_token, mask, "sequence", obj.Normalizers(sequences=2.0)), torch.tensor(3.0 / 2))
 
 
 def test_reduce_loss_unknown_reduction():
     with pytest.raises(ValueError, match="reduction"):
-        obj.reduce_loss(torch.zeros(1, 1), torch.ones(1, 1), "median", 1.0)
+        obj.reduce_loss(torch.zeros(1, 1), torch.ones(1, 1), "median", obj.Normalizers())
 
 
 def test_loss_types_table():
@@ -138,7 +156,9 @@ def test_loss_types_table():
 def test_policy_loss_unknown_loss_type(loss_type):
     x = torch.zeros(1, 2)
     with pytest.raises(NotImplementedError, match=loss_type):
-        obj.policy_loss(loss_type, x, x, torch.zeros(1), torch.ones(1, 2), EPS_LOW, EPS_HIGH, 1.0)
+        obj.policy_loss(
+            loss_type, x, x, torch.zeros(1), torch.ones(1, 2), EPS_LOW, EPS_HIGH, obj.Normalizers()
+        )
 
 
 def test_policy_loss_value_by_hand_dapo_and_grpo():
@@ -152,9 +172,9 @@ def test_policy_loss_value_by_hand_dapo_and_grpo():
     logps, old = ratio_logps([RATIOS, RATIOS])
     a = torch.tensor([2.0, -1.0])
     mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
-    loss, _ = obj.policy_loss("dapo", logps, old, a, mask, EPS_LOW, EPS_HIGH, 8.0)
+    loss, _ = obj.policy_loss("dapo", logps, old, a, mask, EPS_LOW, EPS_HIGH, obj.Normalizers(tokens=8.0))
     close(loss.detach(), torch.tensor(0.0625))
-    loss, _ = obj.policy_loss("grpo", logps, old, a, mask, EPS_LOW, EPS_HIGH, 2.0)
+    loss, _ = obj.policy_loss("grpo", logps, old, a, mask, EPS_LOW, EPS_HIGH, obj.Normalizers(sequences=2.0))
     close(loss.detach(), torch.tensor(-0.27))
 
 
@@ -185,7 +205,7 @@ def test_policy_loss_returns_clip_fractions_of_its_ratio():
     logps, old = ratio_logps([RATIOS, RATIOS])
     a = torch.tensor([2.0, -1.0])
     mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 1, 0]])
-    _, stats = obj.policy_loss("dapo", logps, old, a, mask, EPS_LOW, EPS_HIGH, 1.0)
+    _, stats = obj.policy_loss("dapo", logps, old, a, mask, EPS_LOW, EPS_HIGH, obj.Normalizers())
     # row 0 (A > 0): 1.5 clipped high -> 1/5; row 1 (A < 0): 0.5 clipped low -> 1/4.
     close(stats["high"], [0.2, 0.0])
     close(stats["low"], [0.0, 0.25])

@@ -18,14 +18,33 @@ import torch
 
 
 @dataclass(frozen=True)
+class Normalizers:
+    """The counts a micro-batch's summed loss may be divided by.
+
+    Each is scaled so that summing the micro-batch losses over gradient accumulation and
+    averaging gradients over processes (DDP) gives the average over the optimizer step.
+
+    Attributes:
+        tokens: loss-counted completion tokens of the optimizer step over all processes,
+            divided by the number of processes.
+        sequences: completions per process per optimizer step.
+        accumulation: micro-batches per optimizer step.
+        max_completion_length: the generation limit (Dr. GRPO's constant).
+    """
+
+    tokens: float = 1.0
+    sequences: float = 1.0
+    accumulation: int = 1
+    max_completion_length: int = 1
+
+
+@dataclass(frozen=True)
 class LossSpec:
     """How one ``loss_type`` is computed.
 
     Attributes:
         term: per-token loss ``(logps, old_logps, advantages, eps_low, eps_high) -> [B, T]``.
-        reduction: ``"token"`` (sum of token losses over a denominator counting tokens) or
-            ``"sequence"`` (each sequence's mean token loss, summed over a denominator counting
-            sequences).
+        reduction: how ``reduce_loss`` averages the per-token losses (see there).
     """
 
     term: Callable[..., torch.Tensor]
@@ -76,27 +95,34 @@ LOSS_TYPES: dict[str, LossSpec] = {
 
 
 def reduce_loss(
-    per_token: torch.Tensor, mask: torch.Tensor, reduction: str, denominator: float
+    per_token: torch.Tensor, mask: torch.Tensor, reduction: str, norms: Normalizers
 ) -> torch.Tensor:
-    """Reduce masked per-token losses to a scalar.
+    """Reduce masked per-token losses to the micro-batch's share of the step's loss.
 
     Args:
         per_token: [B, T] losses.
         mask: [B, T] 1 on tokens that count.
-        reduction: ``"token"``: ``sum(l * m) / denominator``; ``"sequence"``:
-            ``sum_i (sum_t l_it m_it / sum_t m_it) / denominator``.
-        denominator: token or sequence count the sum is divided by (set by the caller so that
-            gradient accumulation and data parallelism give the global average).
+        reduction: ``"token"``: ``sum(l m) / norms.tokens`` (DAPO: every token of the step
+            weighs the same); ``"sequence"``: ``sum_i mean_t(l_it) / norms.sequences`` (GRPO:
+            every completion weighs the same); ``"token_local"``: ``sum(l m) / (sum(m) *
+            accumulation)`` (BNPO: per micro-batch token mean); ``"fixed_length"``:
+            ``sum(l m) / (norms.sequences * max_completion_length)`` (Dr. GRPO).
+        norms: the counts of the step.
 
     Returns:
         The scalar loss.
     """
     mask = mask.to(per_token.dtype)
+    total = (per_token * mask).sum()
     if reduction == "token":
-        return (per_token * mask).sum() / denominator
+        return total / norms.tokens
     if reduction == "sequence":
         per_seq = (per_token * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)  # [B]
-        return per_seq.sum() / denominator
+        return per_seq.sum() / norms.sequences
+    if reduction == "token_local":
+        return total / (mask.sum().clamp(min=1.0) * norms.accumulation)
+    if reduction == "fixed_length":
+        return total / (norms.sequences * norms.max_completion_length)
     raise ValueError(f"Unknown reduction {reduction!r}.")
 
 
@@ -108,7 +134,7 @@ def policy_loss(
     mask: torch.Tensor,
     eps_low: float,
     eps_high: float,
-    denominator: float,
+    norms: Normalizers,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The policy loss of one micro-batch, and its clipping statistics.
 
@@ -118,7 +144,7 @@ def policy_loss(
         advantages: [B] advantages.
         mask: [B, T] completion tokens that count.
         eps_low, eps_high: clip range.
-        denominator: see ``reduce_loss``.
+        norms: the step's counts, see ``reduce_loss``.
 
     Returns:
         The scalar loss and ``clip_fractions(...)`` of the batch.
@@ -129,7 +155,7 @@ def policy_loss(
             f"loss_type={loss_type!r} is not implemented; use one of {sorted(LOSS_TYPES)}."
         )
     per_token = spec.term(logps, old_logps, advantages, eps_low, eps_high)
-    loss = reduce_loss(per_token, mask, spec.reduction, denominator)
+    loss = reduce_loss(per_token, mask, spec.reduction, norms)
     stats = clip_fractions(importance_ratio(logps.detach(), old_logps), advantages, mask, eps_low, eps_high)
     return loss, stats
 

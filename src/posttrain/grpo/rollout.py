@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from posttrain.grpo.objectives import Normalizers
+
 
 @dataclass
 class Rollout:
@@ -49,15 +51,14 @@ class ScoredRollout:
         advantages: [N] advantage of each completion.
         old_logps: [N, T] log-probs under the policy that sampled, or ``None`` when the step is
             on-policy (then the detached current log-probs are used).
-        loss_denominator: normaliser of the summed token or sequence losses of one micro-batch,
-            already accounting for gradient accumulation and the number of processes.
+        norms: the counts the micro-batch losses are normalised by (``objectives.Normalizers``).
     """
 
     rollout: Rollout
     rewards: torch.Tensor
     advantages: torch.Tensor
     old_logps: torch.Tensor | None = None
-    loss_denominator: float = 1.0
+    norms: Normalizers = field(default_factory=Normalizers)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def split(self, num_chunks: int) -> list[ScoredRollout]:

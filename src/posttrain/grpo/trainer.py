@@ -125,7 +125,9 @@ class GRPOTrainer(Trainer):
             optimizers=optimizers,
         )
         self.rewards = rewards
-        self.reward_weights = torch.tensor(args.reward_weights or [1.0] * len(rewards.funcs), dtype=torch.float32)
+        self.reward_weights = torch.tensor(
+            args.reward_weights or [1.0] * len(rewards.funcs), dtype=torch.float32
+        )
         self.generator: Generator = self._setup_generator()
         self._metrics = MetricStore()
         self._buffer: list[ScoredRollout] = []
@@ -342,16 +344,17 @@ class GRPOTrainer(Trainer):
         }
 
     def _prepare_chunks(self, scored: ScoredRollout, num_chunks: int, mode: str) -> list[ScoredRollout]:
-        """Split into micro-batches, set each one's loss denominator and, off-policy, old log-probs."""
+        """Split into micro-batches, set the loss normalisers and, off-policy, the old log-probs."""
         a = self.args
         mask = self._loss_mask(scored.rollout)
         accumulation = a.gradient_accumulation_steps if mode == "train" else 1
-        if objectives.LOSS_TYPES[a.loss_type].reduction == "token":
-            global_tokens = gather(mask.sum().reshape(1).float()).sum().item()
-            denominator = max(global_tokens / num_chunks * accumulation / a.world_size, 1.0)
-        else:
-            denominator = float(scored.advantages.shape[0] // num_chunks * accumulation)
-        scored.loss_denominator = denominator
+        global_tokens = gather(mask.sum().reshape(1).float()).sum().item()
+        scored.norms = objectives.Normalizers(
+            tokens=max(global_tokens / num_chunks * accumulation / a.world_size, 1.0),
+            sequences=float(scored.advantages.shape[0] // num_chunks * accumulation),
+            accumulation=accumulation,
+            max_completion_length=a.max_completion_length,
+        )
         chunks = scored.split(num_chunks)
         on_policy = a.num_iterations == 1 and a.gradient_accumulation_steps % a.steps_per_generation == 0
         if mode == "train" and not on_policy:
@@ -409,7 +412,7 @@ class GRPOTrainer(Trainer):
             mask,
             a.epsilon,
             eps_high,
-            inputs.loss_denominator,
+            inputs.norms,
         )
         self._record_loss_metrics(mode, entropy, mask, clip)
         return loss
