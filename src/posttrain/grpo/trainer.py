@@ -357,19 +357,18 @@ class GRPOTrainer(Trainer):
         )
         chunks = scored.split(num_chunks)
         on_policy = a.num_iterations == 1 and a.gradient_accumulation_steps % a.steps_per_generation == 0
-        if mode == "train" and not on_policy:
-            with torch.no_grad():
-                for c in chunks:
-                    r = c.rollout
-                    c.old_logps, _ = completion_logps(
-                        self.model,
-                        r.prompt_ids,
-                        r.prompt_mask,
-                        r.completion_ids,
-                        r.completion_mask,
-                        a.temperature,
-                    )
+        for c in chunks:
+            if mode == "train" and not on_policy:
+                c.old_logps = self._frozen_logps(self.model, c.rollout)
         return chunks
+
+    @torch.no_grad()
+    def _frozen_logps(self, model: torch.nn.Module, r: Rollout) -> torch.Tensor:
+        """Log-probs of a rollout's completions under ``model``, without gradient: [N, T]."""
+        out = completion_logps(
+            model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, self.args.temperature
+        )
+        return out.logps
 
     def _loss_mask(self, rollout: Rollout) -> torch.Tensor:
         """Completion tokens that count in the loss: [N, T]."""
@@ -392,7 +391,7 @@ class GRPOTrainer(Trainer):
             raise ValueError("GRPOTrainer.compute_loss does not return model outputs.")
         a, r = self.args, inputs.rollout
         mode = "train" if model.training else "eval"
-        logps, entropy = completion_logps(
+        out = completion_logps(
             model,
             r.prompt_ids,
             r.prompt_mask,
@@ -401,6 +400,7 @@ class GRPOTrainer(Trainer):
             a.temperature,
             with_entropy=True,
         )
+        logps, entropy = out.logps, out.entropy
         old = inputs.old_logps if inputs.old_logps is not None else logps.detach()
         mask = self._loss_mask(r)
         eps_high = a.epsilon_high if a.epsilon_high is not None else a.epsilon

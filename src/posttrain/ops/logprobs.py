@@ -8,6 +8,8 @@ row's float32 copy of ``[T, V]`` exists besides the logits themselves.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 
@@ -26,14 +28,32 @@ def selective_log_softmax(logits: torch.Tensor, targets: torch.Tensor) -> torch.
     return torch.stack(out)
 
 
-@torch.no_grad()
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of ``softmax(logits)`` at each position, row by row: [B, T, V] -> [B, T]."""
+    """Entropy of ``softmax(logits)`` at each position, row by row: [B, T, V] -> [B, T].
+
+    Differentiable; call it on detached logits (or under ``no_grad``) when only the value is needed.
+    """
     out = []
     for row_logits in logits:
         logp = torch.log_softmax(row_logits.float(), dim=-1)
         out.append(-(logp.exp() * logp).sum(dim=-1))
     return torch.stack(out)
+
+
+@dataclass
+class PolicyOutput:
+    """What one forward pass of the policy on ``[prompt | completion]`` yields.
+
+    Attributes:
+        logps: [B, T] log-probs of the completion tokens.
+        entropy: [B, T] per-token entropy, or ``None`` when not asked for; it carries a
+            gradient only when asked with ``entropy_grad=True``.
+        aux_loss: the router load-balancing loss of a Mixture-of-Experts model, if it reports one.
+    """
+
+    logps: torch.Tensor
+    entropy: torch.Tensor | None = None
+    aux_loss: torch.Tensor | None = None
 
 
 def completion_logps(
@@ -44,7 +64,8 @@ def completion_logps(
     completion_mask: torch.Tensor,
     temperature: float = 1.0,
     with_entropy: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    entropy_grad: bool = False,
+) -> PolicyOutput:
     """Log-probs (and optionally entropy) of each completion token under ``model``.
 
     Args:
@@ -52,10 +73,11 @@ def completion_logps(
         prompt_ids: [B, P] left-padded prompts; prompt_mask: [B, P].
         completion_ids: [B, T] right-padded completions; completion_mask: [B, T].
         temperature: sampling temperature the logits are divided by.
-        with_entropy: also return the per-token entropy (no gradient).
+        with_entropy: also compute the per-token entropy.
+        entropy_grad: let the entropy carry a gradient (entropy regularisation).
 
     Returns:
-        ``logps`` [B, T] and ``entropy`` [B, T] or ``None``.
+        A ``PolicyOutput``.
     """
     T = completion_ids.shape[1]
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [B, P + T]
@@ -71,5 +93,7 @@ def completion_logps(
     if temperature != 1.0:
         logits = logits / temperature
     logps = selective_log_softmax(logits, completion_ids)
-    entropy = entropy_from_logits(logits.detach()) if with_entropy else None
-    return logps, entropy
+    entropy = None
+    if with_entropy:
+        entropy = entropy_from_logits(logits if entropy_grad else logits.detach())
+    return PolicyOutput(logps=logps, entropy=entropy, aux_loss=getattr(out, "aux_loss", None))
