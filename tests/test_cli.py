@@ -92,3 +92,33 @@ def test_default_job_on_the_embedded_model(tmp_path):
     saved = AutoModelForCausalLM.from_pretrained(out)
     assert saved.config.model_type == "llama"
     assert sum(p.numel() for p in saved.parameters()) > 100_000_000
+
+
+def test_yaml_config_sets_defaults_and_flags_win(tmp_path, tiny_model_dir, monkeypatch):
+    captured = {}
+
+    class Recorder:
+        def __init__(self, model, reward_funcs, args, train_dataset):
+            captured["args"] = args
+
+        def train(self):
+            pass
+
+        def save_model(self, path):
+            pass
+
+    monkeypatch.setattr("posttrain.GRPOTrainer", Recorder)
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("epsilon: 0.1\nepsilon_high: 0.28\nscale_rewards: batch\nmax_steps: 7\n")
+    main(["grpo", "--config", str(recipe), "--model_name_or_path", tiny_model_dir, "--output_dir", str(tmp_path),
+          "--use_cpu", "--max_steps", "3"])  # fmt: skip
+    args = captured["args"]
+    assert (args.epsilon, args.epsilon_high, args.scale_rewards) == (0.1, 0.28, "batch")
+    assert args.max_steps == 3  # the command line wins over the file
+
+
+def test_yaml_config_with_unknown_key(tmp_path):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("epsilonn: 0.1\n")
+    with pytest.raises(SystemExit, match="epsilonn"):
+        main(["grpo", "--config", str(recipe), "--output_dir", str(tmp_path), "--use_cpu"])

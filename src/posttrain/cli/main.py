@@ -88,14 +88,51 @@ def _reward_funcs(names: list[str]) -> list[Any]:
     return [registry[n] for n in names]
 
 
+def _split_config(argv: list[str]) -> tuple[str | None, list[str]]:
+    """Take ``--config PATH`` (or ``--config=PATH``) out of ``argv``."""
+    rest, path = [], None
+    it = iter(argv)
+    for arg in it:
+        if arg == "--config":
+            path = next(it, None)
+            if path is None:
+                raise SystemExit("posttrain grpo: --config needs a YAML file path.")
+        elif arg.startswith("--config="):
+            path = arg.split("=", 1)[1]
+        else:
+            rest.append(arg)
+    return path, rest
+
+
+def _yaml_defaults(path: str, known: set[str]) -> dict[str, Any]:
+    """Read a YAML recipe; its keys must be flags of ``posttrain grpo``."""
+    import yaml
+
+    with open(path) as f:
+        values = yaml.safe_load(f) or {}
+    if not isinstance(values, dict):
+        raise SystemExit(f"posttrain grpo: {path} must hold a mapping of GRPOConfig fields.")
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise SystemExit(f"posttrain grpo: {path} has keys that are not flags of posttrain grpo: {unknown}.")
+    return values
+
+
 def grpo(argv: list[str]) -> Any:
-    """Parse ``argv``, run GRPO training, save the model; returns the trainer."""
+    """Parse ``argv``, run GRPO training, save the model; returns the trainer.
+
+    ``--config recipe.yaml`` sets defaults from a YAML file; flags on the command line win.
+    """
     from transformers import HfArgumentParser
 
     from posttrain import GRPOConfig, GRPOTrainer
 
     parser = HfArgumentParser((GRPOScriptArguments, GRPOConfig), prog="posttrain grpo")
     parser.set_defaults(**LAPTOP_DEFAULTS)
+    config_path, argv = _split_config(argv)
+    if config_path is not None:
+        known = {action.dest for action in parser._actions}
+        parser.set_defaults(**_yaml_defaults(config_path, known))
     script, config = parser.parse_args_into_dataclasses(args=argv)
     funcs = _reward_funcs(script.reward_funcs)
     dataset = _dataset(script)
@@ -113,7 +150,8 @@ COMMANDS = {"grpo": grpo}
 USAGE = """usage: posttrain COMMAND [FLAGS]
 
 commands:
-  grpo    train with GRPO (every GRPOConfig field is a flag; `posttrain grpo --help` lists them).
+  grpo    train with GRPO (every GRPOConfig field is a flag; `posttrain grpo --help` lists them;
+          `--config recipe.yaml` reads defaults from a YAML file, flags win).
           With no flags: the embedded SmolLM2-135M-Instruct on the built-in arithmetic task, on CPU.
 """
 
