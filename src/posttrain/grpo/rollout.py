@@ -7,7 +7,7 @@ tokens (left padded), ``T`` completion tokens (right padded), ``F`` reward funct
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -40,10 +40,29 @@ class Rollout:
         """[N] number of completion tokens (EOS included)."""
         return self.completion_mask.sum(dim=1)
 
+    def rows(self, rows: slice) -> Rollout:
+        """The given rows, without the prompt columns that are padding in all of them and the
+        completion columns past their longest completion."""
+        keep_p = int(self.prompt_mask[rows].sum(dim=1).max().item())
+        keep_t = max(int(self.completion_mask[rows].sum(dim=1).max().item()), 1)
+        start_p = self.prompt_ids.shape[1] - keep_p
+        return Rollout(
+            prompt_ids=self.prompt_ids[rows, start_p:],
+            prompt_mask=self.prompt_mask[rows, start_p:],
+            completion_ids=self.completion_ids[rows, :keep_t],
+            completion_mask=self.completion_mask[rows, :keep_t],
+            is_terminated=self.is_terminated[rows],
+            sampler_logps=self.sampler_logps[rows, :keep_t] if self.sampler_logps is not None else None,
+        )
+
+
+# Per-token tensors of a ScoredRollout, [N, T] like the completions, sliced and trimmed with them.
+TOKEN_FIELDS = ("old_logps", "ref_logps", "is_weights")
+
 
 @dataclass
 class ScoredRollout:
-    """A rollout with its rewards, advantages and, when off-policy, old log-probs.
+    """A rollout with its rewards, advantages and the per-token tensors the loss needs.
 
     Attributes:
         rollout: the generated batch (this process's rows).
@@ -51,6 +70,9 @@ class ScoredRollout:
         advantages: [N] advantage of each completion.
         old_logps: [N, T] log-probs under the policy that sampled, or ``None`` when the step is
             on-policy (then the detached current log-probs are used).
+        ref_logps: [N, T] log-probs under the reference policy (only with a KL penalty).
+        is_weights: [N, T] importance weights correcting for the sampler (only when the sampler
+            reports its log-probs and the correction is on).
         norms: the counts the micro-batch losses are normalised by (``objectives.Normalizers``).
     """
 
@@ -58,6 +80,8 @@ class ScoredRollout:
     rewards: torch.Tensor
     advantages: torch.Tensor
     old_logps: torch.Tensor | None = None
+    ref_logps: torch.Tensor | None = None
+    is_weights: torch.Tensor | None = None
     norms: Normalizers = field(default_factory=Normalizers)
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -70,31 +94,17 @@ class ScoredRollout:
         return [self._rows(slice(i * size, (i + 1) * size)) for i in range(num_chunks)]
 
     def _rows(self, rows: slice) -> ScoredRollout:
-        r = self.rollout
-        sub = Rollout(
-            **{
-                f.name: (getattr(r, f.name)[rows] if getattr(r, f.name) is not None else None)
-                for f in fields(Rollout)
-            }
-        )
-        old = self.old_logps[rows] if self.old_logps is not None else None
-        sub, old = _trim(sub, old)
+        sub = self.rollout.rows(rows)
+        keep_t = sub.completion_ids.shape[1]
+        per_token = {}
+        for name in TOKEN_FIELDS:
+            value = getattr(self, name)
+            per_token[name] = value[rows, :keep_t] if value is not None else None
         return replace(
-            self, rollout=sub, rewards=self.rewards[rows], advantages=self.advantages[rows], old_logps=old
+            self,
+            rollout=sub,
+            rewards=self.rewards[rows],
+            advantages=self.advantages[rows],
+            extra=dict(self.extra),
+            **per_token,
         )
-
-
-def _trim(r: Rollout, old: torch.Tensor | None) -> tuple[Rollout, torch.Tensor | None]:
-    """Drop prompt columns that are padding in every row, and completion columns past the longest."""
-    keep_p = int(r.prompt_mask.sum(dim=1).max().item())
-    keep_t = max(int(r.completion_mask.sum(dim=1).max().item()), 1)
-    P = r.prompt_ids.shape[1]
-    trimmed = replace(
-        r,
-        prompt_ids=r.prompt_ids[:, P - keep_p :],
-        prompt_mask=r.prompt_mask[:, P - keep_p :],
-        completion_ids=r.completion_ids[:, :keep_t],
-        completion_mask=r.completion_mask[:, :keep_t],
-        sampler_logps=r.sampler_logps[:, :keep_t] if r.sampler_logps is not None else None,
-    )
-    return trimmed, (old[:, :keep_t] if old is not None else None)
