@@ -1,0 +1,215 @@
+"""Built-in tasks: small datasets with verifiable answers, for trying GRPO without downloading data.
+
+A task is a function that returns a :class:`datasets.Dataset` with a ``prompt`` column (conversational
+or standard format, as TRL trainers accept) and a ``solution`` column that the rewards in
+:mod:`posttrain.rewards.answer` check. :func:`load_task` looks one up by name in :data:`BUILTIN_TASKS`.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from datasets import Dataset
+
+#: The system message of the arithmetic task (conversational format; in standard format it heads the
+#: prompt text).
+ARITHMETIC_SYSTEM_PROMPT = (
+    "You are a helpful assistant that solves arithmetic problems. Think briefly, then give the final "
+    "answer as a number inside <answer></answer>."
+)
+
+#: The user message; ``{expression}`` is replaced by the problem.
+ARITHMETIC_QUESTION = (
+    "What is {expression}? Think briefly, then put only the final number inside <answer></answer>."
+)
+
+#: Worked examples ``(expression, reasoning, answer)`` shown before the problem when ``few_shot > 0``.
+#: SmolLM2-135M-Instruct ignores the ``<answer>`` instruction alone (0 % of greedy completions use the
+#: tag) but follows two examples (about 100 %).
+ARITHMETIC_EXAMPLES: tuple[tuple[str, str, str], ...] = (
+    ("3 + 4", "3 + 4 = 7.", "7"),
+    ("6 * 2", "6 * 2 = 12.", "12"),
+    ("15 - 9", "15 - 9 = 6.", "6"),
+    ("2 + 3 * 4", "3 * 4 = 12, and 2 + 12 = 14.", "14"),
+)
+
+_OPERATIONS = ("+", "-", "*")
+
+
+def _evaluate(operands: Sequence[int], operators: Sequence[str]) -> int:
+    """Evaluate ``operands[0] op operands[1] op ...`` with ``*`` binding tighter than ``+`` and ``-``."""
+    total = 0
+    sign = 1
+    term = operands[0]
+    for operator, operand in zip(operators, operands[1:], strict=True):
+        if operator == "*":
+            term *= operand
+        else:
+            total += sign * term
+            sign = 1 if operator == "+" else -1
+            term = operand
+    return total + sign * term
+
+
+def _format_expression(operands: Sequence[int], operators: Sequence[str]) -> str:
+    shown = [str(value) if value >= 0 else f"({value})" for value in operands]
+    parts = [shown[0]]
+    for operator, value in zip(operators, shown[1:], strict=True):
+        parts.append(f" {operator} {value}")
+    return "".join(parts)
+
+
+def _arithmetic_prompt(expression: str, conversational: bool, turns: list[dict[str, str]]) -> Any:
+    """The prompt for one problem: the shared turns (system message, examples), then the question."""
+    messages = [*turns, {"role": "user", "content": ARITHMETIC_QUESTION.format(expression=expression)}]
+    if conversational:
+        return messages
+    # Standard format: the same turns as plain text, ending where the model should continue.
+    blocks = []
+    for message in messages:
+        if message["role"] == "system":
+            blocks.append(message["content"])
+        elif message["role"] == "user":
+            blocks.append(f"Question: {message['content']}")
+        else:
+            blocks.append(f"Answer: {message['content']}")
+    return "\n\n".join(blocks) + "\n\nAnswer:"
+
+
+def arithmetic_dataset(
+    n: int = 1000,
+    seed: int = 0,
+    conversational: bool = True,
+    min_value: int = 0,
+    max_value: int = 50,
+    max_factor: int = 12,
+    operations: Sequence[str] = _OPERATIONS,
+    num_operations: int = 1,
+    allow_negative: bool = False,
+    few_shot: int = 2,
+    system_prompt: str | None = ARITHMETIC_SYSTEM_PROMPT,
+) -> Dataset:
+    """Small arithmetic problems with exact integer answers, reproducible from ``seed``.
+
+    Each problem is ``a op b`` (or, with ``num_operations=2``, ``a op b op c``, evaluated with the
+    usual precedence: ``*`` before ``+`` and ``-``), where each ``op`` is drawn uniformly from
+    ``operations`` and each operand uniformly from ``[min_value, max_value]``, except that an operand
+    of ``*`` is drawn from ``[min_value, max(min_value, min(max_value, max_factor))]`` so products stay
+    small. Unless ``allow_negative``, problems whose result is negative are redrawn. Negative operands
+    are shown in parentheses. Draws use ``random.Random(seed)`` only, so the same arguments always give
+    the same dataset (problems may repeat).
+
+    The prompt asks the model to think briefly and to put only the final number inside
+    ``<answer></answer>``, and by default shows two worked examples first (:data:`ARITHMETIC_EXAMPLES`,
+    as earlier user/assistant turns): without them SmolLM2-135M-Instruct never uses the tag. Measured on
+    48 problems with the embedded (Q4_1) SmolLM2-135M-Instruct, correct / well-formatted answers,
+    greedy and sampled at temperature 1:
+
+    - defaults: 54 % / 100 % greedy, 42 % / 96 % sampled;
+    - ``few_shot=0``: 0 % / 0 % either way;
+    - ``num_operations=2, max_value=10``: 12 % / 100 % greedy, 15 % / 90 % sampled;
+    - ``num_operations=2`` (operands up to 50): 4 % / 98 % greedy, 2 % / 81 % sampled;
+    - ``conversational=False`` (raw text, no chat template): 15 % / 23 % greedy, 15 % / 52 % sampled.
+
+    So the defaults give GRPO a mix of right and wrong answers within a group; two operations are the
+    harder level. In the standard (plain-text) format an instruct model tends to run on with a new
+    "Question:" after its answer, which the format reward penalizes; that format suits base models.
+
+    Args:
+        n: Number of problems.
+        seed: Seed of the private random generator.
+        conversational: If True, ``prompt`` is a list of messages: the system message (unless
+            ``system_prompt`` is None), ``few_shot`` pairs of user/assistant example turns, then the
+            user question. If False, the same turns as one plain string (``Question: ...`` /
+            ``Answer: ...`` paragraphs) ending with ``"Answer:"``.
+        min_value: Smallest operand.
+        max_value: Largest operand.
+        max_factor: Largest operand of a multiplication.
+        operations: The operators to draw from, a subset of ``("+", "-", "*")``.
+        num_operations: Operators per problem, 1 or more.
+        allow_negative: Whether a result may be negative.
+        few_shot: Number of worked examples shown before the question, 0 to
+            ``len(ARITHMETIC_EXAMPLES)``.
+        system_prompt: The system message, or None for none.
+
+    Returns:
+        A dataset with the columns ``prompt`` and ``solution`` (the exact result as a string, e.g.
+        ``"42"`` or ``"-7"``).
+
+    Raises:
+        ValueError: On an invalid argument, or if no problem with a non-negative result can be drawn.
+    """
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    if min_value > max_value:
+        raise ValueError(f"min_value ({min_value}) must not exceed max_value ({max_value})")
+    if num_operations < 1:
+        raise ValueError(f"num_operations must be >= 1, got {num_operations}")
+    operations = tuple(operations)
+    unknown = sorted(set(operations) - set(_OPERATIONS))
+    if not operations or unknown:
+        raise ValueError(f"operations must be a non-empty subset of {_OPERATIONS}, got {operations}")
+
+    if not 0 <= few_shot <= len(ARITHMETIC_EXAMPLES):
+        raise ValueError(f"few_shot must be between 0 and {len(ARITHMETIC_EXAMPLES)}, got {few_shot}")
+    turns: list[dict[str, str]] = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    for expression, reasoning, answer in ARITHMETIC_EXAMPLES[:few_shot]:
+        turns.append({"role": "user", "content": ARITHMETIC_QUESTION.format(expression=expression)})
+        turns.append({"role": "assistant", "content": f"{reasoning} <answer>{answer}</answer>"})
+
+    rng = random.Random(seed)
+    factor_max = max(min_value, min(max_value, max_factor))
+    prompts: list[Any] = []
+    solutions: list[str] = []
+    for _ in range(n):
+        for _attempt in range(1000):
+            operators = [rng.choice(operations) for _ in range(num_operations)]
+            operands = []
+            for index in range(num_operations + 1):
+                in_product = (index > 0 and operators[index - 1] == "*") or (
+                    index < num_operations and operators[index] == "*"
+                )
+                operands.append(rng.randint(min_value, factor_max if in_product else max_value))
+            result = _evaluate(operands, operators)
+            if allow_negative or result >= 0:
+                break
+        else:
+            raise ValueError("could not draw a problem with a non-negative result; set allow_negative=True")
+        prompts.append(_arithmetic_prompt(_format_expression(operands, operators), conversational, turns))
+        solutions.append(str(result))
+    return Dataset.from_dict({"prompt": prompts, "solution": solutions})
+
+
+#: The built-in tasks by name; each value returns a :class:`datasets.Dataset`.
+BUILTIN_TASKS: dict[str, Callable[..., Dataset]] = {"arithmetic": arithmetic_dataset}
+
+
+def load_task(name: str, **kwargs: Any) -> Dataset:
+    """Build a built-in task's dataset.
+
+    Args:
+        name: A key of :data:`BUILTIN_TASKS` (case-insensitive), e.g. ``"arithmetic"``.
+        **kwargs: Passed to the task function, e.g. ``n=200, seed=1``.
+
+    Returns:
+        The dataset.
+
+    Raises:
+        ValueError: If ``name`` is not a built-in task; the message lists the known names.
+    """
+    key = name.strip().lower() if isinstance(name, str) else name
+    if key not in BUILTIN_TASKS:
+        known = ", ".join(sorted(BUILTIN_TASKS))
+        raise ValueError(f"Unknown task {name!r}; the built-in tasks are: {known}")
+    return BUILTIN_TASKS[key](**kwargs)
+
+
+__all__ = [
+    "ARITHMETIC_QUESTION",
+    "ARITHMETIC_SYSTEM_PROMPT",
+    "BUILTIN_TASKS",
+    "arithmetic_dataset",
+    "load_task",
+]
