@@ -542,17 +542,17 @@ def test_unbuilt_option_default_is_the_spec_default_and_works(name: str) -> None
 
 def test_unbuilt_message_format(tmp_path) -> None:
     with pytest.raises(NotImplementedError) as err:
-        make(tmp_path, loss_type="cispo")
+        make(tmp_path, log_completions=True)
     assert str(err.value) == (
-        "loss_type='cispo' is not implemented yet in posttrain (planned: objective variants). "
-        "Use loss_type='dapo' or 'grpo'."
+        "log_completions=True is not implemented yet in posttrain (planned: completion logging). "
+        "Use log_completions=False."
     )
 
 
 def test_unbuilt_error_lists_every_offending_option(tmp_path) -> None:
     with pytest.raises(NotImplementedError) as err:
-        make(tmp_path, beta=0.04, use_vllm=True)
-    assert "beta=0.04" in str(err.value)
+        make(tmp_path, log_completions=True, use_vllm=True)
+    assert "log_completions=True" in str(err.value)
     assert "use_vllm=True" in str(err.value)
 
 
@@ -563,9 +563,15 @@ def test_docs_list_exactly_the_unbuilt_options() -> None:
     assert listed == list(UNBUILT_OPTIONS)
 
 
-def test_built_loss_types_are_accepted(tmp_path) -> None:
-    assert make(tmp_path, loss_type="grpo").loss_type == "grpo"
-    assert make(tmp_path, loss_type="dapo").loss_type == "dapo"
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo", "vespo", "gmpo"])
+def test_built_loss_types_are_accepted(tmp_path, loss_type) -> None:
+    assert make(tmp_path, loss_type=loss_type).loss_type == loss_type
+
+
+@pytest.mark.parametrize("loss_type", ["vespo", "gmpo"])
+def test_token_level_only_losses_reject_sequence_level(tmp_path, loss_type) -> None:
+    with pytest.raises(ValueError, match="importance_sampling_level='token'"):
+        make(tmp_path, loss_type=loss_type, importance_sampling_level="sequence")
 
 
 def test_empty_fsdp_is_not_fsdp(tmp_path) -> None:

@@ -54,17 +54,6 @@ class UnbuiltOption:
 # One row per option; when a feature is built, delete its row (and its line in docs/config.md).
 # fmt: off
 UNBUILT_OPTIONS: dict[str, UnbuiltOption] = {
-    "loss_type":                            UnbuiltOption("dapo", "objective variants", "Use loss_type='dapo' or 'grpo'.", "cispo", unbuilt_if=lambda v: v not in ("dapo", "grpo")),
-    "importance_sampling_level":            UnbuiltOption("token", "sequence-level importance sampling", "Use importance_sampling_level='token'.", "sequence"),
-    "beta":                                 UnbuiltOption(0.0, "KL penalty and reference model", "Use beta=0.0.", 0.04),
-    "delta":                                UnbuiltOption(None, "two-sided clipping", "Leave delta=None.", 1.5),
-    "sync_ref_model":                       UnbuiltOption(False, "reference model synchronisation", "Use sync_ref_model=False.", True),
-    "top_entropy_quantile":                 UnbuiltOption(1.0, "high-entropy token selection", "Use top_entropy_quantile=1.0.", 0.2),
-    "entropy_coef":                         UnbuiltOption(0.0, "entropy regularisation", "Use entropy_coef=0.0.", 0.01),
-    "use_adaptive_entropy":                 UnbuiltOption(False, "adaptive entropy control", "Use use_adaptive_entropy=False.", True),
-    "off_policy_mask_threshold":            UnbuiltOption(None, "off-policy sequence masking", "Leave off_policy_mask_threshold=None.", 0.5),
-    "cast_lm_head_to_fp32":                 UnbuiltOption(False, "float32 LM head", "Use cast_lm_head_to_fp32=False.", True),
-    "router_aux_loss_coef":                 UnbuiltOption(None, "MoE router auxiliary loss", "Leave router_aux_loss_coef=None.", 0.001),
     "use_vllm":                             UnbuiltOption(False, "vLLM generation", "Use use_vllm=False (completions are then generated with transformers).", True),
     "use_transformers_paged":               UnbuiltOption(False, "transformers continuous batching", "Use use_transformers_paged=False (the flag is deprecated as well).", True),
     "use_transformers_continuous_batching": UnbuiltOption(False, "transformers continuous batching", "Use use_transformers_continuous_batching=False.", True),
@@ -80,7 +69,8 @@ UNBUILT_OPTIONS: dict[str, UnbuiltOption] = {
 # Validation tables
 # --------------------------------------------------------------------------------------------
 
-LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo", "luspo", "vespo")
+# The reference's loss types, plus "gmpo" (Geometric-Mean Policy Optimization), a posttrain extension.
+LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo", "luspo", "vespo", "gmpo")
 
 #: Allowed values of the string-valued choice parameters.
 CHOICES: dict[str, tuple[str, ...]] = {
@@ -890,6 +880,12 @@ class GRPOConfig(TrainingArguments):
             raise ValueError(
                 f"loss_type='luspo' is a sequence-level loss but importance_sampling_level="
                 f"{self.importance_sampling_level!r}; set importance_sampling_level='sequence'."
+            )
+        if self.loss_type in ("vespo", "gmpo") and self.importance_sampling_level != "token":
+            raise ValueError(
+                f"loss_type={self.loss_type!r} builds its own sequence-level weight from token ratios, so "
+                f"importance_sampling_level={self.importance_sampling_level!r} does not apply; set "
+                "importance_sampling_level='token'."
             )
 
     def _reject_unbuilt_options(self) -> None:

@@ -1,20 +1,60 @@
 """GRPO policy objectives: pure tensor math.
 
-A ``loss_type`` is resolved in one table, ``LOSS_TYPES``, into two composable pieces:
+Every ``loss_type`` is one row of the table ``LOSS_TYPES``: a ``LossSpec`` composed of
 
-* a *token term*: the per-token loss from log-probs, old log-probs and advantages;
-* a *reduction*: how the masked per-token losses of a micro-batch become one scalar.
+* the **importance level** it accepts (``ObjectiveSettings.importance_sampling_level``):
+  ``"token"`` keeps one ratio per token; ``"sequence"`` (GSPO) gives every token of a
+  completion the length-normalised sequence ratio, see ``sequence_old_logps``;
+* a **term**: the per-token loss ``[B, T]`` from log-probs, old log-probs and advantages
+  (``clipped_surrogate``, ``cispo_surrogate``, ``sapo_surrogate``, ``vespo_surrogate``,
+  ``gmpo_surrogate``) and the ``ObjectiveSettings`` fields it reads;
+* a **reduction** (``REDUCTIONS``): how the masked per-token losses of a micro-batch become
+  its share of the optimizer step's scalar loss;
+* the **clip region** the statistics count (``CLIP_REGIONS``) and any extra statistics.
+
+``policy_loss`` is the one entry point; it composes the pieces of the row.
+
+==========  ======================  ============  ================  ==========  =============
+loss_type   term                    reduction     levels            clip stats  extra stats
+==========  ======================  ============  ================  ==========  =============
+grpo        clipped_surrogate       sequence      token, sequence   ratio       -
+dapo        clipped_surrogate       token         token, sequence   ratio       -
+bnpo        clipped_surrogate       token_local   token, sequence   ratio       -
+dr_grpo     clipped_surrogate       fixed_length  token, sequence   ratio       -
+luspo       clipped_surrogate       sequence_sum  sequence          ratio       -
+cispo       cispo_surrogate         token         token, sequence   none        cispo_clip
+sapo        sapo_surrogate          sequence      token, sequence   none        -
+vespo       vespo_surrogate         token         token             none        vespo_phi
+gmpo        gmpo_surrogate          sequence      token             log         -
+==========  ======================  ============  ================  ==========  =============
+
+Statistics: ``policy_loss`` returns per-completion tensors ``[B]`` (without gradient), for
+every loss type ``low``, ``high``, ``region`` (fraction of the completion's tokens whose
+ratio lies below the lower bound with ``A < 0``, above the upper bound with ``A > 0``,
+either; with ``importance_sampling_level="sequence"`` every token carries the sequence ratio,
+so the fraction is 0 or 1) and ``tokens`` (its loss-counted tokens, the weight for batch
+means). Clip stats ``ratio``: bounds ``[1 - epsilon_low, 1 + epsilon_high]``; ``log``: bounds
+``[exp(-epsilon_low), exp(epsilon_high)]``; ``none``: the loss has no hard clip and the three
+fractions are 0. ``cispo`` adds ``cispo_clip`` (fraction of tokens whose weight was truncated
+at ``eps_max`` while ``A > 0``) and ``vespo`` adds ``vespo_phi`` (the sequence's Gamma weight).
 
 Shapes: ``B`` completions in the micro-batch, ``T`` completion tokens. ``mask`` is 1 on the
-completion tokens that count in the loss.
+completion tokens that count in the loss; log-probs at other positions are ignored (they are
+zeroed before any term sees them, so padding garbage, even ``inf``, cannot leak).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+Stats = dict[str, torch.Tensor]
+
+# Numerical guard for VESPO's sequence log-weight: above it phi(W) underflows to 0 anyway.
+_MAX_LOG_SEQUENCE_WEIGHT = 50.0
 
 
 @dataclass(frozen=True)
@@ -39,21 +79,86 @@ class Normalizers:
 
 
 @dataclass(frozen=True)
-class LossSpec:
-    """How one ``loss_type`` is computed.
+class ObjectiveSettings:
+    """The hyper-parameters of the policy objective (the GRPOConfig fields it reads).
 
     Attributes:
-        term: per-token loss ``(logps, old_logps, advantages, eps_low, eps_high) -> [B, T]``.
-        reduction: how ``reduce_loss`` averages the per-token losses (see there).
+        loss_type: a key of ``LOSS_TYPES``.
+        importance_sampling_level: ``"token"`` or ``"sequence"`` (GSPO).
+        epsilon_low: lower clip range (``epsilon``); for ``gmpo`` a log-space range.
+        epsilon_high: upper clip range; for ``gmpo`` a log-space range; for ``cispo`` it is
+            ScaleRL's ``eps_max``, the cap of the importance weight itself (the trainer
+            passes 5.0 when the config's ``epsilon_high`` is None).
+        delta: INTELLECT-2's cap of the unclipped ratio (two-sided clipping); None disables.
+        sapo_temperature_pos, sapo_temperature_neg: SAPO's gate temperatures for ``A > 0``
+            and ``A <= 0``.
+        vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg: VESPO's Gamma-kernel
+            exponent ``k`` and decay ``lambda`` for ``A > 0`` and ``A <= 0``.
     """
 
-    term: Callable[..., torch.Tensor]
-    reduction: str
+    loss_type: str = "dapo"
+    importance_sampling_level: str = "token"
+    epsilon_low: float = 0.2
+    epsilon_high: float = 0.2
+    delta: float | None = None
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
+
+
+# ---- importance weights ------------------------------------------------------------------
 
 
 def importance_ratio(logps: torch.Tensor, old_logps: torch.Tensor) -> torch.Tensor:
     """Token-level ratio ``pi_theta / pi_old = exp(logp - old_logp)``: [B, T]."""
     return torch.exp(logps - old_logps)
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of each row over its masked positions: [B, T] -> [B] (0 for an empty row)."""
+    return (values * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)
+
+
+def sequence_old_logps(logps: torch.Tensor, old_logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """GSPO's sequence-level weight written per token, as the "old" log-probs of a token term.
+
+    GSPO (Zheng et al. 2025, arXiv 2507.18071) eq. 7: ``s_i = (pi(y_i) / pi_old(y_i))^(1/|y_i|)
+    = exp(mean_t(logp_t - old_logp_t))``. Its token form (GSPO-token, eq. 14) is
+    ``s_it = sg(s_i) * pi(y_it) / sg(pi(y_it))``. Returning
+    ``old'_t = sg(logp_t) - sg(log s_i)`` makes ``exp(logp_t - old'_t)`` equal ``s_i`` in value
+    while its gradient is ``s_i * grad logp_t``; every term built on ``exp(logp - old)`` then
+    becomes sequence-level. With the advantage shared by all tokens of a completion (as here)
+    GSPO-token's gradient equals GSPO's eq. 10,
+    ``s_i A_i (1/|y_i|) sum_t grad logp_t``, under the per-sequence token mean.
+
+    Args:
+        logps: [B, T] current log-probs (may carry gradient; it is not used here).
+        old_logps: [B, T] log-probs of the sampling policy.
+        mask: [B, T] float, 1 on the tokens that count.
+
+    Returns:
+        [B, T] log-probs without gradient.
+    """
+    current = logps.detach()
+    log_s = masked_mean(current - old_logps, mask)  # [B]
+    return current - log_s.unsqueeze(1)  # [B, T]
+
+
+def importance_old_logps(
+    logps: torch.Tensor, old_logps: torch.Tensor, mask: torch.Tensor, level: str
+) -> torch.Tensor:
+    """The "old" log-probs a term sees: ``old_logps`` at token level, GSPO's at sequence level."""
+    if level == "token":
+        return old_logps
+    if level == "sequence":
+        return sequence_old_logps(logps, old_logps, mask)
+    raise ValueError(f"importance_sampling_level={level!r} is invalid; use 'token' or 'sequence'.")
+
+
+# ---- per-token terms ---------------------------------------------------------------------
 
 
 def clipped_surrogate(
@@ -62,12 +167,19 @@ def clipped_surrogate(
     advantages: torch.Tensor,
     eps_low: float,
     eps_high: float,
+    delta: float | None = None,
 ) -> torch.Tensor:
     """PPO's clipped surrogate, negated for minimisation (DeepSeekMath eq. 3, per token).
 
     ``l_t = -min(r_t * A, clip(r_t, 1 - eps_low, 1 + eps_high) * A)`` with
-    ``r_t = exp(logp_t - old_logp_t)``. When ``old_logps`` is ``logps.detach()`` the ratio is 1,
-    the clip is inactive and the gradient is REINFORCE's: ``-A * grad logp_t``.
+    ``r_t = exp(logp_t - old_logp_t)``; DAPO (arXiv 2503.14476, eq. 8) decouples ``eps_low`` and
+    ``eps_high`` (clip-higher). With ``delta`` (INTELLECT-2, arXiv 2505.07291, two-sided GRPO
+    clipping) the unclipped branch uses ``min(r_t, delta)``:
+    ``l_t = -min(min(r_t, delta) * A, clip(r_t, ...) * A)``. For ``A > 0`` and
+    ``delta >= 1 + eps_high`` (the report's advice) the cap never changes the minimum, so it
+    only bounds the loss, and removes the gradient, of tokens with ``A < 0`` and ``r_t > delta``.
+    When ``old_logps`` is ``logps.detach()`` the ratio is 1, the clip is inactive and the
+    gradient is REINFORCE's: ``-A * grad logp_t``.
 
     Args:
         logps: [B, T] log-probs of the sampled tokens under the current policy.
@@ -75,22 +187,216 @@ def clipped_surrogate(
         advantages: [B] advantage of each completion.
         eps_low: lower clip range (``epsilon``).
         eps_high: upper clip range (``epsilon_high``, DAPO's clip-higher).
+        delta: INTELLECT-2's cap of the unclipped ratio; None for the plain clip.
 
     Returns:
         [B, T] per-token losses.
     """
     ratio = importance_ratio(logps, old_logps)  # [B, T]
     adv = advantages.unsqueeze(1)  # [B, 1]
-    unclipped = ratio * adv
-    clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * adv
-    return -torch.min(unclipped, clipped)
+    capped = ratio if delta is None else torch.clamp(ratio, max=delta)  # [B, T]
+    clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high)  # [B, T]
+    return -torch.min(capped * adv, clipped * adv)
 
 
-LOSS_TYPES: dict[str, LossSpec] = {
-    # DAPO: token-level average over every active token of the accumulated global batch.
-    "dapo": LossSpec(term=clipped_surrogate, reduction="token"),
-    # GRPO (DeepSeekMath): mean over each sequence's tokens, then over sequences.
-    "grpo": LossSpec(term=clipped_surrogate, reduction="sequence"),
+def cispo_surrogate(
+    logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor, eps_max: float
+) -> torch.Tensor:
+    """CISPO: the truncated importance weight, detached, times ``A * logp`` (negated).
+
+    ScaleRL (Khatri et al. 2025, arXiv 2510.13786, the CISPO loss of Sec. 3):
+    ``l_t = -sg(min(r_t, eps_max)) * A * logp_t``, so ``grad l_t = -sg(min(r_t, eps_max)) * A *
+    grad logp_t``: every token keeps its gradient, only its weight is truncated. MiniMax-M1
+    (arXiv 2506.13585, eqs. 4-5) writes the weight as ``clip(r, 1 - eps_low_IS, 1 + eps_high_IS)``
+    but sets no lower bound (``eps_low_IS`` large); ScaleRL's form has an upper cap only too,
+    and so does this one. Departure kept from TRL: the cap is ``eps_max`` itself (ScaleRL,
+    default 5.0), not MiniMax's ``1 + eps_high_IS``.
+
+    Args:
+        logps: [B, T] log-probs under the current policy (with gradient).
+        old_logps: [B, T] log-probs of the sampling policy.
+        advantages: [B] advantages.
+        eps_max: cap of the importance weight.
+
+    Returns:
+        [B, T] per-token losses.
+    """
+    weight = torch.clamp(importance_ratio(logps, old_logps), max=eps_max).detach()  # [B, T]
+    return -weight * advantages.unsqueeze(1) * logps
+
+
+def sapo_gate(ratio: torch.Tensor, temperature: torch.Tensor | float) -> torch.Tensor:
+    """SAPO's soft gate ``f(r) = sigmoid(tau (r - 1)) * 4 / tau`` (SAPO, arXiv 2511.20347, Sec. 3).
+
+    ``f'(r) = 4 sigmoid(tau (r - 1)) (1 - sigmoid(tau (r - 1)))`` is 1 at ``r = 1`` for every
+    ``tau`` and decays smoothly as ``r`` leaves 1, faster for larger ``tau``.
+    """
+    return torch.sigmoid(temperature * (ratio - 1)) * 4 / temperature
+
+
+def sapo_surrogate(
+    logps: torch.Tensor,
+    old_logps: torch.Tensor,
+    advantages: torch.Tensor,
+    tau_pos: float,
+    tau_neg: float,
+) -> torch.Tensor:
+    """SAPO: the hard clip replaced by a temperature-controlled soft gate (negated).
+
+    SAPO (Gao et al. 2025, arXiv 2511.20347, Sec. 3): ``J = E[1/G sum_i 1/|y_i| sum_t
+    f_it(r_it) A_i]`` with ``f_it(x) = sigmoid(tau_it (x - 1)) * 4 / tau_it`` and
+    ``tau_it = tau_pos`` if ``A_i > 0`` else ``tau_neg``. Per token ``l_t = -f(r_t) * A``; the
+    ``1/|y_i|`` mean is the ``"sequence"`` reduction. At ``r = 1`` the value is ``-2 A / tau``
+    (not ``-A``) but the gradient is REINFORCE's ``-A * grad logp``.
+
+    Args:
+        logps, old_logps: [B, T] current (with gradient) and sampling log-probs.
+        advantages: [B] advantages.
+        tau_pos, tau_neg: gate temperatures for ``A > 0`` and ``A <= 0``.
+
+    Returns:
+        [B, T] per-token losses.
+    """
+    ratio = importance_ratio(logps, old_logps)  # [B, T]
+    adv = advantages.unsqueeze(1)  # [B, 1]
+    tau = torch.where(adv > 0, tau_pos, tau_neg).to(ratio.dtype)  # [B, 1]
+    return -sapo_gate(ratio, tau) * adv
+
+
+def vespo_gamma_weight(
+    log_weight: torch.Tensor,
+    advantages: torch.Tensor,
+    k_pos: float,
+    lambda_pos: float,
+    k_neg: float,
+    lambda_neg: float,
+) -> torch.Tensor:
+    """VESPO's Gamma kernel ``phi(W) = W^k exp(lambda (1 - W))``, computed in log space.
+
+    VESPO (Shen et al. 2026, arXiv 2602.10693, Sec. 3.4; ``k`` and ``lambda`` are its ``c1`` and
+    ``c2``): ``phi(1) = 1``; it down-weights sequences with ``W < 1`` (power ``k``) and ``W > 1``
+    (decay ``lambda``). ``(k, lambda)`` are the ``_pos`` pair for ``A > 0`` and the ``_neg`` pair
+    otherwise (TRL uses the ``_pos`` pair at ``A = 0``; there the loss is 0 either way and only
+    the logged phi differs). ``log W`` is capped at 50 as a numerical guard (phi is 0 there).
+
+    Args:
+        log_weight: [B] ``log W``, the summed token log-ratios of each sequence.
+        advantages: [B] advantages.
+        k_pos, lambda_pos, k_neg, lambda_neg: the kernel's parameters.
+
+    Returns:
+        [B] ``phi(W)``, without gradient.
+    """
+    log_w = log_weight.detach().clamp(max=_MAX_LOG_SEQUENCE_WEIGHT)  # [B]
+    positive = advantages > 0  # [B]
+    k = torch.where(positive, k_pos, k_neg).to(log_w.dtype)  # [B]
+    lam = torch.where(positive, lambda_pos, lambda_neg).to(log_w.dtype)  # [B]
+    return torch.exp(k * log_w + lam * (1 - torch.exp(log_w)))
+
+
+def vespo_surrogate(
+    logps: torch.Tensor,
+    old_logps: torch.Tensor,
+    advantages: torch.Tensor,
+    k_pos: float,
+    lambda_pos: float,
+    k_neg: float,
+    lambda_neg: float,
+    *,
+    mask: torch.Tensor,
+) -> torch.Tensor:
+    """VESPO: the sequence's detached Gamma weight times ``A * logp`` (negated).
+
+    VESPO (arXiv 2602.10693, Sec. 3.4): ``L = -E[sg(phi(W)) * A * log pi_theta(y)]`` with
+    ``W = pi_theta(y) / mu(y) = exp(sum_t (logp_t - old_logp_t))``: the sequence-level weight
+    without length normalisation, and ``log pi_theta(y) = sum_t logp_t``. Per token
+    ``l_t = -phi_i * A_i * logp_t``; like TRL the sum is normalised as DAPO's (``"token"``).
+
+    Args:
+        logps, old_logps: [B, T] current (with gradient) and sampling log-probs.
+        advantages: [B] advantages.
+        k_pos, lambda_pos, k_neg, lambda_neg: the Gamma kernel's parameters.
+        mask: [B, T] float, 1 on the tokens that count (they make up ``W``).
+
+    Returns:
+        [B, T] per-token losses.
+    """
+    log_w = ((logps.detach() - old_logps) * mask).sum(dim=1)  # [B]
+    phi = vespo_gamma_weight(log_w, advantages, k_pos, lambda_pos, k_neg, lambda_neg)  # [B]
+    return -(phi * advantages).unsqueeze(1) * logps
+
+
+def gmpo_surrogate(
+    logps: torch.Tensor,
+    old_logps: torch.Tensor,
+    advantages: torch.Tensor,
+    eps_low: float,
+    eps_high: float,
+    *,
+    mask: torch.Tensor,
+) -> torch.Tensor:
+    """GMPO: the geometric mean of the clipped token ratios times ``A`` (negated).
+
+    GMPO (Zhao et al. 2025, arXiv 2507.20673, the objective ``J_GMPO``): ``(prod_t min[w_t^s,
+    clip(w_t^s, e1, e2)]^s)^(1/|o|) * A`` with ``s = sgn(A)``, computed in log space: a token's
+    log-ratio is capped at ``eps_high`` when ``A > 0`` and floored at ``-eps_low`` when
+    ``A <= 0`` (PPO's one-sided trust region, before the mean), then
+    ``l_i = -exp(mean_t clipped_t) * A_i``. Departure: with ``(e1, e2) = (e^-eps_low, e^eps_high)``
+    the paper's ``sgn`` form would floor ``A < 0`` tokens at ``-eps_high``; like TRL's GMPO we
+    floor at ``-eps_low`` (identical for the paper's symmetric range ``e^(+-0.4)``). The
+    sequence loss is returned on each of its tokens, so the ``"sequence"`` reduction gives
+    ``1/G sum_i l_i``.
+
+    Args:
+        logps, old_logps: [B, T] current (with gradient) and sampling log-probs.
+        advantages: [B] advantages.
+        eps_low, eps_high: the log-space clip range.
+        mask: [B, T] float, 1 on the tokens that count.
+
+    Returns:
+        [B, T] per-token losses (each row constant).
+    """
+    log_ratio = logps - old_logps  # [B, T]
+    adv = advantages.unsqueeze(1)  # [B, 1]
+    clipped = torch.where(adv > 0, log_ratio.clamp(max=eps_high), log_ratio.clamp(min=-eps_low))  # [B, T]
+    per_sequence = -torch.exp(masked_mean(clipped, mask)) * advantages  # [B]
+    return per_sequence.unsqueeze(1).expand_as(logps)
+
+
+# ---- reductions --------------------------------------------------------------------------
+
+
+def _token_global(per_token: torch.Tensor, mask: torch.Tensor, norms: Normalizers) -> torch.Tensor:
+    """DAPO: ``sum(l m) / norms.tokens``; every token of the step weighs the same."""
+    return (per_token * mask).sum() / norms.tokens
+
+
+def _sequence_mean(per_token: torch.Tensor, mask: torch.Tensor, norms: Normalizers) -> torch.Tensor:
+    """GRPO: ``sum_i mean_t(l_it) / norms.sequences``; every completion weighs the same."""
+    return masked_mean(per_token, mask).sum() / norms.sequences
+
+
+def _token_local(per_token: torch.Tensor, mask: torch.Tensor, norms: Normalizers) -> torch.Tensor:
+    """BNPO: ``sum(l m) / (sum(m) * accumulation)``; the micro-batch's token mean."""
+    return (per_token * mask).sum() / (mask.sum().clamp(min=1.0) * norms.accumulation)
+
+
+def _fixed_length(per_token: torch.Tensor, mask: torch.Tensor, norms: Normalizers) -> torch.Tensor:
+    """Dr. GRPO: ``sum(l m) / (norms.sequences * max_completion_length)``."""
+    return (per_token * mask).sum() / (norms.sequences * norms.max_completion_length)
+
+
+def _sequence_sum(per_token: torch.Tensor, mask: torch.Tensor, norms: Normalizers) -> torch.Tensor:
+    """LUSPO: ``sum_i sum_t(l_it) / norms.sequences``; each sequence's loss scaled by its length."""
+    return (per_token * mask).sum() / norms.sequences
+
+
+REDUCTIONS: dict[str, Callable[[torch.Tensor, torch.Tensor, Normalizers], torch.Tensor]] = {
+    "token": _token_global,
+    "sequence": _sequence_mean,
+    "token_local": _token_local,
+    "fixed_length": _fixed_length,
+    "sequence_sum": _sequence_sum,
 }
 
 
@@ -102,81 +408,40 @@ def reduce_loss(
     Args:
         per_token: [B, T] losses.
         mask: [B, T] 1 on tokens that count.
-        reduction: ``"token"``: ``sum(l m) / norms.tokens`` (DAPO: every token of the step
-            weighs the same); ``"sequence"``: ``sum_i mean_t(l_it) / norms.sequences`` (GRPO:
-            every completion weighs the same); ``"token_local"``: ``sum(l m) / (sum(m) *
-            accumulation)`` (BNPO: per micro-batch token mean); ``"fixed_length"``:
-            ``sum(l m) / (norms.sequences * max_completion_length)`` (Dr. GRPO).
+        reduction: a key of ``REDUCTIONS``: ``"token"`` (DAPO), ``"sequence"`` (GRPO),
+            ``"token_local"`` (BNPO), ``"fixed_length"`` (Dr. GRPO), ``"sequence_sum"`` (LUSPO).
+            A fully masked row contributes 0.
         norms: the counts of the step.
 
     Returns:
         The scalar loss.
     """
-    mask = mask.to(per_token.dtype)
-    total = (per_token * mask).sum()
-    if reduction == "token":
-        return total / norms.tokens
-    if reduction == "sequence":
-        per_seq = (per_token * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)  # [B]
-        return per_seq.sum() / norms.sequences
-    if reduction == "token_local":
-        return total / (mask.sum().clamp(min=1.0) * norms.accumulation)
-    if reduction == "fixed_length":
-        return total / (norms.sequences * norms.max_completion_length)
-    raise ValueError(f"Unknown reduction {reduction!r}.")
+    reduce = REDUCTIONS.get(reduction)
+    if reduce is None:
+        raise ValueError(f"Unknown reduction {reduction!r}; use one of {sorted(REDUCTIONS)}.")
+    return reduce(per_token, mask.to(per_token.dtype), norms)
 
 
-def policy_loss(
-    loss_type: str,
-    logps: torch.Tensor,
-    old_logps: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    eps_low: float,
-    eps_high: float,
-    norms: Normalizers,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The policy loss of one micro-batch, and its clipping statistics.
-
-    Args:
-        loss_type: a key of ``LOSS_TYPES``.
-        logps, old_logps: [B, T] log-probs (current, and of the sampling policy).
-        advantages: [B] advantages.
-        mask: [B, T] completion tokens that count.
-        eps_low, eps_high: clip range.
-        norms: the step's counts, see ``reduce_loss``.
-
-    Returns:
-        The scalar loss and ``clip_fractions(...)`` of the batch.
-    """
-    spec = LOSS_TYPES.get(loss_type)
-    if spec is None:
-        raise NotImplementedError(
-            f"loss_type={loss_type!r} is not implemented; use one of {sorted(LOSS_TYPES)}."
-        )
-    per_token = spec.term(logps, old_logps, advantages, eps_low, eps_high)
-    loss = reduce_loss(per_token, mask, spec.reduction, norms)
-    stats = clip_fractions(importance_ratio(logps.detach(), old_logps), advantages, mask, eps_low, eps_high)
-    return loss, stats
+# ---- statistics --------------------------------------------------------------------------
 
 
-def clip_fractions(
-    ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, eps_low: float, eps_high: float
-) -> dict[str, torch.Tensor]:
-    """Which tokens the clip acted on, per completion.
+def clip_fractions_between(
+    ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, lower: float, upper: float
+) -> Stats:
+    """Which tokens lie outside the trust region ``[lower, upper]`` where it binds, per completion.
 
-    A token is clipped low when ``r < 1 - eps_low`` and ``A < 0``, high when ``r > 1 + eps_high``
-    and ``A > 0`` (only then does the clip stop its gradient).
+    A token counts as clipped low when ``r < lower`` and ``A < 0``, high when ``r > upper`` and
+    ``A > 0`` (only then does a one-sided clip stop its gradient).
 
     Returns:
         ``low``, ``high``, ``region``: [B] fractions of each completion's tokens, and
         ``tokens``: [B] token counts (to weight the fractions into batch means).
     """
     mask = mask.to(ratio.dtype)
-    adv = advantages.unsqueeze(1)
-    low = ((ratio < 1 - eps_low) & (adv < 0)).to(ratio.dtype) * mask
-    high = ((ratio > 1 + eps_high) & (adv > 0)).to(ratio.dtype) * mask
-    tokens = mask.sum(dim=1)
+    adv = advantages.unsqueeze(1)  # [B, 1]
+    low = ((ratio < lower) & (adv < 0)).to(ratio.dtype) * mask  # [B, T]
+    high = ((ratio > upper) & (adv > 0)).to(ratio.dtype) * mask  # [B, T]
+    tokens = mask.sum(dim=1)  # [B]
     denom = tokens.clamp(min=1.0)
     return {
         "low": low.sum(dim=1) / denom,
@@ -184,3 +449,198 @@ def clip_fractions(
         "region": (low + high).sum(dim=1) / denom,
         "tokens": tokens,
     }
+
+
+def clip_fractions(
+    ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, eps_low: float, eps_high: float
+) -> Stats:
+    """``clip_fractions_between`` for PPO's region ``[1 - eps_low, 1 + eps_high]``."""
+    return clip_fractions_between(ratio, advantages, mask, 1 - eps_low, 1 + eps_high)
+
+
+def _ratio_region(s: ObjectiveSettings) -> tuple[float, float]:
+    return 1 - s.epsilon_low, 1 + s.epsilon_high
+
+
+def _log_region(s: ObjectiveSettings) -> tuple[float, float]:
+    return math.exp(-s.epsilon_low), math.exp(s.epsilon_high)
+
+
+def _no_region(s: ObjectiveSettings) -> tuple[float, float]:
+    return 0.0, math.inf
+
+
+CLIP_REGIONS: dict[str, Callable[[ObjectiveSettings], tuple[float, float]]] = {
+    "ratio": _ratio_region,
+    "log": _log_region,
+    "none": _no_region,
+}
+
+
+def cispo_stats(
+    log_ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, s: ObjectiveSettings
+) -> Stats:
+    """``cispo_clip``: [B] fraction of tokens with ``r > eps_max`` and ``A > 0`` (TRL's metric)."""
+    truncated = (log_ratio.exp() > s.epsilon_high) & (advantages.unsqueeze(1) > 0)  # [B, T]
+    return {"cispo_clip": masked_mean(truncated.to(mask.dtype), mask)}
+
+
+def vespo_stats(
+    log_ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, s: ObjectiveSettings
+) -> Stats:
+    """``vespo_phi``: [B] each sequence's Gamma weight ``phi(W)``."""
+    log_w = (log_ratio * mask).sum(dim=1)  # [B]
+    phi = vespo_gamma_weight(
+        log_w, advantages, s.vespo_k_pos, s.vespo_lambda_pos, s.vespo_k_neg, s.vespo_lambda_neg
+    )
+    return {"vespo_phi": phi}
+
+
+# ---- the table -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """How one ``loss_type`` is computed: a composition of the pieces above.
+
+    Attributes:
+        term: per-token loss ``(logps, old_logps, advantages, *hyper[, mask=]) -> [B, T]``.
+        reduction: a key of ``REDUCTIONS``.
+        hyper: the ``ObjectiveSettings`` fields passed to ``term`` after the tensors, in order.
+        masked_term: whether ``term`` couples the tokens of a sequence and takes ``mask=``.
+        levels: the ``importance_sampling_level`` values the loss accepts.
+        clip_region: a key of ``CLIP_REGIONS``: the bounds ``low``/``high``/``region`` count
+            (``"none"``: the loss has no hard clip; the trainer need not log them).
+        extra_stats: ``(log_ratio, advantages, mask, settings) -> {name: [B]}`` or None.
+    """
+
+    term: Callable[..., torch.Tensor]
+    reduction: str
+    hyper: tuple[str, ...] = ()
+    masked_term: bool = False
+    levels: tuple[str, ...] = ("token", "sequence")
+    clip_region: str = "ratio"
+    extra_stats: Callable[..., Stats] | None = None
+
+
+_CLIP = ("epsilon_low", "epsilon_high", "delta")
+_VESPO = ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")
+
+LOSS_TYPES: dict[str, LossSpec] = {
+    # GRPO (DeepSeekMath eq. 3): mean over each sequence's tokens, then over sequences.
+    "grpo": LossSpec(clipped_surrogate, "sequence", _CLIP),
+    # DAPO (eq. 8): token-level average over every active token of the accumulated global batch.
+    "dapo": LossSpec(clipped_surrogate, "token", _CLIP),
+    # BNPO: token average over the local micro-batch.
+    "bnpo": LossSpec(clipped_surrogate, "token_local", _CLIP),
+    # Dr. GRPO (arXiv 2503.20783, Sec. 3.2): sum divided by batch size x max_completion_length.
+    "dr_grpo": LossSpec(clipped_surrogate, "fixed_length", _CLIP),
+    # LUSPO (arXiv 2602.05261): GSPO with each sequence's loss scaled by its length.
+    "luspo": LossSpec(clipped_surrogate, "sequence_sum", _CLIP, levels=("sequence",)),
+    # CISPO (MiniMax-M1 / ScaleRL): detached truncated weight x A x logp, DAPO's normaliser.
+    "cispo": LossSpec(
+        cispo_surrogate, "token", ("epsilon_high",), clip_region="none", extra_stats=cispo_stats
+    ),
+    # SAPO (Qwen): sigmoid soft gate instead of the clip, per-sequence token mean.
+    "sapo": LossSpec(
+        sapo_surrogate, "sequence", ("sapo_temperature_pos", "sapo_temperature_neg"), clip_region="none"
+    ),
+    # VESPO: detached Gamma weight of the unnormalised sequence ratio; it is sequence-level by
+    # construction, so it takes token-level inputs only.
+    "vespo": LossSpec(
+        vespo_surrogate,
+        "token",
+        _VESPO,
+        masked_term=True,
+        levels=("token",),
+        clip_region="none",
+        extra_stats=vespo_stats,
+    ),
+    # GMPO: geometric mean of per-token log-space-clipped ratios, mean over sequences.
+    "gmpo": LossSpec(
+        gmpo_surrogate,
+        "sequence",
+        ("epsilon_low", "epsilon_high"),
+        masked_term=True,
+        levels=("token",),
+        clip_region="log",
+    ),
+}
+
+
+def resolve_loss(settings: ObjectiveSettings) -> LossSpec:
+    """The ``LOSS_TYPES`` row of ``settings``, after checking its importance level.
+
+    Raises:
+        NotImplementedError: ``settings.loss_type`` is not in ``LOSS_TYPES``.
+        ValueError: the loss does not accept ``settings.importance_sampling_level``.
+    """
+    spec = LOSS_TYPES.get(settings.loss_type)
+    if spec is None:
+        raise NotImplementedError(
+            f"loss_type={settings.loss_type!r} is not implemented; use one of {sorted(LOSS_TYPES)}."
+        )
+    level = settings.importance_sampling_level
+    if level not in ("token", "sequence"):
+        raise ValueError(f"importance_sampling_level={level!r} is invalid; use 'token' or 'sequence'.")
+    if level not in spec.levels:
+        raise ValueError(
+            f"loss_type={settings.loss_type!r} needs importance_sampling_level in {list(spec.levels)}, "
+            f"got {level!r}; set importance_sampling_level={spec.levels[0]!r}."
+        )
+    return spec
+
+
+def policy_loss(
+    logps: torch.Tensor,
+    old_logps: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    settings: ObjectiveSettings,
+    norms: Normalizers,
+    token_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, Stats]:
+    """The policy loss of one micro-batch and its per-completion statistics.
+
+    Composes the ``LOSS_TYPES`` row of ``settings.loss_type``: the importance level's "old"
+    log-probs, the term, the reduction and the statistics (see the module docstring).
+
+    Args:
+        logps: [B, T] log-probs of the sampled tokens under the current policy (with gradient).
+        old_logps: [B, T] log-probs under the sampling policy (no gradient; ``logps.detach()``
+            on-policy).
+        advantages: [B] advantages.
+        mask: [B, T] completion tokens that count.
+        settings: the objective's hyper-parameters.
+        norms: the step's counts, see ``reduce_loss``.
+        token_weights: [B, T] factors (no gradient) multiplying each token's policy loss while
+            the reduction still counts every token of ``mask``: the high-entropy token mask
+            (80/20), the off-policy sequence mask (DeepSeek-V3.2) and sampler importance weights.
+
+    Returns:
+        The scalar loss and a dict of [B] tensors without gradient: ``low``, ``high``,
+        ``region``, ``tokens``, plus ``cispo_clip`` (cispo) or ``vespo_phi`` (vespo).
+
+    Raises:
+        NotImplementedError: unknown ``loss_type``.
+        ValueError: the loss does not accept ``importance_sampling_level``.
+    """
+    spec = resolve_loss(settings)
+    mask = mask.to(logps.dtype)
+    keep = mask > 0
+    logps = logps.masked_fill(~keep, 0.0)  # [B, T] padding cannot leak, even inf
+    old_logps = old_logps.detach().masked_fill(~keep, 0.0)  # [B, T]
+    old = importance_old_logps(logps, old_logps, mask, settings.importance_sampling_level)  # [B, T]
+    hyper = [getattr(settings, name) for name in spec.hyper]
+    extra = {"mask": mask} if spec.masked_term else {}
+    per_token = spec.term(logps, old, advantages, *hyper, **extra)  # [B, T]
+    if token_weights is not None:
+        per_token = per_token * token_weights.detach().to(per_token.dtype)
+    loss = reduce_loss(per_token, mask, spec.reduction, norms)
+    with torch.no_grad():
+        log_ratio = logps.detach() - old  # [B, T]
+        lower, upper = CLIP_REGIONS[spec.clip_region](settings)
+        stats = clip_fractions_between(log_ratio.exp(), advantages, mask, lower, upper)
+        if spec.extra_stats is not None:
+            stats.update(spec.extra_stats(log_ratio, advantages, mask, settings))
+    return loss, stats

@@ -14,9 +14,11 @@ kept whole), the generation buffer, the loss and the metrics.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -27,10 +29,12 @@ from posttrain.data import formats
 from posttrain.data.sampling import grouped_dataloader
 from posttrain.generation.base import Generator, build_rollout
 from posttrain.generation.transformers_backend import TransformersGenerator, sampling_config
-from posttrain.grpo import advantages, objectives
+from posttrain.grpo import advantages, objectives, regularizers
 from posttrain.grpo.config import GRPOConfig
+from posttrain.grpo.loss import LossSettings, grpo_loss
 from posttrain.grpo.rollout import Rollout, ScoredRollout
 from posttrain.models import loading
+from posttrain.models import reference as model_options
 from posttrain.observe.metrics import MetricStore
 from posttrain.ops.logprobs import completion_logps
 from posttrain.ops.padding import left_pad
@@ -112,6 +116,7 @@ class GRPOTrainer(Trainer):
             args = GRPOConfig(output_dir=f"{os.path.basename(str(base).rstrip('/')) or 'model'}-GRPO")
         rewards = RewardRunner(self._setup_reward_funcs(reward_funcs, args))
         self._check_datasets(train_dataset, eval_dataset, args)
+        loss_settings = LossSettings.from_config(args)
         model, source = self._setup_model(model, args)
         processing_class = self._setup_tokenizer(processing_class, source, args)
         super().__init__(
@@ -129,6 +134,12 @@ class GRPOTrainer(Trainer):
             args.reward_weights or [1.0] * len(rewards.funcs), dtype=torch.float32
         )
         self.generator: Generator = self._setup_generator()
+        aux = model_options.set_router_aux_loss_coef(self.model, args.router_aux_loss_coef)
+        self.loss_settings = replace(loss_settings, aux_loss_coef=aux)
+        self.ref_model = self._setup_reference()
+        self.entropy_coef = float(args.entropy_coef)
+        self._step_entropy: list[float] = []
+        self.add_callback(_AfterOptimizerStep(self))
         self._metrics = MetricStore()
         self._buffer: list[ScoredRollout] = []
         self._micro_step = 0
@@ -192,7 +203,19 @@ class GRPOTrainer(Trainer):
             raise TypeError("model must be a causal language model (it has no generate method).")
         if args.disable_dropout:
             loading.disable_dropout(policy)
+        if args.cast_lm_head_to_fp32:
+            model_options.cast_lm_head_to_fp32(policy)
+        if args.router_aux_loss_coef is not None and not model_options.is_moe(policy):
+            model_options.set_router_aux_loss_coef(
+                policy, args.router_aux_loss_coef
+            )  # raises, before training
         return policy, source
+
+    def _setup_reference(self) -> torch.nn.Module | None:
+        """A frozen copy of the initial policy when the KL penalty is on (``beta != 0``)."""
+        if self.args.beta == 0.0:
+            return None
+        return model_options.create_reference(self.model).to(self.accelerator.device)
 
     @staticmethod
     def _setup_tokenizer(processing_class: Any, source: str, args: GRPOConfig) -> Any:
@@ -360,6 +383,8 @@ class GRPOTrainer(Trainer):
         for c in chunks:
             if mode == "train" and not on_policy:
                 c.old_logps = self._frozen_logps(self.model, c.rollout)
+            if self.ref_model is not None:
+                c.ref_logps = self._frozen_logps(self.ref_model, c.rollout)
         return chunks
 
     @torch.no_grad()
@@ -399,23 +424,13 @@ class GRPOTrainer(Trainer):
             r.completion_mask,
             a.temperature,
             with_entropy=True,
+            entropy_grad=self.loss_settings.entropy_regularized,
         )
-        logps, entropy = out.logps, out.entropy
-        old = inputs.old_logps if inputs.old_logps is not None else logps.detach()
-        mask = self._loss_mask(r)
-        eps_high = a.epsilon_high if a.epsilon_high is not None else a.epsilon
-        loss, clip = objectives.policy_loss(
-            a.loss_type,
-            logps,
-            old,
-            inputs.advantages.to(logps.device),
-            mask,
-            a.epsilon,
-            eps_high,
-            inputs.norms,
-        )
-        self._record_loss_metrics(mode, entropy, mask, clip)
-        return loss
+        result = grpo_loss(out, inputs, self._loss_mask(r), self.loss_settings, self.entropy_coef)
+        if mode == "train" and "entropy_bonus" in result.scalars:
+            self._step_entropy.append(result.scalars["entropy_bonus"])
+        self._record_loss_metrics(mode, result.per_completion, result.scalars)
+        return result.loss
 
     def training_step(
         self, model: torch.nn.Module, inputs: Any, num_items_in_batch: Any = None
@@ -471,25 +486,87 @@ class GRPOTrainer(Trainer):
         self._metrics.add_all(mode, m)
 
     def _record_loss_metrics(
-        self, mode: str, entropy: torch.Tensor, mask: torch.Tensor, clip: dict[str, torch.Tensor]
+        self, mode: str, per_completion: dict[str, torch.Tensor], scalars: dict[str, float]
     ) -> None:
-        mask = mask.to(entropy.dtype)
-        sums = torch.stack([(entropy * mask).sum(), mask.sum()]).to(self.accelerator.device)
-        ent_sum, count = gather(sums.reshape(1, 2)).sum(dim=0).tolist()
-        per_seq = {k: gather(v.detach().to(self.accelerator.device)).cpu() for k, v in clip.items()}
-        weight = per_seq["tokens"].clamp(min=0)
-        total = max(weight.sum().item(), 1.0)
-        self._metrics.add_all(
-            mode,
-            {
-                "entropy": ent_sum / max(count, 1.0),
-                "clip_ratio/low_mean": (per_seq["low"] * weight).sum().item() / total,
-                "clip_ratio/low_min": per_seq["low"].min().item(),
-                "clip_ratio/high_mean": (per_seq["high"] * weight).sum().item() / total,
-                "clip_ratio/high_max": per_seq["high"].max().item(),
-                "clip_ratio/region_mean": (per_seq["region"] * weight).sum().item() / total,
-            },
-        )
+        """Gather the per-completion statistics of a micro-batch and record the metrics."""
+        device = self.accelerator.device
+        g = {k: gather(v.detach().float().to(device)).cpu() for k, v in per_completion.items()}
+        tokens = g["tokens"].clamp(min=0)
+        total = max(tokens.sum().item(), 1.0)
+        sequence_level = self.args.importance_sampling_level == "sequence"
+        # at sequence level each completion is clipped as a whole: average over completions
+        weight = torch.ones_like(tokens) / len(tokens) if sequence_level else tokens / total
+        m = {"entropy": g["entropy_sum"].sum().item() / total}
+        spec = objectives.LOSS_TYPES[self.args.loss_type]
+        if spec.clip_region != "none":
+            m["clip_ratio/low_mean"] = (g["low"] * weight).sum().item()
+            m["clip_ratio/low_min"] = g["low"].min().item()
+            m["clip_ratio/high_mean"] = (g["high"] * weight).sum().item()
+            m["clip_ratio/high_max"] = g["high"].max().item()
+            m["clip_ratio/region_mean"] = (g["region"] * weight).sum().item()
+        if "cispo_clip" in g:
+            m["cispo_clip_ratio"] = (g["cispo_clip"] * weight).sum().item()
+        if "vespo_phi" in g:
+            m["vespo/phi_seq_mean"] = g["vespo_phi"].mean().item()
+        if "kl_sum" in g:
+            m["kl"] = g["kl_sum"].sum().item() / total
+        local = torch.tensor([scalars[k] for k in sorted(scalars)], device=device)
+        means = gather(local.unsqueeze(0)).mean(dim=0).tolist()
+        reported = {"aux_loss"}
+        if self.loss_settings.entropy_regularized:
+            reported.add("policy_loss")  # the spec logs it only next to an entropy term
+            m["entropy_coef"] = self.entropy_coef  # the current coefficient (adaptive: before gating)
+        for key, value in zip(sorted(scalars), means, strict=True):
+            if key in reported:
+                m[key] = value
+        self._metrics.add_all(mode, m)
+
+    def _after_optimizer_step(self) -> None:
+        """Adaptive entropy coefficient (Skywork-OR1) and reference sync (TR-DPO), once per step."""
+        a = self.args
+        if a.use_adaptive_entropy and self._step_entropy:
+            local = torch.tensor(
+                [sum(self._step_entropy) / len(self._step_entropy)], device=self.accelerator.device
+            )
+            entropy = gather(local).mean().item()
+            self.entropy_coef = regularizers.next_entropy_coef(
+                self.entropy_coef,
+                entropy,
+                a.entropy_target,
+                a.entropy_coef_delta,
+                a.entropy_coef_min,
+                a.entropy_coef_max,
+            )
+        self._step_entropy = []
+        if self.ref_model is not None and a.sync_ref_model:
+            if regularizers.should_sync_reference(self.state.global_step, a.ref_model_sync_steps):
+                regularizers.mix_into_reference(
+                    self.ref_model.parameters(), self.model.parameters(), a.ref_model_mixup_alpha
+                )
+
+    # ---- checkpoints: what transformers.Trainer does not save ---------------------------------
+
+    def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
+        super()._save_checkpoint(model, trial)
+        if not self.args.should_save:
+            return
+        folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
+        with open(os.path.join(folder, POSTTRAIN_STATE), "w") as f:
+            json.dump({"entropy_coef": self.entropy_coef}, f)
+        if self.ref_model is not None and self.args.sync_ref_model:
+            torch.save(self.ref_model.state_dict(), os.path.join(folder, REFERENCE_STATE))
+
+    def _load_from_checkpoint(
+        self, resume_from_checkpoint: str, model: torch.nn.Module | None = None
+    ) -> None:
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
+        path = os.path.join(resume_from_checkpoint, POSTTRAIN_STATE)
+        if os.path.isfile(path):
+            with open(path) as f:
+                self.entropy_coef = float(json.load(f)["entropy_coef"])
+        ref_path = os.path.join(resume_from_checkpoint, REFERENCE_STATE)
+        if self.ref_model is not None and os.path.isfile(ref_path):
+            self.ref_model.load_state_dict(torch.load(ref_path, map_location=self.accelerator.device))
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Add the GRPO metrics averaged since the last log (``eval_``-prefixed during evaluation)."""
@@ -507,6 +584,20 @@ class GRPOTrainer(Trainer):
     def floating_point_ops(self, inputs: Any) -> int:
         """FLOPs are not estimated for GRPO steps (generation dominates and varies)."""
         return 0
+
+
+POSTTRAIN_STATE = "posttrain_state.json"
+REFERENCE_STATE = "reference_model.pt"
+
+
+class _AfterOptimizerStep(TrainerCallback):
+    """Calls the trainer's per-step updates after each optimizer step."""
+
+    def __init__(self, trainer: GRPOTrainer) -> None:
+        self.trainer = trainer
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.trainer._after_optimizer_step()
 
 
 def _identity(batch: list[Any]) -> list[Any]:

@@ -13,8 +13,11 @@ def create_reference(policy: torch.nn.Module) -> torch.nn.Module:
     ref = copy.deepcopy(policy)
     ref.eval()
     ref.requires_grad_(False)
-    if hasattr(ref, "gradient_checkpointing_disable"):
-        ref.gradient_checkpointing_disable()
+    disable = getattr(ref, "activation_checkpointing_disable", None) or getattr(
+        ref, "gradient_checkpointing_disable", None
+    )
+    if disable is not None:
+        disable()
     return ref
 
 
@@ -41,9 +44,10 @@ def cast_lm_head_to_fp32(model: Any) -> None:
 def is_moe(model: Any) -> bool:
     """Whether the model has a router auxiliary loss (a Mixture-of-Experts config)."""
     config = model.config
-    return hasattr(config, "router_aux_loss_coef") and (
-        getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
-    ) is not None
+    return (
+        hasattr(config, "router_aux_loss_coef")
+        and (getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)) is not None
+    )
 
 
 def set_router_aux_loss_coef(model: Any, coef: float | None) -> float:

@@ -1,0 +1,181 @@
+"""The full GRPO loss of one micro-batch: the policy term plus the configured regularisers.
+
+``grpo_loss`` composes the pure pieces of ``objectives`` (the policy term of the chosen
+``loss_type``) and ``regularizers`` (KL, entropy, masks and weights). It takes the policy's
+forward output and the scored micro-batch, and returns the loss and what the trainer logs;
+it knows nothing of models, processes or configs beyond ``LossSettings``.
+
+Order of the per-token pieces (as in the reference):
+
+1. token weights on the policy term: the high-entropy mask (``top_entropy_quantile``, 80/20),
+   the off-policy sequence mask (DeepSeek-V3.2 eq. 9) and the sampler importance weights;
+2. the policy term, reduced as its ``loss_type`` says;
+3. ``+ beta * KL`` (k3, or bias-corrected by the importance ratio), reduced the same way;
+4. ``- coef * mean per-token entropy`` (the bonus is never rescaled by the loss type);
+5. ``+ router_aux_loss_coef * aux_loss`` for Mixture-of-Experts models.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from posttrain.grpo import objectives, regularizers
+from posttrain.grpo.rollout import ScoredRollout
+from posttrain.ops.logprobs import PolicyOutput
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    """Everything the loss needs to know besides the tensors.
+
+    Attributes:
+        objective: the policy term's settings.
+        beta: KL coefficient (0: no reference policy).
+        use_bias_correction_kl: multiply the KL by the importance ratio (DeepSeek-V3.2).
+        top_entropy_quantile: keep only this top fraction of tokens by entropy in the policy term.
+        off_policy_mask_threshold: drop negative-advantage sequences that drifted further than
+            this from the sampling policy (``None``: off).
+        entropy_regularized: add the entropy bonus (``entropy_coef != 0`` or adaptive).
+        adaptive_entropy: apply the coefficient only while entropy is at or below the target.
+        entropy_target: Skywork-OR1's target entropy.
+        aux_loss_coef: router load-balancing coefficient (0: off).
+    """
+
+    objective: objectives.ObjectiveSettings = field(default_factory=objectives.ObjectiveSettings)
+    beta: float = 0.0
+    use_bias_correction_kl: bool = True
+    top_entropy_quantile: float = 1.0
+    off_policy_mask_threshold: float | None = None
+    entropy_regularized: bool = False
+    adaptive_entropy: bool = False
+    entropy_target: float = 0.2
+    aux_loss_coef: float = 0.0
+
+    @classmethod
+    def from_config(cls, args: Any, aux_loss_coef: float = 0.0) -> LossSettings:
+        """Read the settings from a ``GRPOConfig``; cispo's ``eps_max`` defaults to 5.0."""
+        if args.epsilon_high is not None:
+            eps_high = args.epsilon_high
+        else:
+            eps_high = 5.0 if args.loss_type == "cispo" else args.epsilon
+        objective = objectives.ObjectiveSettings(
+            loss_type=args.loss_type,
+            importance_sampling_level=args.importance_sampling_level,
+            epsilon_low=args.epsilon,
+            epsilon_high=eps_high,
+            delta=args.delta,
+            sapo_temperature_pos=args.sapo_temperature_pos,
+            sapo_temperature_neg=args.sapo_temperature_neg,
+            vespo_k_pos=args.vespo_k_pos,
+            vespo_lambda_pos=args.vespo_lambda_pos,
+            vespo_k_neg=args.vespo_k_neg,
+            vespo_lambda_neg=args.vespo_lambda_neg,
+        )
+        objectives.resolve_loss(objective)  # a bad loss_type / level combination fails here
+        return cls(
+            objective=objective,
+            beta=args.beta,
+            use_bias_correction_kl=args.use_bias_correction_kl,
+            top_entropy_quantile=args.top_entropy_quantile,
+            off_policy_mask_threshold=args.off_policy_mask_threshold,
+            entropy_regularized=args.entropy_coef != 0.0 or args.use_adaptive_entropy,
+            adaptive_entropy=args.use_adaptive_entropy,
+            entropy_target=args.entropy_target,
+            aux_loss_coef=aux_loss_coef,
+        )
+
+
+@dataclass
+class LossResult:
+    """The loss and what to log.
+
+    Attributes:
+        loss: the scalar to back-propagate (the micro-batch's share of the step's loss).
+        per_completion: [B] tensors to gather across processes: the policy statistics of
+            ``objectives.policy_loss`` plus ``entropy_sum`` and, with a KL, ``kl_sum`` (sums over
+            each completion's counted tokens).
+        scalars: detached scalars of this micro-batch: ``policy_loss``, and when active
+            ``entropy_bonus``, ``entropy_coef`` (the coefficient applied) and ``aux_loss``.
+    """
+
+    loss: torch.Tensor
+    per_completion: dict[str, torch.Tensor]
+    scalars: dict[str, float]
+
+
+def _token_weights(
+    s: LossSettings, out: PolicyOutput, batch: ScoredRollout, old: torch.Tensor, mask: torch.Tensor
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Weights on the policy term, and the tokens the entropy bonus and target are measured on."""
+    weights, bonus_mask = None, mask
+    if s.top_entropy_quantile < 1.0:
+        keep = regularizers.high_entropy_mask(out.entropy.detach(), mask, s.top_entropy_quantile)
+        weights = keep.to(mask.dtype)
+        bonus_mask = mask * weights
+    if s.off_policy_mask_threshold is not None:
+        reference = batch.rollout.sampler_logps if batch.rollout.sampler_logps is not None else old
+        seq = regularizers.off_policy_sequence_mask(
+            reference, out.logps.detach(), batch.advantages, mask, s.off_policy_mask_threshold
+        )
+        seq = seq.to(mask.dtype).unsqueeze(1)  # [B, 1]
+        weights = seq if weights is None else weights * seq
+    if batch.is_weights is not None:
+        weights = batch.is_weights if weights is None else weights * batch.is_weights
+    return weights, bonus_mask
+
+
+def _kl(
+    s: LossSettings, logps: torch.Tensor, old: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """Per-token KL to the reference: [B, T]."""
+    if not s.use_bias_correction_kl:
+        return regularizers.kl_k3(logps, ref)
+    ratio = None
+    if s.objective.importance_sampling_level == "sequence":
+        ratio = torch.exp(objectives.masked_mean(logps - old, mask)).unsqueeze(1)  # [B, 1], differentiable
+    return regularizers.bias_corrected_kl(logps, old, ref, ratio=ratio)
+
+
+def grpo_loss(
+    out: PolicyOutput, batch: ScoredRollout, mask: torch.Tensor, s: LossSettings, entropy_coef: float
+) -> LossResult:
+    """The loss of one micro-batch.
+
+    Args:
+        out: the policy's forward output on the micro-batch (log-probs with gradient, entropy).
+        batch: the scored micro-batch (advantages, old / reference log-probs, normalisers).
+        mask: [B, T] completion tokens that count in the loss.
+        s: the settings.
+        entropy_coef: the entropy coefficient in force (it moves when adaptive).
+
+    Returns:
+        A ``LossResult``.
+    """
+    logps = out.logps
+    mask = mask.to(logps.dtype)
+    old = batch.old_logps if batch.old_logps is not None else logps.detach()
+    adv = batch.advantages.to(logps.device)
+    weights, bonus_mask = _token_weights(s, out, batch, old, mask)
+    policy, stats = objectives.policy_loss(logps, old, adv, mask, s.objective, batch.norms, weights)
+    loss, per_completion = policy, dict(stats)
+    scalars = {"policy_loss": policy.item()}
+    per_completion["entropy_sum"] = (out.entropy.detach() * mask).sum(dim=1)
+    if s.beta != 0.0:
+        kl = _kl(s, logps, old, batch.ref_logps, mask)
+        reduction = objectives.LOSS_TYPES[s.objective.loss_type].reduction
+        loss = loss + s.beta * objectives.reduce_loss(kl, mask, reduction, batch.norms)
+        per_completion["kl_sum"] = (kl.detach() * mask).sum(dim=1)
+    if s.entropy_regularized:
+        bonus = regularizers.entropy_bonus(out.entropy, bonus_mask)
+        coef = entropy_coef
+        if s.adaptive_entropy:
+            coef = regularizers.applied_entropy_coef(entropy_coef, bonus.item(), s.entropy_target)
+        loss = loss - coef * bonus / batch.norms.accumulation
+        scalars.update(entropy_bonus=bonus.item(), entropy_coef=coef)
+    if s.aux_loss_coef and out.aux_loss is not None:
+        loss = loss + s.aux_loss_coef * out.aux_loss / batch.norms.accumulation
+        scalars["aux_loss"] = out.aux_loss.item()
+    return LossResult(loss=loss, per_completion=per_completion, scalars=scalars)
