@@ -20,7 +20,10 @@ from typing import Any
 from transformers import TrainingArguments
 from transformers.utils import is_torch_bf16_gpu_available, is_torch_xla_available
 
-__all__ = ["GRPOConfig", "UNBUILT_OPTIONS", "UnbuiltOption"]
+__all__ = ["GRPOConfig", "POSTTRAIN_EXTENSIONS", "UNBUILT_OPTIONS", "UnbuiltOption"]
+
+#: Fields posttrain adds to the reference's GRPOConfig (features the reference lacks).
+POSTTRAIN_EXTENSIONS = ("dynamic_sampling", "dynamic_sampling_max_rounds")
 
 
 # --------------------------------------------------------------------------------------------
@@ -141,6 +144,7 @@ _RULES: tuple[_Rule, ...] = (
     _Rule("epsilon_high", _optional(lambda v: _is_num(v) and v >= 0), "None or a number >= 0", "set epsilon_high to a non-negative value such as 0.28, or leave it None to reuse epsilon"),
     _Rule("beta", lambda v: _is_num(v) and v >= 0, "a number >= 0", "set beta to 0.0 (no KL term) or to a positive KL coefficient"),
     _Rule("num_iterations", _positive_int, "an integer >= 1", "set num_iterations to 1 (the default) or more"),
+    _Rule("dynamic_sampling_max_rounds", _positive_int, "an integer >= 1", "set dynamic_sampling_max_rounds to 1 or more (the default is 3)"),
     _Rule("top_entropy_quantile", lambda v: _is_num(v) and 0 <= v <= 1, "a number in [0, 1]", "set top_entropy_quantile to a value in [0, 1], or to 1.0 to keep every token"),
     _Rule("reward_weights", _optional(lambda v: isinstance(v, (list, tuple)) and all(_is_num(w) for w in v)), "None or a list of numbers, one per reward function", "pass a list of floats such as [1.0, 0.5], or None to weight every reward function 1.0"),
 ) + tuple(
@@ -381,6 +385,15 @@ class GRPOConfig(TrainingArguments):
             `use_transformers_continuous_batching`; removed in TRL v2.0.0.
         vllm_importance_sampling_cap (`float | None`, defaults to `None`): Deprecated alias of
             `vllm_importance_sampling_clip_max`; removed in TRL v2.0.0.
+
+    posttrain extensions (not in the reference; see :data:`POSTTRAIN_EXTENSIONS`):
+        dynamic_sampling (`bool`, defaults to `False`): DAPO's dynamic sampling: replace the
+            groups whose rewards all agree by groups with spread from further prompts, so every
+            slot of the batch carries a learning signal. Needs the per-process generation batch
+            (`per_device_train_batch_size * steps_per_generation`) to be a multiple of
+            `num_generations`.
+        dynamic_sampling_max_rounds (`int`, defaults to `3`): At most this many extra generation
+            rounds per generation batch; slots still empty afterwards keep their groups.
     """
 
     # ---- TrainingArguments fields whose default differs for GRPO --------------------------
@@ -820,6 +833,19 @@ class GRPOConfig(TrainingArguments):
         metadata={"help": "Deprecated: use vllm_importance_sampling_clip_max instead."},
     )
 
+    # ---- posttrain extensions ---------------------------------------------------------------
+    dynamic_sampling: bool = field(
+        default=False,
+        metadata={
+            "help": "DAPO dynamic sampling: replace groups whose rewards all agree by groups with spread "
+            "generated from further prompts."
+        },
+    )
+    dynamic_sampling_max_rounds: int = field(
+        default=3,
+        metadata={"help": "Most extra generation rounds per generation batch for dynamic_sampling."},
+    )
+
     def __post_init__(self) -> None:
         """Normalise, validate and derive the GRPO values around ``TrainingArguments``'s own setup.
 
@@ -954,6 +980,14 @@ class GRPOConfig(TrainingArguments):
                 _group_split_message(
                     gbs, f"{per_step_text}, times {spg_text}", per_step, spg, self.num_generations
                 )
+            )
+        per_process = self.per_device_train_batch_size * spg
+        if self.dynamic_sampling and per_process % self.num_generations != 0:
+            raise ValueError(
+                f"dynamic_sampling=True refills each process's own groups, so the per-process generation "
+                f"batch (per_device_train_batch_size x steps_per_generation = {per_process}) must be a "
+                f"multiple of num_generations={self.num_generations}; raise per_device_train_batch_size "
+                "or steps_per_generation, or set dynamic_sampling=False."
             )
 
 

@@ -29,7 +29,7 @@ from posttrain.data import formats
 from posttrain.data.sampling import grouped_dataloader
 from posttrain.generation.base import Generator, build_rollout
 from posttrain.generation.transformers_backend import TransformersGenerator, sampling_config
-from posttrain.grpo import advantages, objectives, regularizers
+from posttrain.grpo import advantages, dynamic_sampling, objectives, regularizers
 from posttrain.grpo.config import GRPOConfig
 from posttrain.grpo.loss import LossSettings, grpo_loss
 from posttrain.grpo.rollout import Rollout, ScoredRollout
@@ -255,14 +255,17 @@ class GRPOTrainer(Trainer):
 
     # ---- data --------------------------------------------------------------------------------
 
-    def _dataloader(self, dataset: Any, per_process: int, group: int, repeat: int, shuffle: bool) -> Any:
+    def _dataloader(
+        self, dataset: Any, per_process: int, group: int, repeat: int, shuffle: bool, seed: int | None = None
+    ) -> Any:
         a = self.args
+        seed = (a.data_seed or a.seed) if seed is None else seed
         if a.remove_unused_columns and hasattr(dataset, "select_columns"):
             dataset = dataset.select_columns([formats.PROMPT_COLUMN])
         if shuffle and not hasattr(dataset, "__len__") and hasattr(dataset, "shuffle"):
-            dataset = dataset.shuffle(seed=a.data_seed or a.seed, buffer_size=1000)
+            dataset = dataset.shuffle(seed=seed, buffer_size=1000)
         return grouped_dataloader(
-            dataset, group, per_process, a.world_size, a.process_index, repeat, shuffle, a.data_seed or a.seed
+            dataset, group, per_process, a.world_size, a.process_index, repeat, shuffle, seed
         )
 
     def get_train_dataloader(self) -> Any:
@@ -304,14 +307,9 @@ class GRPOTrainer(Trainer):
     ) -> list[ScoredRollout]:
         """Sample completions for this process's rows, score them, compute advantages."""
         group = self.args.num_generations if mode == "train" else self.args.num_generations_eval
-        prompts = [row.get(formats.PROMPT_COLUMN) for row in batch]
-        for i, p in enumerate(prompts):
-            formats.check_prompt(p, f"{i} of this batch")
-        rollout = self._generate(prompts)
-        completions, completion_ids = self._decode(rollout, prompts)
-        rewards_local = self.rewards.score(
-            len(batch), self._reward_kwargs(batch, prompts, completions, completion_ids, mode)
-        )
+        rollout, rewards_local = self._sample(batch, mode)
+        if mode == "train" and self.args.dynamic_sampling:
+            rollout, rewards_local = self._refill(rollout, rewards_local, group)
         rewards = gather(rewards_local.to(self.accelerator.device)).cpu()  # [N, F]
         adv, adv_metrics = advantages.compute(
             rewards,
@@ -320,11 +318,85 @@ class GRPOTrainer(Trainer):
             self.args.scale_rewards,
             self.args.multi_objective_aggregation,
         )
-        n, start = len(batch), self.accelerator.process_index * len(batch)
+        n = rewards_local.shape[0]
+        start = self.accelerator.process_index * n
         adv_local = adv[start : start + n]
         self._record_rollout_metrics(mode, rollout, rewards, adv_metrics)
         scored = ScoredRollout(rollout=rollout, rewards=rewards_local, advantages=adv_local)
         return self._prepare_chunks(scored, num_chunks, mode)
+
+    def _sample(self, batch: list[dict[str, Any]], mode: str) -> tuple[Rollout, torch.Tensor]:
+        """Generate one completion per row and score it: the rollout and [n, F] local rewards."""
+        prompts = [row.get(formats.PROMPT_COLUMN) for row in batch]
+        for i, p in enumerate(prompts):
+            formats.check_prompt(p, f"{i} of this batch")
+        rollout = self._generate(prompts)
+        completions, completion_ids = self._decode(rollout, prompts)
+        kwargs = self._reward_kwargs(batch, prompts, completions, completion_ids, mode)
+        return rollout, self.rewards.score(len(batch), kwargs)
+
+    def _refill(self, rollout: Rollout, rewards: torch.Tensor, group: int) -> tuple[Rollout, torch.Tensor]:
+        """DAPO dynamic sampling: replace this process's zero-spread groups (``dynamic_sampling.py``)."""
+        rollouts, scores = [rollout], [rewards]
+        spread = [dynamic_sampling.groups_with_spread(rewards, self.reward_weights, group)]
+        missing = int((~spread[0]).sum())
+        rounds = 0
+        while rounds < self.args.dynamic_sampling_max_rounds and self._on_any_process(missing > 0):
+            rounds += 1
+            extra, extra_rewards = self._sample(next(self._refill_batches), "train")
+            ok = dynamic_sampling.groups_with_spread(extra_rewards, self.reward_weights, group)
+            rollouts.append(extra)
+            scores.append(extra_rewards)
+            spread.append(ok)
+            missing = max(0, missing - int(ok.sum()))
+        chosen = dynamic_sampling.select_groups(spread, len(spread[0]))
+        counts = torch.tensor(
+            [float((~spread[0]).sum()), float(sum(r > 0 for r, _ in chosen)), float(missing)],
+            device=self.accelerator.device,
+        )
+        dropped, refilled, unfilled = gather(counts.unsqueeze(0)).sum(dim=0).tolist()
+        self._metrics.add_all(
+            "train",
+            {
+                "dynamic_sampling/dropped_groups": dropped,
+                "dynamic_sampling/refilled_groups": refilled,
+                "dynamic_sampling/unfilled_groups": unfilled,
+                "dynamic_sampling/rounds": float(rounds),
+            },
+        )
+        if rounds == 0:
+            return rollout, rewards
+        pad = self._tokenizer.pad_token_id
+        merged = dynamic_sampling.take_groups(rollouts, chosen, group, pad)
+        merged_rewards = torch.cat([scores[r][g * group : (g + 1) * group] for r, g in chosen])
+        return merged, merged_rewards
+
+    def _on_any_process(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on any process (every process must call this together)."""
+        return bool(gather(torch.tensor([float(flag)], device=self.accelerator.device)).max().item() > 0)
+
+    @property
+    def _refill_batches(self) -> Any:
+        """Endless per-process generation batches of fresh prompts for dynamic sampling."""
+        if getattr(self, "_refill_iter", None) is None:
+            self._refill_iter = self._endless_batches()
+        return self._refill_iter
+
+    def _endless_batches(self) -> Any:
+        a = self.args
+        epoch = 0
+        while True:
+            loader = self._dataloader(
+                self.train_dataset,
+                per_process=a.per_device_train_batch_size * a.steps_per_generation,
+                group=a.num_generations,
+                repeat=1,
+                shuffle=True,
+                seed=(a.data_seed or a.seed) + 7919,  # another order than the main sampler's
+            )
+            loader.set_epoch(epoch)
+            yield from loader
+            epoch += 1
 
     def _generate(self, prompts: list[Any]) -> Rollout:
         tok = self._tokenizer

@@ -1,0 +1,108 @@
+"""DAPO dynamic sampling: groups without reward spread are replaced."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import build_tiny_model, build_tiny_tokenizer
+from helpers import make_config, standard_dataset
+
+from posttrain import GRPOConfig, GRPOTrainer
+from posttrain.grpo.dynamic_sampling import groups_with_spread, select_groups, take_groups
+from posttrain.grpo.rollout import Rollout
+
+
+def test_groups_with_spread_uses_the_weighted_sum():
+    # 3 groups of 2: [1, 1] no spread; [0, 2] spread; f1 and f2 cancel in the second function's
+    # weighting: rows (1, 0) and (0, 2) with weights (2, 1) both sum to 2 -> no spread
+    rewards = torch.tensor([[1.0, 0.0], [1.0, 0.0], [0.0, 0.0], [2.0, 0.0], [1.0, 0.0], [0.0, 2.0]])
+    spread = groups_with_spread(rewards, torch.tensor([2.0, 1.0]), group_size=2)
+    assert spread.tolist() == [False, True, False]
+
+
+def test_select_groups_replaces_in_order_and_keeps_positions():
+    spread = [
+        torch.tensor([True, False, True, False]),
+        torch.tensor([False, True]),
+        torch.tensor([True, True]),
+    ]
+    # slot 1 <- round 1 group 1; slot 3 <- round 2 group 0
+    assert select_groups(spread, 4) == [(0, 0), (1, 1), (0, 2), (2, 0)]
+
+
+def test_select_groups_keeps_zero_spread_groups_when_short():
+    spread = [torch.tensor([False, False, True]), torch.tensor([True, False])]
+    assert select_groups(spread, 3) == [(1, 0), (0, 1), (0, 2)]
+
+
+def test_take_groups_repads_rows():
+    a = Rollout(
+        prompt_ids=torch.tensor([[0, 5], [0, 5]]),
+        prompt_mask=torch.tensor([[0, 1], [0, 1]]),
+        completion_ids=torch.tensor([[7, 2], [8, 0]]),
+        completion_mask=torch.tensor([[1, 1], [1, 0]]),
+        is_terminated=torch.tensor([True, False]),
+    )
+    b = Rollout(
+        prompt_ids=torch.tensor([[4, 6], [4, 6]]),
+        prompt_mask=torch.tensor([[1, 1], [1, 1]]),
+        completion_ids=torch.tensor([[9, 9, 2], [3, 0, 0]]),
+        completion_mask=torch.tensor([[1, 1, 1], [1, 0, 0]]),
+        is_terminated=torch.tensor([True, False]),
+    )
+    out = take_groups([a, b], [(1, 0), (0, 0)], group_size=2, pad_token_id=0)
+    assert out.prompt_ids.tolist() == [[4, 6], [4, 6], [0, 5], [0, 5]]
+    assert out.prompt_mask.tolist() == [[1, 1], [1, 1], [0, 1], [0, 1]]
+    assert out.completion_ids.tolist() == [[9, 9, 2], [3, 0, 0], [7, 2, 0], [8, 0, 0]]
+    assert out.completion_mask.tolist() == [[1, 1, 1], [1, 0, 0], [1, 1, 0], [1, 0, 0]]
+    assert out.is_terminated.tolist() == [True, False, True, False]
+
+
+def half_flat_reward(prompts, completion_ids, **kwargs):
+    """Prompts with an even question number get a constant reward; odd ones vary."""
+    out = []
+    for p, ids in zip(prompts, completion_ids, strict=True):
+        number = int(p.split()[1].rstrip(":"))
+        out.append(1.0 if number % 2 == 0 else float(sum(ids) % 7))
+    return out
+
+
+@pytest.mark.parametrize("enabled", [False, True])
+def test_zero_spread_groups_are_replaced(tmp_path, enabled):
+    tok = build_tiny_tokenizer()
+    args = make_config(
+        tmp_path,
+        per_device_train_batch_size=8,
+        num_generations=2,
+        max_steps=3,
+        dynamic_sampling=enabled,
+        dynamic_sampling_max_rounds=4,
+    )
+    trainer = GRPOTrainer(
+        model=build_tiny_model(tok),
+        reward_funcs=half_flat_reward,
+        args=args,
+        train_dataset=standard_dataset(32),
+        processing_class=tok,
+    )
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "reward" in h]
+    if not enabled:
+        assert all("dynamic_sampling/dropped_groups" not in h for h in logs)
+        assert any(h["frac_reward_zero_std"] > 0 for h in logs)
+        return
+    for h in logs:
+        assert h["dynamic_sampling/dropped_groups"] >= 1  # about half the prompts are flat
+        assert h["dynamic_sampling/refilled_groups"] == h["dynamic_sampling/dropped_groups"]
+        assert h["dynamic_sampling/unfilled_groups"] == 0
+        assert h["frac_reward_zero_std"] == 0.0  # every group of the trained batch has spread
+
+
+def test_dynamic_sampling_needs_whole_groups_per_process(tmp_path, monkeypatch):
+    # 2 processes x 2 completions = 4 per step: groups of 4 straddle the processes
+    monkeypatch.setattr(GRPOConfig, "world_size", property(lambda self: 2))
+    with pytest.raises(ValueError, match="dynamic_sampling=True refills each process's own groups"):
+        GRPOConfig(
+            output_dir=str(tmp_path), use_cpu=True, bf16=False, per_device_train_batch_size=2,
+            num_generations=4, dynamic_sampling=True,
+        )  # fmt: skip
