@@ -8,7 +8,8 @@ it knows nothing of models, processes or configs beyond ``LossSettings``.
 Order of the per-token pieces (as in the reference):
 
 1. token weights on the policy term: the high-entropy mask (``top_entropy_quantile``, 80/20),
-   the off-policy sequence mask (DeepSeek-V3.2 eq. 9) and the sampler importance weights;
+   the off-policy sequence mask (DeepSeek-V3.2 eq. 9) and, when the sampler reported its
+   log-probs, the TIS / MIS importance weights ``pi_train / pi_sampler``;
 2. the policy term, reduced as its ``loss_type`` says;
 3. ``+ beta * KL`` (k3, or bias-corrected by the importance ratio), reduced the same way;
 4. ``- coef * mean per-token entropy`` (the bonus is never rescaled by the loss type);
@@ -42,6 +43,9 @@ class LossSettings:
         adaptive_entropy: apply the coefficient only while entropy is at or below the target.
         entropy_target: Skywork-OR1's target entropy.
         aux_loss_coef: router load-balancing coefficient (0: off).
+        is_correction: correct for the sampler with importance weights when it reports log-probs.
+        is_mode: TIS / MIS, token or sequence (``vllm_importance_sampling_mode``).
+        is_clip_min, is_clip_max: the weights' bounds ``[C_min, C_max]`` (``None``: unbounded).
     """
 
     objective: objectives.ObjectiveSettings = field(default_factory=objectives.ObjectiveSettings)
@@ -53,6 +57,10 @@ class LossSettings:
     adaptive_entropy: bool = False
     entropy_target: float = 0.2
     aux_loss_coef: float = 0.0
+    is_correction: bool = True
+    is_mode: str = "sequence_mask"
+    is_clip_min: float | None = None
+    is_clip_max: float | None = 3.0
 
     @classmethod
     def from_config(cls, args: Any, aux_loss_coef: float = 0.0) -> LossSettings:
@@ -85,6 +93,10 @@ class LossSettings:
             adaptive_entropy=args.use_adaptive_entropy,
             entropy_target=args.entropy_target,
             aux_loss_coef=aux_loss_coef,
+            is_correction=args.vllm_importance_sampling_correction,
+            is_mode=args.vllm_importance_sampling_mode,
+            is_clip_min=args.vllm_importance_sampling_clip_min,
+            is_clip_max=args.vllm_importance_sampling_clip_max,
         )
 
 
@@ -99,32 +111,43 @@ class LossResult:
             each completion's counted tokens).
         scalars: detached scalars of this micro-batch: ``policy_loss``, and when active
             ``entropy_bonus``, ``entropy_coef`` (the coefficient applied) and ``aux_loss``.
+        sampling: the ``sampling/*`` metrics of the importance-sampling correction (NaN when
+            nothing was measured), when the sampler reported log-probs.
     """
 
     loss: torch.Tensor
     per_completion: dict[str, torch.Tensor]
     scalars: dict[str, float]
+    sampling: dict[str, float] = field(default_factory=dict)
 
 
 def _token_weights(
     s: LossSettings, out: PolicyOutput, batch: ScoredRollout, old: torch.Tensor, mask: torch.Tensor
-) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """Weights on the policy term, and the tokens the entropy bonus and target are measured on."""
-    weights, bonus_mask = None, mask
+) -> tuple[torch.Tensor | None, torch.Tensor, dict[str, float]]:
+    """Weights on the policy term, the tokens the entropy bonus is measured on, sampling metrics."""
+    weights, bonus_mask, sampling = None, mask, {}
     if s.top_entropy_quantile < 1.0:
         keep = regularizers.high_entropy_mask(out.entropy.detach(), mask, s.top_entropy_quantile)
         weights = keep.to(mask.dtype)
         bonus_mask = mask * weights
+    sampler = batch.rollout.sampler_logps
     if s.off_policy_mask_threshold is not None:
-        reference = batch.rollout.sampler_logps if batch.rollout.sampler_logps is not None else old
+        reference = sampler if sampler is not None else old
         seq = regularizers.off_policy_sequence_mask(
             reference, out.logps.detach(), batch.advantages, mask, s.off_policy_mask_threshold
         )
         seq = seq.to(mask.dtype).unsqueeze(1)  # [B, 1]
         weights = seq if weights is None else weights * seq
+    if sampler is not None and s.is_correction:
+        # the trainer's log-probs of the sampled tokens: at generation time when known, else now
+        w, metrics = regularizers.sampler_is_weights(
+            old.detach(), sampler.to(old.device), mask, s.is_mode, s.is_clip_min, s.is_clip_max
+        )
+        weights = w if weights is None else weights * w
+        sampling = {k: float(v) for k, v in metrics.items()}
     if batch.is_weights is not None:
         weights = batch.is_weights if weights is None else weights * batch.is_weights
-    return weights, bonus_mask
+    return weights, bonus_mask, sampling
 
 
 def _kl(
@@ -158,7 +181,7 @@ def grpo_loss(
     mask = mask.to(logps.dtype)
     old = batch.old_logps if batch.old_logps is not None else logps.detach()
     adv = batch.advantages.to(logps.device)
-    weights, bonus_mask = _token_weights(s, out, batch, old, mask)
+    weights, bonus_mask, sampling = _token_weights(s, out, batch, old, mask)
     policy, stats = objectives.policy_loss(logps, old, adv, mask, s.objective, batch.norms, weights)
     loss, per_completion = policy, dict(stats)
     scalars = {"policy_loss": policy.item()}
@@ -178,4 +201,4 @@ def grpo_loss(
     if s.aux_loss_coef and out.aux_loss is not None:
         loss = loss + s.aux_loss_coef * out.aux_loss / batch.norms.accumulation
         scalars["aux_loss"] = out.aux_loss.item()
-    return LossResult(loss=loss, per_completion=per_completion, scalars=scalars)
+    return LossResult(loss=loss, per_completion=per_completion, scalars=scalars, sampling=sampling)

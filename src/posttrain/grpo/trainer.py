@@ -28,6 +28,7 @@ from transformers import PreTrainedModel, Trainer, TrainerCallback
 from posttrain.data import formats
 from posttrain.data.sampling import grouped_dataloader
 from posttrain.generation.base import Generator, build_rollout
+from posttrain.generation.rollout_func import call_rollout_func
 from posttrain.generation.transformers_backend import TransformersGenerator, sampling_config
 from posttrain.grpo import advantages, dynamic_sampling, objectives, regularizers
 from posttrain.grpo.config import GRPOConfig
@@ -76,7 +77,11 @@ class GRPOTrainer(Trainer):
         quantization_config: not implemented yet.
         peft_config: not implemented yet.
         tools: not implemented yet.
-        rollout_func: not implemented yet.
+        rollout_func: ``rollout_func(prompts, trainer) -> dict`` producing the completions
+            instead of ``generate``: it gets each prompt of the process's batch once and returns
+            ``prompt_ids``, ``completion_ids`` and ``logprobs`` with ``num_generations`` entries
+            per prompt (optionally ``logprob_token_ids``; other fields reach the reward
+            functions). Its log-probs feed the importance-sampling correction.
         environment_factory: not implemented yet.
     """
 
@@ -107,7 +112,6 @@ class GRPOTrainer(Trainer):
             ("quantization_config", quantization_config),
             ("peft_config", peft_config),
             ("tools", tools or None),
-            ("rollout_func", rollout_func),
             ("environment_factory", environment_factory),
         ]:
             _not_built(name, value)
@@ -116,6 +120,8 @@ class GRPOTrainer(Trainer):
             args = GRPOConfig(output_dir=f"{os.path.basename(str(base).rstrip('/')) or 'model'}-GRPO")
         rewards = RewardRunner(self._setup_reward_funcs(reward_funcs, args))
         self._check_datasets(train_dataset, eval_dataset, args)
+        if rollout_func is not None:
+            _check_rollout_func_batches(args, eval_dataset is not None)
         loss_settings = LossSettings.from_config(args)
         model, source = self._setup_model(model, args)
         processing_class = self._setup_tokenizer(processing_class, source, args)
@@ -130,6 +136,7 @@ class GRPOTrainer(Trainer):
             optimizers=optimizers,
         )
         self.rewards = rewards
+        self.rollout_func = rollout_func
         self.reward_weights = torch.tensor(
             args.reward_weights or [1.0] * len(rewards.funcs), dtype=torch.float32
         )
@@ -330,9 +337,23 @@ class GRPOTrainer(Trainer):
         prompts = [row.get(formats.PROMPT_COLUMN) for row in batch]
         for i, p in enumerate(prompts):
             formats.check_prompt(p, f"{i} of this batch")
-        rollout = self._generate(prompts)
+        extra: dict[str, Any] = {}
+        if self.rollout_func is not None:
+            group = self.args.num_generations if mode == "train" else self.args.num_generations_eval
+            result = call_rollout_func(
+                self.rollout_func,
+                prompts,
+                group,
+                self,
+                self._eos_token_ids,
+                self._tokenizer.pad_token_id,
+                self.accelerator.device,
+            )
+            rollout, extra = result.rollout, result.extra
+        else:
+            rollout = self._generate(prompts)
         completions, completion_ids = self._decode(rollout, prompts)
-        kwargs = self._reward_kwargs(batch, prompts, completions, completion_ids, mode)
+        kwargs = {**self._reward_kwargs(batch, prompts, completions, completion_ids, mode), **extra}
         return rollout, self.rewards.score(len(batch), kwargs)
 
     def _refill(self, rollout: Rollout, rewards: torch.Tensor, group: int) -> tuple[Rollout, torch.Tensor]:
@@ -502,6 +523,8 @@ class GRPOTrainer(Trainer):
         if mode == "train" and "entropy_bonus" in result.scalars:
             self._step_entropy.append(result.scalars["entropy_bonus"])
         self._record_loss_metrics(mode, result.per_completion, result.scalars)
+        if result.sampling:
+            self._record_sampling_metrics(mode, result.sampling)
         return result.loss
 
     def training_step(
@@ -593,6 +616,25 @@ class GRPOTrainer(Trainer):
                 m[key] = value
         self._metrics.add_all(mode, m)
 
+    def _record_sampling_metrics(self, mode: str, sampling: dict[str, float]) -> None:
+        """Reduce the importance-sampling metrics across processes, ignoring NaN (nothing measured)."""
+        keys = sorted(sampling)
+        local = torch.tensor([[sampling[k] for k in keys]], device=self.accelerator.device)
+        everyone = gather(local).cpu()  # [processes, K]
+        m = {}
+        for j, key in enumerate(keys):
+            column = everyone[:, j]
+            column = column[~torch.isnan(column)]
+            if column.numel() == 0:
+                continue
+            if key.endswith("/min"):
+                m[key] = column.min().item()
+            elif key.endswith("/max"):
+                m[key] = column.max().item()
+            else:
+                m[key] = column.mean().item()
+        self._metrics.add_all(mode, m)
+
     def _after_optimizer_step(self) -> None:
         """Adaptive entropy coefficient (Skywork-OR1) and reference sync (TR-DPO), once per step."""
         a = self.args
@@ -656,6 +698,22 @@ class GRPOTrainer(Trainer):
     def floating_point_ops(self, inputs: Any) -> int:
         """FLOPs are not estimated for GRPO steps (generation dominates and varies)."""
         return 0
+
+
+def _check_rollout_func_batches(args: GRPOConfig, has_eval: bool) -> None:
+    """rollout_func gets each prompt once, so each process must hold whole groups."""
+    per_process = args.per_device_train_batch_size * args.steps_per_generation
+    if per_process % args.num_generations != 0:
+        raise ValueError(
+            f"rollout_func receives each prompt of a process's batch once, so the per-process generation batch "
+            f"(per_device_train_batch_size x steps_per_generation = {per_process}) must be a multiple of "
+            f"num_generations={args.num_generations}; adjust per_device_train_batch_size or steps_per_generation."
+        )
+    if has_eval and args.per_device_eval_batch_size % args.num_generations_eval != 0:
+        raise ValueError(
+            f"rollout_func needs per_device_eval_batch_size={args.per_device_eval_batch_size} to be a multiple of "
+            f"num_generations_eval={args.num_generations_eval}; adjust one of them."
+        )
 
 
 POSTTRAIN_STATE = "posttrain_state.json"
