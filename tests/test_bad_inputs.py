@@ -180,3 +180,23 @@ def test_raising_reward_names_the_failing_sample(tmp_path, tok):
     )
     with pytest.raises(RewardFunctionError, match="'fails_on_solution_3' raised ZeroDivisionError.*sample 4"):
         trainer.train()
+
+
+MORE_CONFIG_CASES = [
+    ({"delta": 0.9}, "delta"),
+    ({"ref_model_mixup_alpha": 1.5}, "ref_model_mixup_alpha"),
+    ({"ref_model_sync_steps": 0}, "ref_model_sync_steps"),
+    ({"entropy_coef_delta": -0.1}, "entropy_coef_delta"),
+    ({"entropy_coef_min": 0.5, "entropy_coef_max": 0.1}, "entropy_coef_min"),
+    ({"off_policy_mask_threshold": -1.0}, "off_policy_mask_threshold"),
+    ({"vllm_importance_sampling_clip_min": 2.0, "vllm_importance_sampling_clip_max": 1.0}, "clip_min"),
+    ({"sync_ref_model": True}, "sync_ref_model"),
+    ({"dynamic_sampling_max_rounds": 0}, "dynamic_sampling_max_rounds"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "parameter"), MORE_CONFIG_CASES, ids=[c[1] for c in MORE_CONFIG_CASES])
+def test_bad_objective_settings_name_the_parameter(tmp_path, overrides, parameter):
+    values = {"output_dir": str(tmp_path), "use_cpu": True, "bf16": False, **overrides}
+    with pytest.raises(ValueError, match=parameter):
+        GRPOConfig(**values)

@@ -144,6 +144,13 @@ _RULES: tuple[_Rule, ...] = (
     _Rule("epsilon_high", _optional(lambda v: _is_num(v) and v >= 0), "None or a number >= 0", "set epsilon_high to a non-negative value such as 0.28, or leave it None to reuse epsilon"),
     _Rule("beta", lambda v: _is_num(v) and v >= 0, "a number >= 0", "set beta to 0.0 (no KL term) or to a positive KL coefficient"),
     _Rule("num_iterations", _positive_int, "an integer >= 1", "set num_iterations to 1 (the default) or more"),
+    _Rule("delta", _optional(lambda v: _is_num(v) and v > 1), "None or a number > 1 (a cap on the ratio for negative advantages; INTELLECT-2 uses 4)", "set delta above 1 + epsilon, e.g. 4.0, or leave it None"),
+    _Rule("ref_model_mixup_alpha", lambda v: _is_num(v) and 0 <= v <= 1, "a number in [0, 1]", "set ref_model_mixup_alpha in [0, 1] (the default is 0.6)"),
+    _Rule("ref_model_sync_steps", _positive_int, "an integer >= 1", "set ref_model_sync_steps to 1 or more (the default is 512)"),
+    _Rule("entropy_coef_delta", lambda v: _is_num(v) and v >= 0, "a number >= 0", "set entropy_coef_delta to a non-negative step such as 0.005"),
+    _Rule("off_policy_mask_threshold", _optional(lambda v: _is_num(v) and v >= 0), "None or a number >= 0", "set off_policy_mask_threshold to a positive value such as 0.5, or leave it None"),
+    _Rule("vllm_importance_sampling_clip_min", _optional(lambda v: _is_num(v) and v >= 0), "None or a number >= 0", "set vllm_importance_sampling_clip_min to a non-negative value, or leave it None"),
+    _Rule("vllm_importance_sampling_clip_max", _optional(lambda v: _is_num(v) and v > 0), "None or a number > 0", "set vllm_importance_sampling_clip_max to a positive value such as 3.0, or None for no upper bound"),
     _Rule("dynamic_sampling_max_rounds", _positive_int, "an integer >= 1", "set dynamic_sampling_max_rounds to 1 or more (the default is 3)"),
     _Rule("top_entropy_quantile", lambda v: _is_num(v) and 0 <= v <= 1, "a number in [0, 1]", "set top_entropy_quantile to a value in [0, 1], or to 1.0 to keep every token"),
     _Rule("reward_weights", _optional(lambda v: isinstance(v, (list, tuple)) and all(_is_num(w) for w in v)), "None or a list of numbers, one per reward function", "pass a list of floats such as [1.0, 0.5], or None to weight every reward function 1.0"),
@@ -323,7 +330,8 @@ class GRPOConfig(TrainingArguments):
             weights themselves (MiniMax-M1); `"sapo"` replaces hard clipping with a soft,
             temperature-controlled gate; `"luspo"` is a length-unbiased sequence-level loss that
             needs `importance_sampling_level="sequence"`; `"vespo"` weights sequence-level
-            importance ratios with a smooth asymmetric Gamma function.
+            importance ratios with a smooth asymmetric Gamma function; `"gmpo"` (a posttrain
+            extension) maximises the geometric mean of token ratios clipped in log space.
         mask_truncated_completions (`bool`, defaults to `False`): Leave truncated completions out
             of the loss (recommended by DAPO).
         sync_ref_model (`bool`, defaults to `False`): Mix the policy into the reference model
@@ -694,7 +702,8 @@ class GRPOConfig(TrainingArguments):
         default="dapo",
         metadata={
             "help": "Loss formulation: one of 'grpo', 'dapo', 'dr_grpo', 'bnpo', 'cispo', 'sapo', "
-            "'luspo' (needs importance_sampling_level='sequence'), 'vespo'."
+            "'luspo' (needs importance_sampling_level='sequence'), 'vespo', or posttrain's 'gmpo' "
+            "(geometric-mean policy optimisation)."
         },
     )
     mask_truncated_completions: bool = field(
@@ -906,6 +915,22 @@ class GRPOConfig(TrainingArguments):
             raise ValueError(
                 f"loss_type='luspo' is a sequence-level loss but importance_sampling_level="
                 f"{self.importance_sampling_level!r}; set importance_sampling_level='sequence'."
+            )
+        if self.entropy_coef_min > self.entropy_coef_max:
+            raise ValueError(
+                f"entropy_coef_min={self.entropy_coef_min} is above entropy_coef_max={self.entropy_coef_max}; "
+                "set entropy_coef_min <= entropy_coef_max."
+            )
+        cmin, cmax = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
+        if cmin is not None and cmax is not None and cmin > cmax:
+            raise ValueError(
+                f"vllm_importance_sampling_clip_min={cmin} is above vllm_importance_sampling_clip_max={cmax}; "
+                "the weights' range [C_min, C_max] must not be empty."
+            )
+        if self.sync_ref_model and self.beta == 0:
+            raise ValueError(
+                "sync_ref_model=True updates the reference model of the KL penalty, but beta=0 means there is "
+                "no reference model; set beta > 0 (e.g. 0.04) or sync_ref_model=False."
             )
         if self.loss_type in ("vespo", "gmpo") and self.importance_sampling_level != "token":
             raise ValueError(

@@ -110,7 +110,9 @@ class LossResult:
             ``objectives.policy_loss`` plus ``entropy_sum`` and, with a KL, ``kl_sum`` (sums over
             each completion's counted tokens).
         scalars: detached scalars of this micro-batch: ``policy_loss``, and when active
-            ``entropy_bonus``, ``entropy_coef`` (the coefficient applied) and ``aux_loss``.
+            ``entropy_bonus`` (measured on the policy term's tokens), ``entropy_coef`` (the
+            coefficient applied to this micro-batch: with adaptive entropy, 0 above the target)
+            and ``aux_loss``.
         sampling: the ``sampling/*`` metrics of the importance-sampling correction (NaN when
             nothing was measured), when the sampler reported log-probs.
     """
@@ -127,6 +129,7 @@ def _token_weights(
     """Weights on the policy term, the tokens the entropy bonus is measured on, sampling metrics."""
     weights, bonus_mask, sampling = None, mask, {}
     if s.top_entropy_quantile < 1.0:
+        # the entropy threshold is taken over this micro-batch's tokens on this process
         keep = regularizers.high_entropy_mask(out.entropy.detach(), mask, s.top_entropy_quantile)
         weights = keep.to(mask.dtype)
         bonus_mask = mask * weights
@@ -145,8 +148,6 @@ def _token_weights(
         )
         weights = w if weights is None else weights * w
         sampling = {k: float(v) for k, v in metrics.items()}
-    if batch.is_weights is not None:
-        weights = batch.is_weights if weights is None else weights * batch.is_weights
     return weights, bonus_mask, sampling
 
 

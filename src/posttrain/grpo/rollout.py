@@ -57,7 +57,7 @@ class Rollout:
 
 
 # Per-token tensors of a ScoredRollout, [N, T] like the completions, sliced and trimmed with them.
-TOKEN_FIELDS = ("old_logps", "ref_logps", "is_weights")
+TOKEN_FIELDS = ("old_logps", "ref_logps")
 
 
 @dataclass
@@ -71,8 +71,6 @@ class ScoredRollout:
         old_logps: [N, T] log-probs under the policy that sampled, or ``None`` when the step is
             on-policy (then the detached current log-probs are used).
         ref_logps: [N, T] log-probs under the reference policy (only with a KL penalty).
-        is_weights: [N, T] importance weights correcting for the sampler (only when the sampler
-            reports its log-probs and the correction is on).
         norms: the counts the micro-batch losses are normalised by (``objectives.Normalizers``).
     """
 
@@ -81,7 +79,6 @@ class ScoredRollout:
     advantages: torch.Tensor
     old_logps: torch.Tensor | None = None
     ref_logps: torch.Tensor | None = None
-    is_weights: torch.Tensor | None = None
     norms: Normalizers = field(default_factory=Normalizers)
     extra: dict[str, Any] = field(default_factory=dict)
 
