@@ -1,0 +1,98 @@
+"""posttrain against TRL on the anchor config, side by side, reported as ratios.
+
+Usage (after ``bash benchmarks/setup.sh``)::
+
+    benchmarks/.venv/bin/python benchmarks/compare.py --rounds 2 --steps 4
+    benchmarks/.venv/bin/python benchmarks/compare.py --lengths 64 256 1024 --rounds 1 --steps 2
+
+Each measurement is a fresh process (``grpo_step.py``); the libraries alternate
+(posttrain, TRL, posttrain, TRL, ...) so drifts of a shared machine hit both alike. The first
+step of every run is warm-up and left out of the medians. Ratios are posttrain / TRL: below 1
+is better for time and memory, above 1 for throughput.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def model_folder() -> str:
+    """The embedded SmolLM2-135M-Instruct as a safetensors folder (converted once)."""
+    from posttrain.models.embedded import resolve_embedded
+
+    return resolve_embedded("smollm2-135m-instruct")
+
+
+def run(library: str, model: str, steps: int, length: int, checkpointing: int) -> dict:
+    cmd = [
+        sys.executable,
+        os.path.join(HERE, "grpo_step.py"),
+        "--library", library,
+        "--model", model,
+        "--steps", str(steps),
+        "--completion_length", str(length),
+        "--gradient_checkpointing", str(checkpointing),
+    ]  # fmt: skip
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{library} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def summarise(runs: list[dict]) -> dict:
+    steps = [t for r in runs for t in r["step_times"][1:]] or [t for r in runs for t in r["step_times"]]
+    step = statistics.median(steps)
+    return {
+        "step_time_s": step,
+        "generated_tokens_per_s": runs[0]["generated_tokens_per_step"] / step,
+        "trained_tokens_per_s": runs[0]["trained_tokens_per_step"] / step,
+        "peak_rss_mb": max(r["peak_rss_mb"] for r in runs),
+        "steps_measured": len(steps),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[64])
+    parser.add_argument("--gradient_checkpointing", type=int, default=1)
+    parser.add_argument("--libraries", nargs="+", default=["posttrain", "trl"])
+    opts = parser.parse_args()
+    model = model_folder()
+    table = []
+    for length in opts.lengths:
+        runs: dict[str, list[dict]] = {lib: [] for lib in opts.libraries}
+        for _ in range(opts.rounds):
+            for lib in opts.libraries:
+                runs[lib].append(run(lib, model, opts.steps, length, opts.gradient_checkpointing))
+        summary = {lib: summarise(r) for lib, r in runs.items()}
+        row = {"completion_length": length, **{lib: s for lib, s in summary.items()}}
+        if {"posttrain", "trl"} <= set(summary):
+            p, t = summary["posttrain"], summary["trl"]
+            row["ratio"] = {key: p[key] / t[key] for key in p if key != "steps_measured"}
+        table.append(row)
+        print(json.dumps(row), flush=True)
+    print()
+    print("| length | metric | posttrain | TRL | posttrain / TRL |")
+    print("|---|---|---|---|---|")
+    for row in table:
+        if "ratio" not in row:
+            continue
+        for key in ("step_time_s", "generated_tokens_per_s", "trained_tokens_per_s", "peak_rss_mb"):
+            print(
+                f"| {row['completion_length']} | {key} | {row['posttrain'][key]:.2f} | {row['trl'][key]:.2f} "
+                f"| {row['ratio'][key]:.2f} |"
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""One library's GRPO run on the anchor config, measured; prints one JSON line.
+
+Run by ``benchmarks/compare.py`` in a fresh process per measurement, so peak memory belongs to
+one run. The same script drives posttrain and TRL: both get the same model folder, prompt,
+reward functions and GRPOConfig values, and only the import differs.
+
+Anchor config (issue "Performance ahead of TRL"): SmolLM2-135M-Instruct in float32 on the CPU,
+one prompt per step, 8 completions of exactly N tokens (``min_new_tokens=N``), cheap rewards,
+``num_iterations=1``, ``beta=0``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+import tempfile
+import time
+
+
+def length_reward(completion_ids, **kwargs):
+    """Cheap: the completion length."""
+    return [float(len(ids)) for ids in completion_ids]
+
+
+def digit_reward(completions, **kwargs):
+    """Cheap: the fraction of digits in the text."""
+    texts = [c if isinstance(c, str) else c[0]["content"] for c in completions]
+    return [sum(ch.isdigit() for ch in t) / max(len(t), 1) for t in texts]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--library", choices=["posttrain", "trl"], required=True)
+    parser.add_argument("--model", required=True, help="folder of SmolLM2-135M-Instruct in safetensors")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--completion_length", type=int, default=64)
+    parser.add_argument("--num_generations", type=int, default=8)
+    parser.add_argument("--gradient_checkpointing", type=int, default=1)
+    opts = parser.parse_args()
+
+    from datasets import Dataset
+    from transformers import TrainerCallback
+
+    if opts.library == "posttrain":
+        from posttrain import GRPOConfig, GRPOTrainer
+    else:
+        from trl import GRPOConfig, GRPOTrainer
+
+    question = "What is 17 + 25? Think briefly, then give the answer inside <answer></answer>."
+    dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": question}]] * 64})
+
+    class Clock(TrainerCallback):
+        def __init__(self) -> None:
+            self.times: list[float] = [time.perf_counter()]
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.times.append(time.perf_counter())
+
+    n = opts.completion_length
+    clock = Clock()
+    with tempfile.TemporaryDirectory() as out:
+        args = GRPOConfig(
+            output_dir=out,
+            per_device_train_batch_size=opts.num_generations,
+            num_generations=opts.num_generations,
+            max_completion_length=n,
+            generation_kwargs={"min_new_tokens": n},
+            max_steps=opts.steps,
+            learning_rate=1e-6,
+            bf16=False,
+            use_cpu=True,
+            gradient_checkpointing=bool(opts.gradient_checkpointing),
+            logging_steps=1,
+            save_strategy="no",
+            report_to="none",
+            disable_tqdm=True,
+            seed=0,
+        )
+        trainer = GRPOTrainer(
+            model=opts.model,
+            reward_funcs=[length_reward, digit_reward],
+            args=args,
+            train_dataset=dataset,
+            callbacks=[clock],
+        )
+        trainer.train()
+    step_times = [b - a for a, b in zip(clock.times, clock.times[1:], strict=False)]
+    tok = trainer.processing_class
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False
+    )
+    prompt_tokens = len(tok(text, add_special_tokens=False)["input_ids"])
+    print(
+        json.dumps(
+            {
+                "library": opts.library,
+                "completion_length": n,
+                "num_generations": opts.num_generations,
+                "gradient_checkpointing": bool(opts.gradient_checkpointing),
+                "step_times": step_times,
+                "generated_tokens_per_step": opts.num_generations * n,
+                "trained_tokens_per_step": opts.num_generations * (n + prompt_tokens),
+                "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                "threads": int(os.environ.get("OMP_NUM_THREADS", "0")) or None,
+            }
+        )
+    )
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
