@@ -39,6 +39,7 @@ from posttrain.models import reference as model_options
 from posttrain.observe.metrics import MetricStore
 from posttrain.ops.logprobs import completion_logps
 from posttrain.ops.padding import left_pad
+from posttrain.rewards.models import resolve_reward_funcs, reward_models
 from posttrain.rewards.runner import RewardRunner
 
 RewardFunc = Callable[..., list[float | None]]
@@ -61,7 +62,9 @@ class GRPOTrainer(Trainer):
         model: hub id, local path, embedded name (``"smollm2-135m-instruct"``) or a
             ``PreTrainedModel`` causal LM. Strings are loaded with ``args.model_init_kwargs``,
             in float32 unless a ``dtype`` is given there.
-        reward_funcs: a reward callable (sync or ``async def``) or a list of them. Each receives
+        reward_funcs: a reward callable (sync or ``async def``), a reward model (hub id, path or
+            ``PreTrainedModel`` for sequence classification with one label, scoring
+            prompt + completion), or a list of them. A callable receives
             ``prompts``, ``completions``, ``completion_ids``, ``trainer_state``, ``log_metric``,
             ``log_extra`` and every dataset column but ``prompt`` as keyword arguments, and
             returns one float (or ``None`` when it does not apply) per completion.
@@ -71,7 +74,9 @@ class GRPOTrainer(Trainer):
         eval_dataset: same format, or a dict of such datasets evaluated one by one.
         processing_class: the tokenizer; loaded from the model when ``None``. Left padding is
             set, and the pad token falls back to EOS.
-        reward_processing_classes: tokenizers of reward models (ignored for callables).
+        reward_processing_classes: tokenizers of reward models: one for a single reward function,
+            or a list aligned with ``reward_funcs`` (entries for callables are ignored); ``None``
+            loads each reward model's own tokenizer.
         callbacks: extra ``TrainerCallback`` s.
         optimizers: ``(optimizer, scheduler)``; AdamW with a linear schedule by default.
         quantization_config: not implemented yet.
@@ -118,7 +123,7 @@ class GRPOTrainer(Trainer):
         if args is None:
             base = model if isinstance(model, str) else model.config._name_or_path
             args = GRPOConfig(output_dir=f"{os.path.basename(str(base).rstrip('/')) or 'model'}-GRPO")
-        rewards = RewardRunner(self._setup_reward_funcs(reward_funcs, args))
+        rewards = RewardRunner(self._setup_reward_funcs(reward_funcs, reward_processing_classes, args))
         self._check_datasets(train_dataset, eval_dataset, args)
         if rollout_func is not None:
             _check_rollout_func_batches(args, eval_dataset is not None)
@@ -136,6 +141,8 @@ class GRPOTrainer(Trainer):
             optimizers=optimizers,
         )
         self.rewards = rewards
+        for reward_model in reward_models(rewards.funcs):
+            reward_model.to(self.accelerator.device)
         self.rollout_func = rollout_func
         self.reward_weights = torch.tensor(
             args.reward_weights or [1.0] * len(rewards.funcs), dtype=torch.float32
@@ -157,19 +164,21 @@ class GRPOTrainer(Trainer):
     # ---- setup -------------------------------------------------------------------------------
 
     @staticmethod
-    def _setup_reward_funcs(reward_funcs: Any, args: GRPOConfig) -> list[RewardFunc]:
+    def _setup_reward_funcs(reward_funcs: Any, processing_classes: Any, args: GRPOConfig) -> list[RewardFunc]:
+        """Reward callables; reward models (a name or a PreTrainedModel) are wrapped to score completions."""
         if reward_funcs is None or (isinstance(reward_funcs, list) and not reward_funcs):
             raise ValueError(
                 "GRPOTrainer needs a reward: pass reward_funcs (a callable or a list of callables), or an "
                 "environment_factory whose environments define get_reward."
             )
         funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
-        for f in funcs:
-            if isinstance(f, (str, PreTrainedModel)):
-                raise NotImplementedError(
-                    "Reward models (reward_funcs given as a hub id, path or PreTrainedModel) are not implemented "
-                    "yet in posttrain; pass reward callables."
-                )
+        funcs = resolve_reward_funcs(
+            funcs,
+            processing_classes,
+            args.model_init_kwargs,
+            args.trust_remote_code,
+            args.chat_template_kwargs,
+        )
         if args.reward_weights is not None and len(args.reward_weights) != len(funcs):
             raise ValueError(
                 f"reward_weights has {len(args.reward_weights)} entries but there are {len(funcs)} reward "
@@ -195,12 +204,10 @@ class GRPOTrainer(Trainer):
             source = loading.resolve_model_path(model)
             policy = loading.load_policy(source, args.model_init_kwargs, args.trust_remote_code)
         elif isinstance(model, PreTrainedModel):
-            if args.model_init_kwargs:
-                raise ValueError(
-                    "model_init_kwargs is only used when model is a string (hub id or path); the model was "
-                    "passed already loaded. Drop model_init_kwargs or pass the model's name."
-                )
-            policy, source = model, model.config._name_or_path
+            policy, source = (
+                model,
+                model.config._name_or_path,
+            )  # model_init_kwargs then only load reward models
         else:
             raise TypeError(
                 f"model must be a hub id, a local path, an embedded name or a PreTrainedModel; got "

@@ -98,8 +98,8 @@ class RewardRunner:
         for f in funcs:
             if not callable(f):
                 raise TypeError(
-                    f"reward_funcs entries must be callables; got {type(f).__name__}. Reward models given as "
-                    "a hub id, path or PreTrainedModel are not implemented yet in posttrain."
+                    f"reward_funcs entries must be callables, reward model names or PreTrainedModels; got "
+                    f"{type(f).__name__}."
                 )
         self.funcs = list(funcs)
         self.names = [reward_name(f) for f in funcs]
