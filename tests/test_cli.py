@@ -3,45 +3,105 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
-from posttrain.cli.main import LAPTOP_DEFAULTS, grpo, main
+from posttrain.cli.main import COMMANDS, LAPTOP_DEFAULTS, CLIError, grpo, main
+
+# Flags of a 1-step CPU run of the tiny model.
+TINY_RUN = [
+    "--max_steps", "1",
+    "--per_device_train_batch_size", "4",
+    "--num_generations", "4",
+    "--max_completion_length", "8",
+    "--use_cpu",
+    "--bf16", "false",
+    "--gradient_checkpointing", "false",
+    "--report_to", "none",
+    "--save_strategy", "no",
+    "--disable_tqdm", "true",
+]  # fmt: skip
+
+
+@pytest.fixture
+def recorder(monkeypatch):
+    """Replace GRPOTrainer with a recorder of what the command passes; returns the record."""
+    captured: dict = {}
+
+    class Recorder:
+        def __init__(self, model, reward_funcs, args, train_dataset):
+            captured.update(model=model, args=args, dataset=train_dataset, funcs=reward_funcs)
+
+        def train(self, resume_from_checkpoint=None):
+            captured["trained"] = True
+            captured["resume"] = resume_from_checkpoint
+
+        def save_model(self, path):
+            captured["saved"] = path
+
+        def is_world_process_zero(self):
+            return True
+
+    monkeypatch.setattr("posttrain.GRPOTrainer", Recorder)
+    return captured
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def prompts(n, column="prompt"):
+    return [{column: f"What is {i} plus one?", "solution": str(i + 1)} for i in range(n)]
+
+
+def assert_exit_2(capsys, argv, *fragments):
+    """`posttrain argv` exits with code 2 and a message (no traceback) holding every fragment."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    for fragment in fragments:
+        assert fragment in err, err
+    assert "Traceback" not in err
+    return err
+
+
+# ---- commands and usage ------------------------------------------------------------------------
 
 
 def test_no_command_prints_usage(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main([])
     assert exit_info.value.code == 2
-    assert "posttrain grpo" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "posttrain grpo" in out
+    for name in COMMANDS:
+        assert f"  {name}" in out
+
+
+def test_help_exits_0(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    assert "env" in capsys.readouterr().out
 
 
 def test_unknown_command(capsys):
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as exit_info:
         main(["dpo"])
+    assert exit_info.value.code == 2
     assert "unknown command 'dpo'" in capsys.readouterr().err
 
 
-def test_unknown_reward_function(tmp_path):
-    with pytest.raises(SystemExit, match="unknown reward function"):
-        main(["grpo", "--output_dir", str(tmp_path), "--use_cpu", "--reward_funcs", "nope"])
+# ---- posttrain grpo: flags and recipes ---------------------------------------------------------
 
 
-def test_grpo_flags_reach_the_config(tmp_path, tiny_model_dir, monkeypatch):
+def test_grpo_flags_reach_the_config(tmp_path, tiny_model_dir, recorder):
     """Every GRPOConfig field is a flag; the laptop defaults apply when a flag is absent."""
-    captured = {}
-
-    class Recorder:
-        def __init__(self, model, reward_funcs, args, train_dataset):
-            captured.update(model=model, args=args, n=len(train_dataset), funcs=reward_funcs)
-
-        def train(self):
-            captured["trained"] = True
-
-        def save_model(self, path):
-            captured["saved"] = path
-
-    monkeypatch.setattr("posttrain.GRPOTrainer", Recorder)
     main(
         [
             "grpo",
@@ -55,14 +115,313 @@ def test_grpo_flags_reach_the_config(tmp_path, tiny_model_dir, monkeypatch):
             "--task_size", "40",
         ]
     )  # fmt: skip
-    args = captured["args"]
-    assert captured["model"] == tiny_model_dir and captured["n"] == 40
+    args = recorder["args"]
+    assert recorder["model"] == tiny_model_dir and len(recorder["dataset"]) == 40
     assert args.num_generations == 4 and args.scale_rewards == "batch"
     assert args.generation_kwargs == {"top_k": 5}
     assert args.max_steps == LAPTOP_DEFAULTS["max_steps"]
     assert args.max_completion_length == LAPTOP_DEFAULTS["max_completion_length"]
-    assert [f.__name__ for f in captured["funcs"]] == ["answer_accuracy_reward", "answer_format_reward"]
-    assert captured["trained"] and captured["saved"] == str(tmp_path)
+    assert [f.__name__ for f in recorder["funcs"]] == ["answer_accuracy_reward", "answer_format_reward"]
+    assert recorder["trained"] and recorder["saved"] == str(tmp_path)
+    assert recorder["resume"] is None
+
+
+def test_resume_from_checkpoint_true_means_the_latest(tmp_path, recorder):
+    main(["grpo", "--output_dir", str(tmp_path), "--use_cpu", "--resume_from_checkpoint", "true"])
+    assert recorder["resume"] is True
+
+
+def test_yaml_config_sets_defaults_and_flags_win(tmp_path, tiny_model_dir, recorder):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("epsilon: 0.1\nepsilon_high: 0.28\nscale_rewards: batch\nmax_steps: 7\n")
+    main(["grpo", "--config", str(recipe), "--model_name_or_path", tiny_model_dir, "--output_dir", str(tmp_path),
+          "--use_cpu", "--max_steps", "3"])  # fmt: skip
+    args = recorder["args"]
+    assert (args.epsilon, args.epsilon_high, args.scale_rewards) == (0.1, 0.28, "batch")
+    assert args.max_steps == 3  # the command line wins over the file
+
+
+def test_yaml_config_sets_script_arguments(tmp_path, recorder):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("reward_funcs: [helpers.length_reward, answer_format_reward]\ntask_size: 24\n")
+    main(["grpo", f"--config={recipe}", "--output_dir", str(tmp_path), "--use_cpu"])
+    assert [f.__name__ for f in recorder["funcs"]] == ["length_reward", "answer_format_reward"]
+    assert len(recorder["dataset"]) == 24
+
+
+# ---- posttrain grpo: local datasets ------------------------------------------------------------
+
+
+def test_local_csv_file(tmp_path, recorder):
+    data = tmp_path / "data.csv"
+    data.write_text("prompt,solution\n" + "".join(f"What is {i} plus one?,{i + 1}\n" for i in range(6)))
+    main(["grpo", "--output_dir", str(tmp_path), "--use_cpu", "--dataset_name", str(data)])
+    assert len(recorder["dataset"]) == 6 and recorder["dataset"][0]["prompt"] == "What is 0 plus one?"
+
+
+def test_local_parquet_file(tmp_path, recorder):
+    from datasets import Dataset
+
+    data = tmp_path / "data.parquet"
+    Dataset.from_list(prompts(5)).to_parquet(str(data))
+    main(["grpo", "--output_dir", str(tmp_path), "--use_cpu", "--dataset_name", str(data)])
+    assert len(recorder["dataset"]) == 5
+
+
+def test_local_folder_picks_the_split_by_file_name(tmp_path, recorder):
+    folder = tmp_path / "data"
+    folder.mkdir()
+    write_jsonl(folder / "train.jsonl", prompts(8))
+    write_jsonl(folder / "test.jsonl", prompts(3))
+    main(["grpo", "--output_dir", str(tmp_path), "--use_cpu", "--dataset_name", str(folder)])
+    assert len(recorder["dataset"]) == 8
+    main(["grpo", "--output_dir", str(tmp_path), "--use_cpu", "--dataset_name", str(folder),
+          "--dataset_train_split", "test"])  # fmt: skip
+    assert len(recorder["dataset"]) == 3
+
+
+def test_local_folder_without_split_names_is_the_train_split(tmp_path, recorder):
+    folder = tmp_path / "shards"
+    (folder / ".cache").mkdir(parents=True)
+    write_jsonl(folder / "part-0.jsonl", prompts(4))
+    write_jsonl(folder / "part-1.json", prompts(5))
+    write_jsonl(folder / ".cache" / "ignored.jsonl", prompts(7))
+    (folder / "README.md").write_text("not data\n")
+    main(["grpo", "--output_dir", str(tmp_path), "--use_cpu", "--dataset_name", str(folder)])
+    assert len(recorder["dataset"]) == 9
+
+
+def test_local_jsonl_one_training_step(tmp_path, tiny_model_dir, capsys):
+    """A jsonl file, a dotted-path reward and the tiny model: one real step, then the model is saved."""
+    data = write_jsonl(tmp_path / "prompts.jsonl", prompts(8))
+    out = tmp_path / "run"
+    trainer = grpo(["--model_name_or_path", tiny_model_dir, "--dataset_name", data, "--output_dir", str(out),
+                    "--reward_funcs", "helpers.length_reward", *TINY_RUN])  # fmt: skip
+    assert trainer.state.global_step == 1
+    assert any("rewards/length_reward/mean" in h for h in trainer.state.log_history)
+    assert (out / "config.json").exists()
+    assert f"saved the trained model to {out}" in capsys.readouterr().out
+
+
+# ---- posttrain grpo: rewards -------------------------------------------------------------------
+
+
+def test_dotted_reward_from_a_module_in_tmp_path(tmp_path, recorder, monkeypatch):
+    package = tmp_path / "my_rewards_pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "scoring.py").write_text(
+        "def short(completions, **kwargs):\n    return [-float(len(c)) for c in completions]\n\n"
+        "class Scores:\n    @staticmethod\n    def long(completions, **kwargs):\n"
+        "        return [float(len(c)) for c in completions]\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    main(["grpo", "--output_dir", str(tmp_path), "--use_cpu", "--reward_funcs",
+          "my_rewards_pkg.scoring.short", "my_rewards_pkg.scoring:Scores.long", "think_format_reward"])  # fmt: skip
+    assert [f.__name__ for f in recorder["funcs"]] == ["short", "long", "think_format_reward"]
+
+
+def test_reward_model_is_appended(tmp_path, recorder):
+    main(["grpo", "--output_dir", str(tmp_path), "--use_cpu", "--reward_funcs", "helpers.length_reward",
+          "--reward_model_name_or_path", "some/reward-model"])  # fmt: skip
+    funcs = recorder["funcs"]
+    assert funcs[0].__name__ == "length_reward" and funcs[1] == "some/reward-model"
+
+
+def test_reward_model_alone_replaces_the_default_rewards(tmp_path, recorder):
+    main(["grpo", "--output_dir", str(tmp_path), "--use_cpu", "--reward_model_name_or_path", "rm"])
+    assert recorder["funcs"] == ["rm"]
+
+
+def test_reward_model_one_training_step(tmp_path, tiny_model_dir):
+    """A tiny sequence-classification model folder scores completions next to a reward function."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForSequenceClassification
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=256,
+        num_labels=1,
+        pad_token_id=tokenizer.eos_token_id,
+    )
+    rm_dir = tmp_path / "tiny-rm"
+    LlamaForSequenceClassification(config).save_pretrained(rm_dir)
+    tokenizer.save_pretrained(rm_dir)
+    data = write_jsonl(tmp_path / "prompts.jsonl", prompts(8))
+    trainer = grpo(["--model_name_or_path", tiny_model_dir, "--dataset_name", data,
+                    "--output_dir", str(tmp_path / "run"), "--reward_funcs", "helpers.length_reward",
+                    "--reward_model_name_or_path", str(rm_dir), *TINY_RUN])  # fmt: skip
+    assert trainer.state.global_step == 1
+    logged = [k for h in trainer.state.log_history for k in h]
+    assert "rewards/length_reward/mean" in logged and "rewards/tiny-rm/mean" in logged
+
+
+# ---- posttrain env -----------------------------------------------------------------------------
+
+
+def test_env_prints_versions_and_hardware(capsys):
+    import torch
+    import transformers
+
+    main(["env"])
+    out = capsys.readouterr().out
+    assert f"- torch: {torch.__version__}" in out
+    assert f"- transformers: {transformers.__version__}" in out
+    for key in ("Python", "posttrain", "datasets", "accelerate", "peft", "vllm", "deepspeed", "math-verify",
+                "gguf", "Platform", "CPU count", "CUDA available", "GPUs", "bf16 supported"):  # fmt: skip
+        assert f"- {key}: " in out
+
+
+def test_env_reports_missing_packages(capsys, monkeypatch):
+    monkeypatch.setattr("posttrain.cli.main.ENV_PACKAGES", ("posttrain", "surely-not-a-package"))
+    main(["env"])
+    assert "- surely-not-a-package: not installed" in capsys.readouterr().out
+
+
+def test_env_rejects_arguments(capsys):
+    assert_exit_2(capsys, ["env", "--verbose"], "unrecognized arguments: --verbose")
+
+
+# ---- bad input: exit code 2, a message, no traceback -------------------------------------------
+
+
+def test_unknown_flag_names_the_flag(tmp_path, capsys):
+    assert_exit_2(capsys, ["grpo", "--output_dir", str(tmp_path), "--max_stepz", "3"],
+                  "--max_stepz", "did you mean --max_steps?")  # fmt: skip
+
+
+def test_stray_positional_argument(tmp_path, capsys):
+    assert_exit_2(capsys, ["grpo", "--output_dir", str(tmp_path), "oops"], "unexpected argument", "oops")
+
+
+def test_bad_flag_value(tmp_path, capsys):
+    assert_exit_2(
+        capsys, ["grpo", "--output_dir", str(tmp_path), "--max_steps", "many"], "--max_steps", "many"
+    )
+
+
+def test_config_without_a_path(capsys):
+    assert_exit_2(capsys, ["grpo", "--config"], "--config needs the path")
+
+
+def test_missing_recipe_file(tmp_path, capsys):
+    missing = tmp_path / "nope.yaml"
+    assert_exit_2(capsys, ["grpo", "--config", str(missing)], str(missing), "No such file")
+
+
+def test_recipe_that_is_not_a_mapping(tmp_path, capsys):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("- epsilon\n- 0.1\n")
+    assert_exit_2(capsys, ["grpo", "--config", str(recipe)], "must hold a mapping", "not a list")
+
+
+def test_recipe_with_a_yaml_syntax_error(tmp_path, capsys):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("epsilon: 0.1\nbeta: [0.0\n")
+    assert_exit_2(capsys, ["grpo", "--config", str(recipe)], "is not valid YAML at line")
+
+
+def test_yaml_config_with_unknown_key(tmp_path, capsys):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("epsilonn: 0.1\n")
+    assert_exit_2(capsys, ["grpo", "--config", str(recipe), "--output_dir", str(tmp_path), "--use_cpu"],
+                  "not flags of posttrain grpo", "epsilonn", "did you mean epsilon?")  # fmt: skip
+
+
+def test_unknown_reward_function(tmp_path, capsys):
+    assert_exit_2(capsys, ["grpo", "--output_dir", str(tmp_path), "--use_cpu", "--reward_funcs", "nope"],
+                  "unknown reward function 'nope'", "answer_accuracy_reward")  # fmt: skip
+
+
+def test_unimportable_reward_path(tmp_path, capsys):
+    assert_exit_2(capsys, ["grpo", "--output_dir", str(tmp_path), "--reward_funcs", "no_such_pkg.rewards.f"],
+                  "'no_such_pkg.rewards.f'", "No module named 'no_such_pkg'")  # fmt: skip
+
+
+def test_reward_path_to_a_missing_attribute(tmp_path, capsys):
+    assert_exit_2(capsys, ["grpo", "--output_dir", str(tmp_path), "--reward_funcs", "helpers:no_such_reward"],
+                  "'helpers:no_such_reward'", "has no attribute 'no_such_reward'")  # fmt: skip
+
+
+def test_reward_path_to_something_not_callable(tmp_path, capsys):
+    assert_exit_2(capsys, ["grpo", "--output_dir", str(tmp_path), "--reward_funcs", "posttrain.cli.main.LAPTOP_DEFAULTS"],
+                  "is a dict, not a callable")  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["missing.jsonl", "missing_folder/"])
+def test_dataset_that_does_not_exist(tmp_path, capsys, name):
+    path = str(tmp_path / name)
+    assert_exit_2(capsys, ["grpo", "--output_dir", str(tmp_path), "--use_cpu", "--dataset_name", path],
+                  f"dataset {path!r} does not exist")  # fmt: skip
+
+
+def test_dataset_folder_without_the_split(tmp_path, capsys):
+    folder = tmp_path / "data"
+    folder.mkdir()
+    write_jsonl(folder / "train.jsonl", prompts(4))
+    assert_exit_2(capsys, ["grpo", "--output_dir", str(tmp_path), "--dataset_name", str(folder),
+                           "--dataset_train_split", "validation"], "split 'validation'", "['train']")  # fmt: skip
+
+
+def test_dataset_folder_without_data_files(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    assert_exit_2(capsys, ["grpo", "--output_dir", str(tmp_path), "--dataset_name", str(tmp_path / "empty")],
+                  "holds no .json/.jsonl/.csv/.parquet files")  # fmt: skip
+
+
+def test_malformed_data_file(tmp_path, capsys):
+    data = tmp_path / "broken.jsonl"
+    data.write_text('{"prompt": "a"}\n{"prompt": \n')
+    assert_exit_2(capsys, ["grpo", "--output_dir", str(tmp_path), "--dataset_name", str(data)],
+                  f"cannot read the dataset {str(data)!r}")  # fmt: skip
+
+
+def test_dataset_without_a_prompt_column(tmp_path, tiny_model_dir, capsys):
+    data = write_jsonl(tmp_path / "questions.jsonl", prompts(8, column="question"))
+    assert_exit_2(capsys, ["grpo", "--model_name_or_path", tiny_model_dir, "--dataset_name", data,
+                           "--output_dir", str(tmp_path), "--reward_funcs", "helpers.length_reward", *TINY_RUN],
+                  "train_dataset has no 'prompt' column", "'question'")  # fmt: skip
+
+
+def test_invalid_config_value_is_a_clear_error(tmp_path, capsys):
+    """A ValueError of GRPOConfig's validation becomes exit code 2 with its message."""
+    assert_exit_2(capsys, ["grpo", "--output_dir", str(tmp_path), "--use_cpu", "--loss_type", "luspo",
+                           "--importance_sampling_level", "token"], "importance_sampling_level='sequence'")  # fmt: skip
+
+
+def test_errors_during_training_are_not_swallowed(tmp_path, recorder, monkeypatch):
+    import posttrain
+
+    def fail(self, resume_from_checkpoint=None):
+        raise ValueError("boom in step 3")
+
+    monkeypatch.setattr(posttrain.GRPOTrainer, "train", fail)
+    with pytest.raises(ValueError, match="boom in step 3"):
+        main(["grpo", "--output_dir", str(tmp_path), "--use_cpu"])
+
+
+def test_grpo_raises_cli_error_for_callers():
+    with pytest.raises(CLIError, match="unknown reward function"):
+        grpo(["--reward_funcs", "nope"])
+
+
+def test_python_dash_m_exits_2_without_traceback(tmp_path):
+    """`python -m posttrain.cli.main` (the torchrun / accelerate entry) reports bad input cleanly."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "posttrain.cli.main", "grpo", "--output_dir", str(tmp_path),
+         "--reward_funcs", "no_such_pkg.rewards:f"],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert "posttrain grpo: cannot import reward function 'no_such_pkg.rewards:f'" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.count("\n") == 1  # one paragraph
 
 
 @pytest.mark.slow
@@ -92,33 +451,3 @@ def test_default_job_on_the_embedded_model(tmp_path):
     saved = AutoModelForCausalLM.from_pretrained(out)
     assert saved.config.model_type == "llama"
     assert sum(p.numel() for p in saved.parameters()) > 100_000_000
-
-
-def test_yaml_config_sets_defaults_and_flags_win(tmp_path, tiny_model_dir, monkeypatch):
-    captured = {}
-
-    class Recorder:
-        def __init__(self, model, reward_funcs, args, train_dataset):
-            captured["args"] = args
-
-        def train(self):
-            pass
-
-        def save_model(self, path):
-            pass
-
-    monkeypatch.setattr("posttrain.GRPOTrainer", Recorder)
-    recipe = tmp_path / "recipe.yaml"
-    recipe.write_text("epsilon: 0.1\nepsilon_high: 0.28\nscale_rewards: batch\nmax_steps: 7\n")
-    main(["grpo", "--config", str(recipe), "--model_name_or_path", tiny_model_dir, "--output_dir", str(tmp_path),
-          "--use_cpu", "--max_steps", "3"])  # fmt: skip
-    args = captured["args"]
-    assert (args.epsilon, args.epsilon_high, args.scale_rewards) == (0.1, 0.28, "batch")
-    assert args.max_steps == 3  # the command line wins over the file
-
-
-def test_yaml_config_with_unknown_key(tmp_path):
-    recipe = tmp_path / "recipe.yaml"
-    recipe.write_text("epsilonn: 0.1\n")
-    with pytest.raises(SystemExit, match="epsilonn"):
-        main(["grpo", "--config", str(recipe), "--output_dir", str(tmp_path), "--use_cpu"])

@@ -3,12 +3,31 @@
 ``posttrain grpo`` takes every ``GRPOConfig`` field as a flag (transformers'
 ``HfArgumentParser``) plus the script arguments below. With no arguments it trains the
 embedded SmolLM2-135M-Instruct on the built-in arithmetic task, on CPU, and saves the result.
+
+``posttrain env`` prints the versions and hardware to paste into a bug report.
+
+Bad input (an unknown flag, a broken recipe, a reward that cannot be found, a missing dataset,
+a dataset without a ``prompt`` column, an invalid setting) stops the command before training
+with a one-paragraph message on stderr and exit code 2. Commands signal such input by raising
+:class:`CLIError`; configuration-time ``ValueError``, ``OSError`` and ``ImportError`` of
+``posttrain grpo`` are turned into one. Errors raised while training propagate unchanged.
+
+Every command also runs as ``python -m posttrain.cli.main COMMAND ...``, hence under
+``torchrun`` and ``accelerate launch``.
 """
 
 from __future__ import annotations
 
+import argparse
+import difflib
+import importlib
+import importlib.util
+import os
+import re
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 # Settings of the no-argument run: small enough for a laptop CPU, still a real GRPO job.
@@ -25,6 +44,36 @@ LAPTOP_DEFAULTS: dict[str, Any] = {
     "gradient_checkpointing": False,
 }
 
+#: Reward functions used when ``--reward_funcs`` is not given and there is no reward model.
+DEFAULT_REWARD_FUNCS: tuple[str, ...] = ("answer_accuracy_reward", "answer_format_reward")
+
+#: Built-in rewards that need the math-verify package.
+_MATH_REWARDS = frozenset({"accuracy_reward", "reasoning_accuracy_reward"})
+
+#: Local data file suffixes and the ``datasets`` builder that reads each.
+DATA_FILE_BUILDERS: dict[str, str] = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+
+#: Words that mark a file of a dataset folder as belonging to a split.
+_SPLIT_WORDS = frozenset({"train", "test", "validation", "valid", "val", "dev", "eval", "evaluation"})
+
+#: Packages ``posttrain env`` reports, by distribution name.
+ENV_PACKAGES: tuple[str, ...] = (
+    "posttrain",
+    "torch",
+    "transformers",
+    "datasets",
+    "accelerate",
+    "peft",
+    "vllm",
+    "deepspeed",
+    "math-verify",
+    "gguf",
+)
+
+
+class CLIError(Exception):
+    """Bad input to a command: ``main`` prints the message on stderr and exits with code 2."""
+
 
 @dataclass
 class GRPOScriptArguments:
@@ -35,11 +84,15 @@ class GRPOScriptArguments:
         task: a built-in task (``arithmetic``) used when no ``dataset_name`` is given.
         task_size: number of prompts the built-in task generates.
         task_seed: seed of the built-in task.
-        dataset_name: a dataset for ``datasets.load_dataset`` (a hub id or a local path) with a
-            ``prompt`` column, instead of the built-in task.
-        dataset_config: the dataset's configuration name.
-        dataset_split: the split to train on.
-        reward_funcs: names of built-in reward functions.
+        dataset_name: a hub dataset id, or a local ``.json``/``.jsonl``/``.csv``/``.parquet``
+            file or a folder of such files, with a ``prompt`` column, instead of the built-in task.
+        dataset_config: the hub dataset's configuration name.
+        dataset_train_split: the split to train on.
+        reward_funcs: built-in reward names or dotted import paths (``pkg.mod.func`` or
+            ``pkg.mod:func``); ``None``: the built-in answer rewards, or none when a reward model
+            is given.
+        reward_model_name_or_path: a sequence-classification reward model (hub id or folder)
+            appended to the reward functions.
     """
 
     model_name_or_path: str = field(
@@ -51,23 +104,175 @@ class GRPOScriptArguments:
     task_size: int = field(default=1000, metadata={"help": "Number of prompts the built-in task generates."})
     task_seed: int = field(default=0, metadata={"help": "Seed of the built-in task."})
     dataset_name: str | None = field(
-        default=None, metadata={"help": "Dataset for datasets.load_dataset (hub id or local path)."}
+        default=None,
+        metadata={
+            "help": "Hub dataset id, or a local .json/.jsonl/.csv/.parquet file or folder of such files "
+            "(needs a 'prompt' column). Default: the built-in task."
+        },
     )
-    dataset_config: str | None = field(default=None, metadata={"help": "Dataset configuration name."})
-    dataset_split: str = field(default="train", metadata={"help": "Dataset split to train on."})
-    reward_funcs: list[str] = field(
-        default_factory=lambda: ["answer_accuracy_reward", "answer_format_reward"],
-        metadata={"help": "Built-in reward functions, by name."},
+    dataset_config: str | None = field(
+        default=None, metadata={"help": "Configuration name of a hub dataset."}
     )
+    dataset_train_split: str = field(default="train", metadata={"help": "Dataset split to train on."})
+    reward_funcs: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "Reward functions: built-in names or dotted import paths (my_pkg.rewards.my_reward or "
+            "my_pkg.rewards:my_reward). Default: answer_accuracy_reward answer_format_reward, or none "
+            "when --reward_model_name_or_path is given."
+        },
+    )
+    reward_model_name_or_path: str | None = field(
+        default=None,
+        metadata={
+            "help": "Sequence-classification reward model (hub id or folder) appended to the reward functions."
+        },
+    )
+
+
+# ---- rewards ---------------------------------------------------------------------------------
 
 
 def _reward_registry() -> dict[str, Any]:
-    from posttrain.rewards import answer
+    from posttrain import rewards
 
     return {
-        "answer_accuracy_reward": answer.answer_accuracy_reward,
-        "answer_format_reward": answer.answer_format_reward,
+        "answer_accuracy_reward": rewards.answer_accuracy_reward,
+        "answer_format_reward": rewards.answer_format_reward,
+        "accuracy_reward": rewards.accuracy_reward,
+        "reasoning_accuracy_reward": rewards.reasoning_accuracy_reward,
+        "think_format_reward": rewards.think_format_reward,
     }
+
+
+def _import_reward(path: str) -> Callable[..., Any]:
+    """The callable at ``pkg.mod.func`` or ``pkg.mod:func`` (attributes may be nested after ``:``)."""
+    module_name, sep, attr = path.partition(":") if ":" in path else path.rpartition(".")
+    if not module_name or not attr or not sep:
+        raise CLIError(
+            f"reward function {path!r} is not a valid import path; write it as my_pkg.rewards.my_reward "
+            "or my_pkg.rewards:my_reward."
+        )
+    # The console script does not put the working directory on sys.path, `python -m` does:
+    # make a module next to the user importable either way (last, so it shadows nothing).
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.append(os.getcwd())
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise CLIError(f"cannot import reward function {path!r}: {exc}.") from exc
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise CLIError(
+                f"cannot import reward function {path!r}: module {module_name!r} has no attribute {attr!r}."
+            ) from None
+    if not callable(obj):
+        raise CLIError(f"reward function {path!r} is a {type(obj).__name__}, not a callable.")
+    return obj
+
+
+def _resolve_reward(name: str, registry: dict[str, Any]) -> Callable[..., Any]:
+    if name in registry:
+        if name in _MATH_REWARDS and importlib.util.find_spec("math_verify") is None:
+            raise CLIError(
+                f"reward function {name!r} needs the math-verify package; install it with "
+                "pip install 'posttrain[math]'."
+            )
+        return registry[name]
+    if "." in name or ":" in name:
+        return _import_reward(name)
+    raise CLIError(
+        f"unknown reward function {name!r}: it is not a built-in reward ({', '.join(sorted(registry))}) "
+        "nor a dotted import path such as my_pkg.rewards.my_reward or my_pkg.rewards:my_reward."
+    )
+
+
+def _reward_funcs(names: list[str] | None, reward_model: str | None = None) -> list[Any]:
+    """Reward callables for ``names``, then the reward model's name or path (the trainer loads it)."""
+    if names is None:
+        names = [] if reward_model else list(DEFAULT_REWARD_FUNCS)
+    registry = _reward_registry()
+    funcs: list[Any] = [_resolve_reward(name, registry) for name in names]
+    if reward_model:
+        funcs.append(reward_model)
+    if not funcs:
+        raise CLIError("no reward: give --reward_funcs, --reward_model_name_or_path, or both.")
+    return funcs
+
+
+# ---- datasets --------------------------------------------------------------------------------
+
+
+def _looks_local(name: str) -> bool:
+    """Whether a dataset name is meant as a local path rather than a hub id."""
+    return (
+        os.path.exists(os.path.expanduser(name))
+        or name.startswith((".", "/", "~"))
+        or Path(name).suffix.lower() in DATA_FILE_BUILDERS
+    )
+
+
+def _split_files(folder: Path, files: list[Path], split: str) -> list[Path]:
+    """The files of ``folder`` holding ``split``: those whose relative path names it as a word.
+
+    When no file names any split (``data-0.jsonl``, ``part1.csv``), every file is the train split.
+    """
+
+    def words(path: Path) -> set[str]:
+        return set(re.split(r"[^a-z0-9]+", str(path.relative_to(folder)).lower()))
+
+    chosen = [f for f in files if split.lower() in words(f)]
+    if chosen:
+        return chosen
+    if split == "train" and not any(words(f) & _SPLIT_WORDS for f in files):
+        return files
+    named = sorted({w for f in files for w in words(f) & _SPLIT_WORDS})
+    raise CLIError(
+        f"no file in the dataset folder {str(folder)!r} belongs to the split {split!r} (a file belongs to a "
+        f"split when its path names it, e.g. {split}.jsonl); the files name the splits {named}. Choose one "
+        "with --dataset_train_split."
+    )
+
+
+def _load_local_dataset(name: str, split: str) -> Any:
+    """A local data file, or the ``split`` files of a folder, read with ``datasets.load_dataset``."""
+    from datasets import load_dataset
+    from datasets.exceptions import DatasetGenerationError
+
+    path = Path(os.path.expanduser(name))
+    suffixes = "/".join(DATA_FILE_BUILDERS)
+    if path.is_file():
+        if path.suffix.lower() not in DATA_FILE_BUILDERS:
+            raise CLIError(f"dataset file {name!r} is not a {suffixes} file.")
+        files = [path]
+    elif path.is_dir():
+        found = sorted(
+            p
+            for p in path.rglob("*")
+            if p.is_file()
+            and p.suffix.lower() in DATA_FILE_BUILDERS
+            and not any(part.startswith(".") for part in p.relative_to(path).parts)
+        )
+        if not found:
+            raise CLIError(f"dataset folder {name!r} holds no {suffixes} files.")
+        files = _split_files(path, found, split)
+    else:
+        raise CLIError(
+            f"dataset {name!r} does not exist: pass a hub dataset id, or an existing {suffixes} file or a "
+            "folder of such files."
+        )
+    builders = {DATA_FILE_BUILDERS[f.suffix.lower()] for f in files}
+    if len(builders) > 1:
+        raise CLIError(
+            f"dataset {name!r} mixes file formats ({', '.join(sorted(builders))}); use files of one format."
+        )
+    try:
+        return load_dataset(builders.pop(), data_files=[str(f) for f in files], split="train")
+    except DatasetGenerationError as exc:
+        cause = exc.__cause__ or exc
+        raise CLIError(f"cannot read the dataset {name!r}: {cause}") from exc
 
 
 def _dataset(script: GRPOScriptArguments) -> Any:
@@ -75,17 +280,14 @@ def _dataset(script: GRPOScriptArguments) -> Any:
         from posttrain.data.tasks import load_task
 
         return load_task(script.task, n=script.task_size, seed=script.task_seed)
+    if _looks_local(script.dataset_name):
+        return _load_local_dataset(script.dataset_name, script.dataset_train_split)
     from datasets import load_dataset
 
-    return load_dataset(script.dataset_name, script.dataset_config, split=script.dataset_split)
+    return load_dataset(script.dataset_name, script.dataset_config, split=script.dataset_train_split)
 
 
-def _reward_funcs(names: list[str]) -> list[Any]:
-    registry = _reward_registry()
-    unknown = [n for n in names if n not in registry]
-    if unknown:
-        raise SystemExit(f"posttrain grpo: unknown reward function(s) {unknown}; known: {sorted(registry)}.")
-    return [registry[n] for n in names]
+# ---- recipes and flags -----------------------------------------------------------------------
 
 
 def _split_config(argv: list[str]) -> tuple[str | None, list[str]]:
@@ -96,7 +298,7 @@ def _split_config(argv: list[str]) -> tuple[str | None, list[str]]:
         if arg == "--config":
             path = next(it, None)
             if path is None:
-                raise SystemExit("posttrain grpo: --config needs a YAML file path.")
+                raise CLIError("--config needs the path of a YAML recipe file.")
         elif arg.startswith("--config="):
             path = arg.split("=", 1)[1]
         else:
@@ -104,69 +306,205 @@ def _split_config(argv: list[str]) -> tuple[str | None, list[str]]:
     return path, rest
 
 
+def _did_you_mean(name: str, choices: list[str]) -> str:
+    close = difflib.get_close_matches(name, choices, n=1)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
 def _yaml_defaults(path: str, known: set[str]) -> dict[str, Any]:
     """Read a YAML recipe; its keys must be flags of ``posttrain grpo``."""
     import yaml
 
-    with open(path) as f:
-        values = yaml.safe_load(f) or {}
+    try:
+        with open(path) as f:
+            values = yaml.safe_load(f)
+    except OSError as exc:
+        raise CLIError(f"cannot read the recipe file {path!r}: {exc.strerror or exc}.") from exc
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise CLIError(f"the recipe file {path!r} is not valid YAML{where}: {problem}.") from exc
+    if values is None:
+        return {}
     if not isinstance(values, dict):
-        raise SystemExit(f"posttrain grpo: {path} must hold a mapping of GRPOConfig fields.")
-    unknown = sorted(set(values) - known)
+        raise CLIError(
+            f"the recipe file {path!r} must hold a mapping of flag names to values (such as "
+            f"'learning_rate: 1.0e-6'), not a {type(values).__name__}."
+        )
+    unknown = sorted(str(k) for k in set(values) - known)
     if unknown:
-        raise SystemExit(f"posttrain grpo: {path} has keys that are not flags of posttrain grpo: {unknown}.")
+        hints = "".join(_did_you_mean(k, sorted(known)) for k in unknown[:1])
+        raise CLIError(
+            f"the recipe file {path!r} has keys that are not flags of posttrain grpo: {unknown}{hints}; "
+            "`posttrain grpo --help` lists them."
+        )
     return values
 
 
-def grpo(argv: list[str]) -> Any:
-    """Parse ``argv``, run GRPO training, save the model; returns the trainer.
+def _check_unknown_flags(parser: argparse.ArgumentParser, argv: list[str]) -> None:
+    """Name the flags of ``argv`` the parser does not know (HfArgumentParser raises ValueError)."""
+    _, remaining = parser.parse_known_args(argv)
+    if not remaining:
+        return
+    options = sorted(parser._option_string_actions)
+    flags = [arg.split("=", 1)[0] for arg in remaining if arg.startswith("-")]
+    if flags:
+        named = ", ".join(f"{flag}{_did_you_mean(flag, options)}" for flag in flags)
+        raise CLIError(f"unknown flag(s): {named}. `posttrain grpo --help` lists every flag.")
+    raise CLIError(
+        f"unexpected argument(s) {remaining}: every setting is a flag such as --max_steps 10. "
+        "`posttrain grpo --help` lists them."
+    )
 
-    ``--config recipe.yaml`` sets defaults from a YAML file; flags on the command line win.
-    """
+
+def _one_paragraph(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def _resume(value: Any) -> Any:
+    """``--resume_from_checkpoint true`` resumes from the newest complete checkpoint."""
+    if isinstance(value, str) and value.lower() == "true":
+        return True
+    return value
+
+
+# ---- commands --------------------------------------------------------------------------------
+
+
+def _build_grpo(argv: list[str]) -> tuple[Any, Any]:
+    """Parse ``argv`` and build the trainer; every error here is a configuration error."""
     from transformers import HfArgumentParser
 
     from posttrain import GRPOConfig, GRPOTrainer
 
-    parser = HfArgumentParser((GRPOScriptArguments, GRPOConfig), prog="posttrain grpo")
+    parser = HfArgumentParser(
+        (GRPOScriptArguments, GRPOConfig),
+        prog="posttrain grpo",
+        usage="posttrain grpo [--config RECIPE.yaml] [--FLAG VALUE ...]",
+        description="Train with GRPO. `--config RECIPE.yaml` reads flag values from a YAML mapping; "
+        "flags given on the command line win.",
+    )
     parser.set_defaults(**LAPTOP_DEFAULTS)
     config_path, argv = _split_config(argv)
     if config_path is not None:
-        known = {action.dest for action in parser._actions}
+        known = {action.dest for action in parser._actions} - {"help"}
         parser.set_defaults(**_yaml_defaults(config_path, known))
+    _check_unknown_flags(parser, argv)
     script, config = parser.parse_args_into_dataclasses(args=argv)
-    funcs = _reward_funcs(script.reward_funcs)
+    funcs = _reward_funcs(script.reward_funcs, script.reward_model_name_or_path)
     dataset = _dataset(script)
     trainer = GRPOTrainer(
         model=script.model_name_or_path, reward_funcs=funcs, args=config, train_dataset=dataset
     )
-    trainer.train()
+    return trainer, config
+
+
+def grpo(argv: list[str]) -> Any:
+    """Train with GRPO (every GRPOConfig field is a flag; --config RECIPE.yaml reads a recipe).
+
+    Parses ``argv``, runs GRPO training and saves the model; returns the trainer. With no flags:
+    the embedded SmolLM2-135M-Instruct on the built-in arithmetic task.
+
+    Raises:
+        CLIError: bad input, found before training starts.
+    """
+    try:
+        trainer, config = _build_grpo(argv)
+    except (ValueError, OSError, ImportError) as exc:
+        raise CLIError(_one_paragraph(exc)) from exc
+    trainer.train(resume_from_checkpoint=_resume(config.resume_from_checkpoint))
     trainer.save_model(config.output_dir)
-    print(f"posttrain grpo: saved the trained model to {config.output_dir}")
+    if trainer.is_world_process_zero():
+        print(f"posttrain grpo: saved the trained model to {config.output_dir}")
     return trainer
 
 
-COMMANDS = {"grpo": grpo}
+def _version(distribution: str) -> str:
+    from importlib import metadata
 
-USAGE = """usage: posttrain COMMAND [FLAGS]
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return "not installed"
 
-commands:
-  grpo    train with GRPO (every GRPOConfig field is a flag; `posttrain grpo --help` lists them;
-          `--config recipe.yaml` reads defaults from a YAML file, flags win).
-          With no flags: the embedded SmolLM2-135M-Instruct on the built-in arithmetic task, on CPU.
-"""
+
+def _hardware() -> list[tuple[str, str]]:
+    import platform
+
+    rows = [("Platform", platform.platform()), ("CPU count", str(os.cpu_count()))]
+    try:
+        import torch
+    except Exception as exc:  # a broken torch install is what a bug report needs to show
+        return [*rows, ("CUDA available", f"unknown (torch cannot be imported: {_one_paragraph(exc)})")]
+    if not torch.cuda.is_available():
+        built = f"torch built with CUDA {torch.version.cuda}" if torch.version.cuda else "CPU-only torch"
+        return [*rows, ("CUDA available", f"no ({built})"), ("GPUs", "none"), ("bf16 supported", "no GPU")]
+    names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    counts = {n: names.count(n) for n in names}
+    gpus = ", ".join(f"{count} x {name}" for name, count in counts.items())
+    bf16 = "yes" if torch.cuda.is_bf16_supported() else "no"
+    return [
+        *rows,
+        ("CUDA available", f"yes (CUDA {torch.version.cuda})"),
+        ("GPUs", gpus),
+        ("bf16 supported", bf16),
+    ]
+
+
+def env(argv: list[str]) -> None:
+    """Print versions and hardware, to paste into a bug report."""
+    parser = argparse.ArgumentParser(prog="posttrain env", description=env.__doc__)
+    parser.parse_args(argv)
+    import platform
+
+    rows = [("Python", platform.python_version())]
+    rows += [(name, _version(name)) for name in ENV_PACKAGES]
+    rows += _hardware()
+    print("Copy and paste the lines below into your bug report.\n")
+    for key, value in rows:
+        print(f"- {key}: {value}")
+
+
+# Command name -> function taking the command's arguments. The first line of the function's
+# docstring is its summary in `posttrain --help`. Raise CLIError for bad input.
+COMMANDS: dict[str, Callable[[list[str]], Any]] = {
+    "grpo": grpo,
+    "env": env,
+}
+
+
+def usage() -> str:
+    """The text of ``posttrain --help``, built from ``COMMANDS``."""
+    width = max(len(name) for name in COMMANDS)
+    lines = ["usage: posttrain COMMAND [FLAGS]", "", "commands:"]
+    for name, command in COMMANDS.items():
+        summary = (command.__doc__ or "").strip().splitlines()[0] if command.__doc__ else ""
+        lines.append(f"  {name.ljust(width)}  {summary}")
+    lines += [
+        "",
+        "`posttrain COMMAND --help` lists a command's flags (`posttrain grpo --help`: every GRPOConfig field).",
+        "With no flags, `posttrain grpo` trains the embedded SmolLM2-135M-Instruct on the built-in arithmetic task.",
+    ]
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``posttrain`` command."""
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
-        print(USAGE)
+        print(usage())
         raise SystemExit(0 if argv else 2)
     command = COMMANDS.get(argv[0])
     if command is None:
-        print(f"posttrain: unknown command {argv[0]!r}\n\n{USAGE}", file=sys.stderr)
+        hint = _did_you_mean(argv[0], list(COMMANDS))
+        print(f"posttrain: unknown command {argv[0]!r}{hint}\n\n{usage()}", file=sys.stderr)
         raise SystemExit(2)
-    command(argv[1:])
+    try:
+        command(argv[1:])
+    except CLIError as exc:
+        print(f"posttrain {argv[0]}: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

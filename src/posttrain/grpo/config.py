@@ -23,7 +23,12 @@ from transformers.utils import is_torch_bf16_gpu_available, is_torch_xla_availab
 __all__ = ["GRPOConfig", "POSTTRAIN_EXTENSIONS", "UNBUILT_OPTIONS", "UnbuiltOption"]
 
 #: Fields posttrain adds to the reference's GRPOConfig (features the reference lacks).
-POSTTRAIN_EXTENSIONS = ("dynamic_sampling", "dynamic_sampling_max_rounds")
+POSTTRAIN_EXTENSIONS = (
+    "dynamic_sampling",
+    "dynamic_sampling_max_rounds",
+    "reward_fault_policy",
+    "reward_timeout",
+)
 
 
 # --------------------------------------------------------------------------------------------
@@ -84,6 +89,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "vllm_importance_sampling_mode": ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"),
     "vllm_mode": ("server", "colocate"),
     "vllm_model_impl": ("transformers", "vllm"),
+    "reward_fault_policy": ("raise", "skip"),
 }
 
 #: Parameters that take a dict and may arrive from the command line as a JSON string.
@@ -151,6 +157,7 @@ _RULES: tuple[_Rule, ...] = (
     _Rule("off_policy_mask_threshold", _optional(lambda v: _is_num(v) and v >= 0), "None or a number >= 0", "set off_policy_mask_threshold to a positive value such as 0.5, or leave it None"),
     _Rule("vllm_importance_sampling_clip_min", _optional(lambda v: _is_num(v) and v >= 0), "None or a number >= 0", "set vllm_importance_sampling_clip_min to a non-negative value, or leave it None"),
     _Rule("vllm_importance_sampling_clip_max", _optional(lambda v: _is_num(v) and v > 0), "None or a number > 0", "set vllm_importance_sampling_clip_max to a positive value such as 3.0, or None for no upper bound"),
+    _Rule("reward_timeout", _optional(lambda v: _is_num(v) and v > 0), "None or a number of seconds > 0", "set reward_timeout to a positive number of seconds, or None for no limit"),
     _Rule("dynamic_sampling_max_rounds", _positive_int, "an integer >= 1", "set dynamic_sampling_max_rounds to 1 or more (the default is 3)"),
     _Rule("top_entropy_quantile", lambda v: _is_num(v) and 0 <= v <= 1, "a number in [0, 1]", "set top_entropy_quantile to a value in [0, 1], or to 1.0 to keep every token"),
     _Rule("reward_weights", _optional(lambda v: isinstance(v, (list, tuple)) and all(_is_num(w) for w in v)), "None or a list of numbers, one per reward function", "pass a list of floats such as [1.0, 0.5], or None to weight every reward function 1.0"),
@@ -402,6 +409,12 @@ class GRPOConfig(TrainingArguments):
             `num_generations`.
         dynamic_sampling_max_rounds (`int`, defaults to `3`): At most this many extra generation
             rounds per generation batch; slots still empty afterwards keep their groups.
+        reward_fault_policy (`str`, defaults to `"raise"`): What a reward function that raises,
+            returns NaN or inf, or times out does: `"raise"` stops training with an error naming
+            the function and the sample; `"skip"` leaves those rewards out (like `None`) and
+            counts them in the `rewards/{name}/faults` metric.
+        reward_timeout (`float | None`, defaults to `None`): Seconds an `async def` reward
+            function may take per call; a slower call is a fault. Sync functions are not timed.
     """
 
     # ---- TrainingArguments fields whose default differs for GRPO --------------------------
@@ -853,6 +866,17 @@ class GRPOConfig(TrainingArguments):
     dynamic_sampling_max_rounds: int = field(
         default=3,
         metadata={"help": "Most extra generation rounds per generation batch for dynamic_sampling."},
+    )
+    reward_fault_policy: str = field(
+        default="raise",
+        metadata={
+            "help": "A reward function that raises, returns NaN/inf or times out: 'raise' (stop with an error "
+            "naming it) or 'skip' (leave those rewards out and count them)."
+        },
+    )
+    reward_timeout: float | None = field(
+        default=None,
+        metadata={"help": "Seconds an async reward function may take per call; None: no limit."},
     )
 
     def __post_init__(self) -> None:

@@ -14,7 +14,6 @@ kept whole), the generation buffer, the loss and the metrics.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -24,13 +23,14 @@ from typing import Any
 import torch
 from accelerate.utils import gather
 from transformers import PreTrainedModel, Trainer, TrainerCallback
+from transformers.trainer_utils import TrainOutput, rotate_checkpoints
 
 from posttrain.data import formats
 from posttrain.data.sampling import grouped_dataloader
 from posttrain.generation.base import Generator, build_rollout
 from posttrain.generation.rollout_func import call_rollout_func
 from posttrain.generation.transformers_backend import TransformersGenerator, sampling_config
-from posttrain.grpo import advantages, dynamic_sampling, objectives, regularizers
+from posttrain.grpo import advantages, checkpoints, dynamic_sampling, objectives, regularizers
 from posttrain.grpo.config import GRPOConfig
 from posttrain.grpo.loss import LossSettings, grpo_loss
 from posttrain.grpo.rollout import Rollout, ScoredRollout
@@ -123,7 +123,11 @@ class GRPOTrainer(Trainer):
         if args is None:
             base = model if isinstance(model, str) else model.config._name_or_path
             args = GRPOConfig(output_dir=f"{os.path.basename(str(base).rstrip('/')) or 'model'}-GRPO")
-        rewards = RewardRunner(self._setup_reward_funcs(reward_funcs, reward_processing_classes, args))
+        rewards = RewardRunner(
+            self._setup_reward_funcs(reward_funcs, reward_processing_classes, args),
+            fault_policy=args.reward_fault_policy,
+            timeout=args.reward_timeout,
+        )
         self._check_datasets(train_dataset, eval_dataset, args)
         if rollout_func is not None:
             _check_rollout_func_batches(args, eval_dataset is not None)
@@ -153,6 +157,7 @@ class GRPOTrainer(Trainer):
         self.ref_model = self._setup_reference()
         self.entropy_coef = float(args.entropy_coef)
         self._step_entropy: list[float] = []
+        self._last_logs: dict[str, float] = {}
         self.add_callback(_AfterOptimizerStep(self))
         self._metrics = MetricStore()
         self._buffer: list[ScoredRollout] = []
@@ -540,6 +545,12 @@ class GRPOTrainer(Trainer):
         """One micro-step; also times whole optimizer steps for the ``step_time`` metric."""
         start = time.perf_counter()
         loss = super().training_step(model, inputs, num_items_in_batch)
+        if not torch.isfinite(loss):
+            raise FloatingPointError(
+                f"The loss became {loss.item()} at optimizer step {self.state.global_step + 1}, before any update "
+                f"was applied (the parameters and the checkpoints are intact). Last logged metrics: "
+                f"{self._last_logs}. Lower the learning rate, check the rewards, or use bf16/fp32."
+            )
         self._step_time += time.perf_counter() - start
         self._micro_in_step += 1
         if self._micro_in_step >= self.current_gradient_accumulation_steps:
@@ -581,6 +592,13 @@ class GRPOTrainer(Trainer):
             col = rewards[:, j]
             m[f"rewards/{name}/mean"] = torch.nanmean(col).item()
             m[f"rewards/{name}/std"] = _nanstd(col)
+        faults = self.rewards.pop_faults()
+        if self.args.reward_fault_policy == "skip":
+            local = torch.tensor([float(faults.get(name, 0)) for name in self.rewards.names], device=device)
+            for name, count in zip(
+                self.rewards.names, gather(local.unsqueeze(0)).sum(dim=0).tolist(), strict=True
+            ):
+                m[f"rewards/{name}/faults"] = count
         total = advantages.weighted_sum(rewards, self.reward_weights)
         m["reward"] = total.mean().item()
         m["reward_std"] = total.std().item() if total.numel() > 1 else 0.0
@@ -642,6 +660,20 @@ class GRPOTrainer(Trainer):
                 m[key] = column.mean().item()
         self._metrics.add_all(mode, m)
 
+    def _check_gradients(self) -> None:
+        """Stop before the optimizer applies a NaN or inf gradient."""
+        bad = [
+            n
+            for n, p in self.model.named_parameters()
+            if p.grad is not None and not torch.isfinite(p.grad).all()
+        ]
+        if bad:
+            raise FloatingPointError(
+                f"Non-finite gradients in {bad[:3]}{' ...' if len(bad) > 3 else ''} at optimizer step "
+                f"{self.state.global_step + 1}; the update was not applied (the parameters and the checkpoints "
+                f"are intact). Last logged metrics: {self._last_logs}. Lower the learning rate or check the inputs."
+            )
+
     def _after_optimizer_step(self) -> None:
         """Adaptive entropy coefficient (Skywork-OR1) and reference sync (TR-DPO), once per step."""
         a = self.args
@@ -667,24 +699,52 @@ class GRPOTrainer(Trainer):
 
     # ---- checkpoints: what transformers.Trainer does not save ---------------------------------
 
+    def train(
+        self, resume_from_checkpoint: str | bool | None = None, trial: Any = None, **kwargs: Any
+    ) -> Any:
+        """Train; ``resume_from_checkpoint=True`` resumes from the newest *complete* checkpoint."""
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = checkpoints.latest_complete_checkpoint(self.args.output_dir)
+        if isinstance(resume_from_checkpoint, str):
+            done = checkpoints.finished_output(resume_from_checkpoint, self.args.max_steps)
+            if done is not None:  # transformers would train one more step
+                self.state = done
+                self._load_from_checkpoint(resume_from_checkpoint)
+                return TrainOutput(done.global_step, 0.0, {})
+        return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
+
     def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
-        super()._save_checkpoint(model, trial)
-        if not self.args.should_save:
-            return
-        folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
-        with open(os.path.join(folder, POSTTRAIN_STATE), "w") as f:
-            json.dump({"entropy_coef": self.entropy_coef}, f)
-        if self.ref_model is not None and self.args.sync_ref_model:
-            torch.save(self.ref_model.state_dict(), os.path.join(folder, REFERENCE_STATE))
+        """Save as transformers does, then posttrain's state last, as the completion mark.
+
+        Old checkpoints are rotated only after the new one is complete, so a kill while saving
+        always leaves a complete checkpoint behind.
+        """
+        limit = self.args.save_total_limit
+        self.args.save_total_limit = None
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self.args.save_total_limit = limit
+        run_dir = self._get_output_dir(trial=trial)
+        folder = os.path.join(run_dir, f"checkpoint-{self.state.global_step}")
+        if self.args.should_save:
+            if self.ref_model is not None and self.args.sync_ref_model:
+                torch.save(self.ref_model.state_dict(), os.path.join(folder, REFERENCE_STATE))
+            checkpoints.write_state(folder, {"entropy_coef": self.entropy_coef})
+            rotate_checkpoints(
+                output_dir=run_dir,
+                save_total_limit=limit,
+                best_model_checkpoint=self.state.best_model_checkpoint,
+                use_mtime=True,
+            )
 
     def _load_from_checkpoint(
         self, resume_from_checkpoint: str, model: torch.nn.Module | None = None
     ) -> None:
         super()._load_from_checkpoint(resume_from_checkpoint, model)
-        path = os.path.join(resume_from_checkpoint, POSTTRAIN_STATE)
-        if os.path.isfile(path):
-            with open(path) as f:
-                self.entropy_coef = float(json.load(f)["entropy_coef"])
+        state = checkpoints.read_state(resume_from_checkpoint)
+        if state is not None:
+            self.entropy_coef = float(state["entropy_coef"])
         ref_path = os.path.join(resume_from_checkpoint, REFERENCE_STATE)
         if self.ref_model is not None and os.path.isfile(ref_path):
             self.ref_model.load_state_dict(torch.load(ref_path, map_location=self.accelerator.device))
@@ -697,7 +757,10 @@ class GRPOTrainer(Trainer):
             metrics = {prefix + k: v for k, v in self._metrics.pop_means("eval").items()}
         else:
             metrics = self._metrics.pop_means("train")
-        super().log({**logs, **metrics}, start_time)
+        merged = {**logs, **metrics}
+        if all(isinstance(v, (int, float)) and v == v for v in merged.values()):
+            self._last_logs = {"step": self.state.global_step, **merged}
+        super().log(merged, start_time)
 
     def _track_num_input_tokens(self, inputs: Any) -> None:
         """Token counting happens at generation (``num_tokens``); nothing to do per micro-batch."""
@@ -723,7 +786,6 @@ def _check_rollout_func_batches(args: GRPOConfig, has_eval: bool) -> None:
         )
 
 
-POSTTRAIN_STATE = "posttrain_state.json"
 REFERENCE_STATE = "reference_model.pt"
 
 
@@ -732,6 +794,9 @@ class _AfterOptimizerStep(TrainerCallback):
 
     def __init__(self, trainer: GRPOTrainer) -> None:
         self.trainer = trainer
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.trainer._check_gradients()
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.trainer._after_optimizer_step()

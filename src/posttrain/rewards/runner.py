@@ -87,14 +87,32 @@ def check_output(name: str, values: Any, n: int) -> list[float]:
     return out
 
 
+FAULT_POLICIES = ("raise", "skip")
+
+
 class RewardRunner:
     """Scores completions with a list of reward functions.
 
+    Faults of a reward function (it raises, returns NaN or inf, or, for ``async def`` ones, takes
+    longer than ``timeout`` seconds) follow ``fault_policy``: ``"raise"`` stops with an error
+    naming the function and the sample; ``"skip"`` leaves the faulty rewards out (as if the
+    function had returned ``None`` for those samples) and counts them in ``faults``.
+
     Args:
         funcs: reward callables (sync or ``async def``).
+        fault_policy: ``"raise"`` or ``"skip"``.
+        timeout: seconds an ``async def`` function may take per call (``None``: no limit). A
+            sync function cannot be interrupted safely and is not timed.
     """
 
-    def __init__(self, funcs: Sequence[Callable]) -> None:
+    def __init__(
+        self, funcs: Sequence[Callable], fault_policy: str = "raise", timeout: float | None = None
+    ) -> None:
+        if fault_policy not in FAULT_POLICIES:
+            raise ValueError(f"reward_fault_policy={fault_policy!r} is not one of {FAULT_POLICIES}.")
+        self.fault_policy = fault_policy
+        self.timeout = timeout
+        self.faults: dict[str, int] = {}
         for f in funcs:
             if not callable(f):
                 raise TypeError(
@@ -127,22 +145,53 @@ class RewardRunner:
                 results.append(exc)
         pending = [i for i, r in enumerate(results) if inspect.isawaitable(r)]
         if pending:
-            awaited = asyncio.run(_gather_all([results[i] for i in pending]))
+            awaited = asyncio.run(_gather_all([results[i] for i in pending], self.timeout))
             for i, value in zip(pending, awaited, strict=True):
                 results[i] = value
-        columns = []
-        for func, name, result in zip(self.funcs, self.names, results, strict=True):
-            if isinstance(result, BaseException):
-                index = _locate_failure(func, kwargs, n)
-                where = f"sample {index}" if index is not None else "the batch (no single sample fails alone)"
-                raise RewardFunctionError(
-                    f"Reward function '{name}' raised {type(result).__name__}: {result} (on {where}). Fix the "
-                    "function, or return None for samples it does not apply to."
-                ) from result
-            columns.append(check_output(name, result, n))
+        columns = [
+            self._column(func, name, result, kwargs, n)
+            for func, name, result in zip(self.funcs, self.names, results, strict=True)
+        ]
         return torch.tensor(columns, dtype=torch.float32).T.reshape(n, len(self.funcs))
 
+    def _column(self, func: Callable, name: str, result: Any, kwargs: dict[str, Any], n: int) -> list[float]:
+        """One function's rewards, with its faults handled by the policy."""
+        if isinstance(result, BaseException):
+            if self.fault_policy == "skip":
+                self.faults[name] = self.faults.get(name, 0) + n
+                return [math.nan] * n
+            if isinstance(result, asyncio.TimeoutError):
+                raise RewardFunctionError(
+                    f"Reward function '{name}' did not finish within reward_timeout={self.timeout} s. Make it "
+                    "faster, raise reward_timeout, or set reward_fault_policy='skip' to leave such calls out."
+                ) from result
+            index = _locate_failure(func, kwargs, n)
+            where = f"sample {index}" if index is not None else "the batch (no single sample fails alone)"
+            raise RewardFunctionError(
+                f"Reward function '{name}' raised {type(result).__name__}: {result} (on {where}). Fix the "
+                "function, return None for samples it does not apply to, or set reward_fault_policy='skip'."
+            ) from result
+        values = check_output(name, result, n)
+        bad = [i for i, v in enumerate(values) if math.isinf(v) or (math.isnan(v) and result[i] is not None)]
+        if bad:
+            if self.fault_policy == "raise":
+                raise RewardFunctionError(
+                    f"Reward function '{name}' returned {result[bad[0]]!r} for sample {bad[0]}; rewards must be "
+                    "finite. Return None for samples a function cannot score, or set reward_fault_policy='skip'."
+                )
+            self.faults[name] = self.faults.get(name, 0) + len(bad)
+            for i in bad:
+                values[i] = math.nan
+        return values
 
-async def _gather_all(awaitables: list[Any]) -> list[Any]:
-    """Await concurrently; an exception is returned in place of its result."""
+    def pop_faults(self) -> dict[str, int]:
+        """Faults skipped per function since the last call."""
+        faults, self.faults = self.faults, {}
+        return faults
+
+
+async def _gather_all(awaitables: list[Any], timeout: float | None = None) -> list[Any]:
+    """Await concurrently, each within ``timeout`` seconds; an exception replaces a failed result."""
+    if timeout is not None:
+        awaitables = [asyncio.wait_for(a, timeout) for a in awaitables]
     return await asyncio.gather(*awaitables, return_exceptions=True)
