@@ -327,3 +327,35 @@ def test_flat_records_for_tables():
     }
     assert records[1]["acc"] is None
     assert len(flat_records(log.rows, unique_prompts=True)) == 1
+
+
+def test_trainer_writes_every_completion_with_rewards_and_extras(tmp_path, capsys):
+    """log_completions: a table at each logging step and every row in completions.jsonl."""
+    from conftest import build_tiny_model, build_tiny_tokenizer
+    from helpers import make_config, standard_dataset
+
+    from posttrain import GRPOTrainer
+    from posttrain.observe.completions import read_completions
+
+    def reward(completion_ids, log_extra, log_metric, **kwargs):
+        log_extra("n_tokens", [len(ids) for ids in completion_ids])
+        log_metric("my_metric", 0.5)
+        return [float(len(ids) % 3) for ids in completion_ids]
+
+    tok = build_tiny_tokenizer()
+    trainer = GRPOTrainer(
+        model=build_tiny_model(tok),
+        reward_funcs=reward,
+        args=make_config(tmp_path, max_steps=3, log_completions=True, num_completions_to_print=2),
+        train_dataset=standard_dataset(),
+        processing_class=tok,
+    )
+    trainer.train()
+    rows = read_completions(tmp_path / "completions.jsonl")
+    assert len(rows) == 12  # 3 steps x 4 completions, none lost
+    assert [r["step"] for r in rows] == [0] * 4 + [1] * 4 + [2] * 4
+    assert all(set(r["rewards"]) == {"reward"} and "n_tokens" in r and "advantage" in r for r in rows)
+    assert "completion" in capsys.readouterr().out.lower()
+    assert all(
+        h["my_metric"] == 0.5 for h in trainer.state.log_history if "loss" in h and "train_runtime" not in h
+    )

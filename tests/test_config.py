@@ -543,17 +543,17 @@ def test_unbuilt_option_default_is_the_spec_default_and_works(name: str) -> None
 
 def test_unbuilt_message_format(tmp_path) -> None:
     with pytest.raises(NotImplementedError) as err:
-        make(tmp_path, log_completions=True)
+        make(tmp_path, use_vllm=True)
     assert str(err.value) == (
-        "log_completions=True is not implemented yet in posttrain (planned: completion logging). "
-        "Use log_completions=False."
+        "use_vllm=True is not implemented yet in posttrain (planned: vLLM generation). "
+        "Use use_vllm=False (completions are then generated with transformers)."
     )
 
 
 def test_unbuilt_error_lists_every_offending_option(tmp_path) -> None:
     with pytest.raises(NotImplementedError) as err:
-        make(tmp_path, log_completions=True, use_vllm=True)
-    assert "log_completions=True" in str(err.value)
+        make(tmp_path, log_completions_hub_repo="user/completions", use_vllm=True)
+    assert "log_completions_hub_repo='user/completions'" in str(err.value)
     assert "use_vllm=True" in str(err.value)
 
 

@@ -179,9 +179,7 @@ def test_nan_gradient_stops_before_the_update(tmp_path, tok):
     model.model.norm.weight.register_hook(lambda g: g * float("nan"))
     trainer = _trainer(tmp_path, tok, model=model, max_steps=2, save_strategy="steps", save_steps=1)
     before = [p.detach().clone() for p in model.parameters()]
-    with pytest.raises(
-        FloatingPointError, match="Non-finite gradients in .* at optimizer step 1"
-    ):
+    with pytest.raises(FloatingPointError, match="Non-finite gradients in .* at optimizer step 1"):
         trainer.train()
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     assert not list(tmp_path.glob("checkpoint-*"))  # nothing corrupt was saved

@@ -21,7 +21,7 @@ from dataclasses import replace
 from typing import Any
 
 import torch
-from accelerate.utils import gather
+from accelerate.utils import gather, gather_object
 from transformers import PreTrainedModel, Trainer, TrainerCallback
 from transformers.trainer_utils import TrainOutput, rotate_checkpoints
 
@@ -36,6 +36,7 @@ from posttrain.grpo.loss import LossSettings, grpo_loss
 from posttrain.grpo.rollout import Rollout, ScoredRollout
 from posttrain.models import loading
 from posttrain.models import reference as model_options
+from posttrain.observe.completions import COMPLETIONS_FILE, CompletionLog
 from posttrain.observe.metrics import MetricStore
 from posttrain.ops.logprobs import completion_logps
 from posttrain.ops.padding import left_pad
@@ -158,6 +159,17 @@ class GRPOTrainer(Trainer):
         self.entropy_coef = float(args.entropy_coef)
         self._step_entropy: list[float] = []
         self._last_logs: dict[str, float] = {}
+        self._sampled_text: tuple[list[Any], list[Any], dict[str, list[Any]]] = ([], [], {})
+        self._completion_logs = (
+            {
+                mode: CompletionLog(
+                    self.accelerator.is_main_process, display_limit=args.generation_batch_size
+                )
+                for mode in ("train", "eval")
+            }
+            if args.log_completions
+            else {}
+        )
         self.add_callback(_AfterOptimizerStep(self))
         self._metrics = MetricStore()
         self._buffer: list[ScoredRollout] = []
@@ -341,6 +353,8 @@ class GRPOTrainer(Trainer):
         start = self.accelerator.process_index * n
         adv_local = adv[start : start + n]
         self._record_rollout_metrics(mode, rollout, rewards, adv_metrics)
+        if self._completion_logs:
+            self._add_completions(mode, rewards, adv)
         scored = ScoredRollout(rollout=rollout, rewards=rewards_local, advantages=adv_local)
         return self._prepare_chunks(scored, num_chunks, mode)
 
@@ -366,11 +380,13 @@ class GRPOTrainer(Trainer):
             rollout = self._generate(prompts)
         completions, completion_ids = self._decode(rollout, prompts)
         kwargs = {**self._reward_kwargs(batch, prompts, completions, completion_ids, mode), **extra}
-        return rollout, self.rewards.score(len(batch), kwargs)
+        rewards = self.rewards.score(len(batch), kwargs)
+        self._sampled_text = (prompts, completions, dict(self.log_extra_columns))
+        return rollout, rewards
 
     def _refill(self, rollout: Rollout, rewards: torch.Tensor, group: int) -> tuple[Rollout, torch.Tensor]:
         """DAPO dynamic sampling: replace this process's zero-spread groups (``dynamic_sampling.py``)."""
-        rollouts, scores = [rollout], [rewards]
+        rollouts, scores, texts = [rollout], [rewards], [self._sampled_text]
         spread = [dynamic_sampling.groups_with_spread(rewards, self.reward_weights, group)]
         missing = int((~spread[0]).sum())
         rounds = 0
@@ -379,6 +395,7 @@ class GRPOTrainer(Trainer):
             extra, extra_rewards = self._sample(next(self._refill_batches), "train")
             ok = dynamic_sampling.groups_with_spread(extra_rewards, self.reward_weights, group)
             rollouts.append(extra)
+            texts.append(self._sampled_text)
             scores.append(extra_rewards)
             spread.append(ok)
             missing = max(0, missing - int(ok.sum()))
@@ -402,6 +419,7 @@ class GRPOTrainer(Trainer):
         pad = self._tokenizer.pad_token_id
         merged = dynamic_sampling.take_groups(rollouts, chosen, group, pad)
         merged_rewards = torch.cat([scores[r][g * group : (g + 1) * group] for r, g in chosen])
+        self._sampled_text = _take_texts(texts, chosen, group)
         return merged, merged_rewards
 
     def _on_any_process(self, flag: bool) -> bool:
@@ -430,6 +448,32 @@ class GRPOTrainer(Trainer):
             loader.set_epoch(epoch)
             yield from loader
             epoch += 1
+
+    def _add_completions(self, mode: str, rewards: torch.Tensor, adv: torch.Tensor) -> None:
+        """Gather every process's prompts, completions and log_extra columns for the completion log."""
+        per_process = gather_object([self._sampled_text])  # rank order, like gather()
+        prompts = [p for ps, _, _ in per_process for p in ps]
+        completions = [c for _, cs, _ in per_process for c in cs]
+        names = dict.fromkeys(n for _, _, e in per_process for n in e)
+        extra = {  # padded / cut per process: a wrong-length column must not break the log
+            n: [v for ps, _, e in per_process for v in (list(e.get(n, [])) + [None] * len(ps))[: len(ps)]]
+            for n in names
+        }
+        columns: dict[str, list[float]] = {}
+        for j, name in enumerate(self.rewards.names):
+            columns[name if name not in columns else f"{name}_{j}"] = rewards[:, j].tolist()
+        self._completion_logs[mode].add(
+            self.state.global_step, prompts, completions, columns, adv.tolist(), extra
+        )
+
+    def _flush_completions(self, mode: str) -> None:
+        """Print the completions table and append the rows to the completions file."""
+        log = self._completion_logs.get(mode)
+        if log is None:
+            return
+        log.print_table(self.args.num_completions_to_print, self.args.log_unique_prompts)
+        name = COMPLETIONS_FILE if mode == "train" else "eval_completions.jsonl"
+        log.flush_to_file(os.path.join(self.args.output_dir, name))
 
     def _generate(self, prompts: list[Any]) -> Rollout:
         tok = self._tokenizer
@@ -752,6 +796,7 @@ class GRPOTrainer(Trainer):
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Add the GRPO metrics averaged since the last log (``eval_``-prefixed during evaluation)."""
         eval_loss = next((k for k in logs if k.startswith("eval") and k.endswith("_loss")), None)
+        self._flush_completions("eval" if eval_loss is not None else "train")
         if eval_loss is not None:
             prefix = eval_loss[: -len("loss")]
             metrics = {prefix + k: v for k, v in self._metrics.pop_means("eval").items()}
@@ -800,6 +845,26 @@ class _AfterOptimizerStep(TrainerCallback):
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.trainer._after_optimizer_step()
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        for mode in ("train", "eval"):
+            self.trainer._flush_completions(mode)
+
+
+def _take_texts(texts: list[tuple], chosen: list[tuple[int, int]], group: int) -> tuple[list, list, dict]:
+    """Prompts, completions and log_extra columns of the chosen groups, in ``take_groups``' order."""
+    rows = [(r, g * group + k) for r, g in chosen for k in range(group)]
+    names = dict.fromkeys(n for _, _, extra in texts for n in extra)
+
+    def cell(r: int, i: int, name: str) -> Any:
+        values = texts[r][2].get(name)
+        return values[i] if values is not None and i < len(values) else None
+
+    return (
+        [texts[r][0][i] for r, i in rows],
+        [texts[r][1][i] for r, i in rows],
+        {n: [cell(r, i, n) for r, i in rows] for n in names},
+    )
 
 
 def _identity(batch: list[Any]) -> list[Any]:

@@ -278,6 +278,8 @@ def _source_label(source: str) -> str:
 
 
 def _draw_panel(ax: Any, panel: Panel, history: History, title: bool) -> None:
+    from matplotlib.ticker import MaxNLocator
+
     colors = [f"C{i}" for i in range(10)]
     sources = history.sources()
     several_sources = sum(any(line.metric in history.series[s] for line in panel.lines) for s in sources) > 1
@@ -322,8 +324,6 @@ def _draw_panel(ax: Any, panel: Panel, history: History, title: bool) -> None:
 def render_png(family: Family, panels: list[Panel], history: History) -> bytes:
     """One family's figure as PNG bytes."""
     Figure, FigureCanvasAgg = _matplotlib()
-    from matplotlib.ticker import MaxNLocator
-
     cols = 1 if len(panels) == 1 else 2
     rows = math.ceil(len(panels) / cols)
     fig = Figure(figsize=(6.4 * cols, 3.6 * rows), dpi=100, layout="constrained")

@@ -211,6 +211,7 @@ h1 { font-size: 22px; margin: 0 0 4px; } h2 { font-size: 18px; margin: 28px 0 10
 .summary td, .summary th { border: 1px solid var(--line); padding: 4px 10px; text-align: left; }
 .summary td.num { text-align: right; font-variant-numeric: tabular-nums; }
 .plots { display: grid; grid-template-columns: repeat(auto-fill, minmax(560px, 1fr)); gap: 16px; }
+figure.wide { grid-column: 1 / -1; }
 figure { margin: 0; background: #fff; border: 1px solid var(--line); border-radius: 6px; padding: 8px; }
 figure img { width: 100%; height: auto; display: block; }
 figcaption { color: var(--muted); font-size: 12px; margin-top: 4px; }
@@ -360,10 +361,12 @@ def _plots_html(history: plots.History | None, history_error: str | None) -> str
     if not rendered:
         return '<p class="note">The log history has none of the plotted metrics.</p>'
     figures = []
+    panels = {family.name: len(family_panels) for family, family_panels in plots.plan(history)}
     for family, png in rendered:
+        wide = ' class="wide"' if panels.get(family.name, 1) > 1 else ""
         data = base64.b64encode(png).decode("ascii")
         figures.append(
-            f'<figure id="plot-{_e(family.name)}"><img alt="{_e(family.title)}" '
+            f'<figure id="plot-{_e(family.name)}"{wide}><img alt="{_e(family.title)}" '
             f'src="data:image/png;base64,{data}"><figcaption>{_e(family.title)} '
             f"({_e(family.name)}.png)</figcaption></figure>"
         )
