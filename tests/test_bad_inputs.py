@@ -98,7 +98,7 @@ def test_reward_weights_of_the_wrong_length(tmp_path, tok):
 
 
 def test_no_reward_and_no_environment(tmp_path, tok):
-    with pytest.raises(ValueError, match="reward_funcs.*environment_factory"):
+    with pytest.raises(ValueError, match="needs a reward: pass reward_funcs"):
         _trainer(tmp_path, tok, reward_funcs=None)
 
 
@@ -200,3 +200,41 @@ def test_bad_objective_settings_name_the_parameter(tmp_path, overrides, paramete
     values = {"output_dir": str(tmp_path), "use_cpu": True, "bf16": False, **overrides}
     with pytest.raises(ValueError, match=parameter):
         GRPOConfig(**values)
+
+
+def test_conversational_dataset_without_chat_template(tmp_path, tok):
+    from helpers import conversational_dataset
+
+    plain = build_tiny_tokenizer()
+    plain.chat_template = None
+    with pytest.raises(ValueError, match="conversational .* no chat template"):
+        GRPOTrainer(
+            model=build_tiny_model(plain),
+            reward_funcs=length_reward,
+            args=make_config(tmp_path),
+            train_dataset=conversational_dataset(),
+            processing_class=plain,
+        )
+
+
+def test_streamed_eval_dataset_with_a_bad_eval_batch(tmp_path, tok):
+    stream = standard_dataset().to_iterable_dataset()
+    with pytest.raises(ValueError, match="evaluation batch \\(3 completions\\).*per_device_eval_batch_size"):
+        GRPOTrainer(
+            model=build_tiny_model(tok),
+            reward_funcs=length_reward,
+            args=make_config(tmp_path, per_device_eval_batch_size=3, num_generations_eval=2),
+            train_dataset=standard_dataset(),
+            eval_dataset=stream,
+            processing_class=tok,
+        )
+
+
+def test_train_dataset_missing(tmp_path, tok):
+    with pytest.raises(ValueError, match="needs a train_dataset"):
+        GRPOTrainer(
+            model=build_tiny_model(tok),
+            reward_funcs=length_reward,
+            args=make_config(tmp_path),
+            processing_class=tok,
+        )

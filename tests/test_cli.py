@@ -42,6 +42,9 @@ def recorder(monkeypatch):
         def save_model(self, path):
             captured["saved"] = path
 
+        def save_state(self):
+            pass
+
         def is_world_process_zero(self):
             return True
 

@@ -25,10 +25,13 @@ REPO = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory) -> Path:
-    """Three logged steps of GRPO on the tiny model, saved at step 3 (no top-level trainer_state)."""
+    """Three logged steps of GRPO on the tiny model, saved at step 3 (no top-level trainer_state),
+    with the trainer's own completions.jsonl (log_completions=True)."""
     out = tmp_path_factory.mktemp("run")
     tok = build_tiny_tokenizer()
-    args = make_config(out, max_steps=3, save_strategy="steps", save_steps=3, logging_steps=1)
+    args = make_config(
+        out, max_steps=3, save_strategy="steps", save_steps=3, logging_steps=1, log_completions=True
+    )
     trainer = GRPOTrainer(
         model=build_tiny_model(tok),
         reward_funcs=length_reward,
@@ -41,8 +44,10 @@ def trained_run(tmp_path_factory) -> Path:
     return out
 
 
-def _copy_run(src: Path, dst: Path, save_state: bool = True) -> Path:
+def _copy_run(src: Path, dst: Path, save_state: bool = True, keep_completions: bool = False) -> Path:
     shutil.copytree(src, dst)
+    if not keep_completions:
+        (dst / "completions.jsonl").unlink()
     if save_state:  # what trainer.save_state() writes: the state at the end of training
         shutil.copy(dst / "checkpoint-3" / "trainer_state.json", dst / "trainer_state.json")
     return dst
@@ -205,7 +210,7 @@ def test_report_table_rows_and_escaping(trained_run, tmp_path):
     body = _table_body(page)
     assert body.count("<tr ") == len(rows) == 12
     for step in (1, 2, 3):
-        assert body.count(f'<tr data-step="{step}">') == 4
+        assert body.count(f'<tr data-step="{step}" data-split="train">') == 4
     assert XSS not in page  # the completion never lands as markup
     assert "before &lt;script&gt;alert(1)&lt;/script&gt; &amp; after" in body
     assert "user: chat &lt;b&gt;prompt&lt;/b&gt;" in body
@@ -248,8 +253,47 @@ def test_report_samples_large_files(tmp_path):
     page = write_report(run, max_rows=30).read_text()
     assert "uniform sample of 30 of the 200" in page
     body = _table_body(page)
-    lines = [int(n) for n in re.findall(r'<tr data-step="\d+"><td class="num" data-v="(\d+)\.0"', body)]
+    lines = [
+        int(n)
+        for n in re.findall(r'<tr data-step="\d+" data-split="train"><td class="num" data-v="(\d+)\.0"', body)
+    ]
     assert len(lines) == 30 and lines == sorted(lines)
+
+
+def test_report_reads_the_trainers_completions(trained_run, tmp_path):
+    run = _copy_run(trained_run, tmp_path / "run", keep_completions=True)
+    lines = (run / "completions.jsonl").read_text().splitlines()
+    assert len(lines) >= 12  # 4 completions per step, 3 steps
+    page = write_report(run).read_text()
+    body = _table_body(page)
+    assert body.count("<tr ") == len(lines)
+    assert "unreadable" not in page
+    steps = {json.loads(line)["step"] for line in lines}
+    assert set(map(int, re.findall(r'<tr data-step="(\d+)"', body))) == steps
+    header = page.split('id="completions"', 1)[1].split("</thead>", 1)[0]
+    assert ">length_reward<" in header
+
+
+def test_report_merges_eval_completions(trained_run, tmp_path):
+    run = _copy_run(trained_run, tmp_path / "run")
+    _write_completions(run)
+    with (run / "eval_completions.jsonl").open("w") as f:
+        f.write(
+            json.dumps(
+                {
+                    "step": 3,
+                    "prompt": "p",
+                    "completion": "eval one",
+                    "rewards": {"length_reward": 1.0},
+                    "advantage": 0.0,
+                }
+            )
+            + "\n"
+        )
+    page = write_report(run).read_text()
+    body = _table_body(page)
+    assert body.count('data-split="train"') == 12 and body.count('data-split="eval"') == 1
+    assert 'id="filter-split"' in page and "eval_completions.jsonl: 1 completion(s)." in page
 
 
 def test_report_bad_input(tmp_path, capsys):
@@ -261,6 +305,21 @@ def test_report_bad_input(tmp_path, capsys):
         main_report([str(tmp_path)])
     assert exit_info.value.code == 2
     assert "posttrain report: no trainer_state.json" in capsys.readouterr().err
+
+
+def test_report_text_is_printable(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    row = {
+        "step": 0,
+        "prompt": "p\x00q",
+        "completion": "a\x04b\ud800c\td",
+        "rewards": {"r": 1},
+        "advantage": 0,
+    }
+    (run / "completions.jsonl").write_text(json.dumps(row) + "\n")
+    body = _table_body(write_report(run).read_text(encoding="utf-8"))
+    assert "p\u2400q" in body and "a\u2404b\ufffdc\td" in body
 
 
 def test_parse_row_formats():
@@ -369,3 +428,85 @@ def test_report_renders_in_headless_chromium(trained_run, tmp_path):
     keep = os.environ.get("POSTTRAIN_KEEP_SCREENSHOT")
     if keep:
         shutil.copy(shot, keep)
+
+
+# Drives the page's controls after load and records what the table showed, on <body> data-*.
+HARNESS = """
+<script>
+window.addEventListener("load", function () {
+  const b = document.body, tbody = document.getElementById("completions").tBodies[0];
+  const text = document.getElementById("filter-text"), step = document.getElementById("filter-step");
+  const headers = Array.from(document.getElementById("completions").tHead.rows[0].cells);
+  const rewardCol = headers.findIndex(function (h) { return h.textContent === "reward"; });
+  function sorted(dir) {  // numbers in order, then the missing values
+    const v = Array.from(tbody.rows).map(function (r) { return parseFloat(r.cells[rewardCol].dataset.v); });
+    const n = v.filter(function (x) { return !isNaN(x); });
+    return v.slice(0, n.length).every(function (x, i) { return i === 0 || (x - n[i - 1]) * dir >= 0; }) &&
+      v.slice(n.length).every(isNaN) && n.length >= 2;
+  }
+  b.dataset.pagerHidden = String(document.getElementById("pager").hidden);
+  document.getElementById("page-next").click();
+  b.dataset.page2Rows = b.dataset.rows;
+  b.dataset.page2First = tbody.rows[0].cells[0].dataset.v;
+  text.value = "ALERT(1)"; text.dispatchEvent(new Event("input"));
+  b.dataset.textRows = b.dataset.rows;
+  text.value = ""; text.dispatchEvent(new Event("input"));
+  step.value = "2"; step.dispatchEvent(new Event("change"));
+  b.dataset.stepRows = b.dataset.rows;
+  b.dataset.stepOk = String(Array.from(tbody.rows).every(function (r) { return r.dataset.step === "2"; }));
+  b.dataset.missing = String(Array.from(tbody.rows).filter(function (r) {
+    return r.cells[rewardCol].dataset.v === "";
+  }).length);
+  headers[rewardCol].click();
+  b.dataset.sortedDesc = String(sorted(-1));
+  headers[rewardCol].click();
+  b.dataset.sortedAsc = String(sorted(1));
+  b.dataset.harnessDone = "yes";
+});
+</script>
+"""
+
+
+@pytest.mark.slow
+def test_report_controls_in_headless_chromium(trained_run, tmp_path):
+    binary = _chromium_or_skip()
+    run = _copy_run(trained_run, tmp_path / "run")
+    _write_completions(run, n_steps=20, per_step=4)
+    page = write_report(run).read_text(encoding="utf-8")
+    driven = tmp_path / "driven.html"
+    driven.write_text(page.replace("</body>", HARNESS + "</body>"), encoding="utf-8")
+    dumped = subprocess.run(
+        [*_chromium_args(binary, tmp_path / "profile"), "--dump-dom", driven.resolve().as_uri()],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    match = re.search(r"<body[^>]*>", dumped.stdout)
+    assert match, dumped.stderr[-2000:]
+    attrs = dict(re.findall(r'data-([a-z0-9-]+)="([^"]*)"', match.group(0)))
+    assert attrs.get("harness-done") == "yes", attrs
+    assert attrs["pager-hidden"] == "false"
+    assert attrs["page2-rows"] == "30" and attrs["page2-first"] == "51.0"  # rows 51-80 of 80
+    assert attrs["text-rows"] == "1"  # the case-insensitive text filter finds the one script text
+    assert attrs["step-rows"] == "4" and attrs["step-ok"] == "true"
+    assert attrs["missing"] == "1"  # the row whose reward function returned None
+    assert attrs["sorted-desc"] == "true" and attrs["sorted-asc"] == "true"
+
+
+def test_training_writes_plots_at_the_end(tmp_path):
+    """The trainer draws the run's curves into output_dir/plots when training ends."""
+    from conftest import build_tiny_model, build_tiny_tokenizer
+    from helpers import length_reward, make_config, standard_dataset
+
+    from posttrain import GRPOTrainer
+
+    tok = build_tiny_tokenizer()
+    GRPOTrainer(
+        model=build_tiny_model(tok),
+        reward_funcs=length_reward,
+        args=make_config(tmp_path, max_steps=2),
+        train_dataset=standard_dataset(),
+        processing_class=tok,
+    ).train()
+    names = sorted(p.name for p in (tmp_path / "plots").glob("*.png"))
+    assert {"reward.png", "entropy.png", "completion_lengths.png"} <= set(names)

@@ -415,6 +415,7 @@ def grpo(argv: list[str]) -> Any:
         raise CLIError(_one_paragraph(exc)) from exc
     trainer.train(resume_from_checkpoint=_resume(config.resume_from_checkpoint))
     trainer.save_model(config.output_dir)
+    trainer.save_state()  # trainer_state.json in output_dir, for `posttrain plot` / `report`
     if trainer.is_world_process_zero():
         print(f"posttrain grpo: saved the trained model to {config.output_dir}")
     return trainer
@@ -468,9 +469,25 @@ def env(argv: list[str]) -> None:
 
 # Command name -> function taking the command's arguments. The first line of the function's
 # docstring is its summary in `posttrain --help`. Raise CLIError for bad input.
+def plot(argv: list[str]) -> None:
+    """Write PNG curves of a run (posttrain plot RUN_DIR [--out DIR])."""
+    from posttrain.observe.plots import main_plot
+
+    main_plot(argv)
+
+
+def report(argv: list[str]) -> None:
+    """Write one self-contained HTML page of a run (posttrain report RUN_DIR [--out FILE])."""
+    from posttrain.observe.report import main_report
+
+    main_report(argv)
+
+
 COMMANDS: dict[str, Callable[[list[str]], Any]] = {
     "grpo": grpo,
     "env": env,
+    "plot": plot,
+    "report": report,
 }
 
 

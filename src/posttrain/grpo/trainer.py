@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
@@ -135,6 +136,7 @@ class GRPOTrainer(Trainer):
         loss_settings = LossSettings.from_config(args)
         model, source = self._setup_model(model, args)
         processing_class = self._setup_tokenizer(processing_class, source, args)
+        _check_chat_template(train_dataset, processing_class)
         super().__init__(
             model=model,
             args=args,
@@ -185,8 +187,8 @@ class GRPOTrainer(Trainer):
         """Reward callables; reward models (a name or a PreTrainedModel) are wrapped to score completions."""
         if reward_funcs is None or (isinstance(reward_funcs, list) and not reward_funcs):
             raise ValueError(
-                "GRPOTrainer needs a reward: pass reward_funcs (a callable or a list of callables), or an "
-                "environment_factory whose environments define get_reward."
+                "GRPOTrainer needs a reward: pass reward_funcs (a callable or a list of callables, a reward "
+                "model name or PreTrainedModel)."
             )
         funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
         funcs = resolve_reward_funcs(
@@ -465,6 +467,15 @@ class GRPOTrainer(Trainer):
         self._completion_logs[mode].add(
             self.state.global_step, prompts, completions, columns, adv.tolist(), extra
         )
+
+    def _write_plots(self) -> None:
+        """The run's curves as PNGs in ``output_dir/plots`` (needs matplotlib: the ``plot`` extra)."""
+        from posttrain.observe.plots import write_plots_from_log_history
+
+        try:
+            write_plots_from_log_history(self.state.log_history, os.path.join(self.args.output_dir, "plots"))
+        except ImportError as exc:
+            warnings.warn(f"No plots written at the end of training: {exc}", stacklevel=2)
 
     def _flush_completions(self, mode: str) -> None:
         """Print the completions table and append the rows to the completions file."""
@@ -849,6 +860,8 @@ class _AfterOptimizerStep(TrainerCallback):
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         for mode in ("train", "eval"):
             self.trainer._flush_completions(mode)
+        if state.is_world_process_zero and state.log_history:
+            self.trainer._write_plots()
 
 
 def _take_texts(texts: list[tuple], chosen: list[tuple[int, int]], group: int) -> tuple[list, list, dict]:
@@ -886,20 +899,24 @@ def _nanstd(values: torch.Tensor) -> float:
     return present.std().item() if present.numel() > 1 else 0.0
 
 
+def _check_chat_template(dataset: Any, processing_class: Any) -> None:
+    """A conversational dataset needs a tokenizer with a chat template: say so before training."""
+    if not hasattr(dataset, "__len__") or len(dataset) == 0:
+        return
+    tok = getattr(processing_class, "tokenizer", processing_class)
+    if (
+        formats.is_conversational(dataset[0][formats.PROMPT_COLUMN])
+        and getattr(tok, "chat_template", None) is None
+    ):
+        raise ValueError(
+            "train_dataset is conversational (its prompts are lists of messages) but the tokenizer has no chat "
+            "template. Set tokenizer.chat_template (and pass it as processing_class), or use plain-text prompts."
+        )
+
+
 def _check_dataset(dataset: Any, name: str, args: GRPOConfig, group: int, train: bool) -> None:
     """Clear errors for a dataset GRPO cannot use, before any model is loaded."""
     formats.check_prompt_column(getattr(dataset, "column_names", None), name)
-    if not hasattr(dataset, "__len__"):
-        if train and args.max_steps <= 0:
-            raise ValueError(
-                f"{name} is an IterableDataset, whose length is unknown; set max_steps in GRPOConfig "
-                "(e.g. max_steps=1000) so the trainer knows when to stop and how to schedule the learning rate."
-            )
-        return
-    if len(dataset) == 0:
-        raise ValueError(f"{name} is empty; it needs at least one row with a 'prompt'.")
-    for i, p in enumerate(dataset[formats.PROMPT_COLUMN]):
-        formats.check_prompt(p, i)
     per_process = (
         args.per_device_train_batch_size * args.steps_per_generation
         if train
@@ -913,6 +930,17 @@ def _check_dataset(dataset: Any, name: str, args: GRPOConfig, group: int, train:
             f"multiple of the {'num_generations' if train else 'num_generations_eval'}={group}; adjust {which} "
             "or the number of generations so every prompt's completions fit in one batch."
         )
+    if not hasattr(dataset, "__len__"):
+        if train and args.max_steps <= 0:
+            raise ValueError(
+                f"{name} is an IterableDataset, whose length is unknown; set max_steps in GRPOConfig "
+                "(e.g. max_steps=1000) so the trainer knows when to stop and how to schedule the learning rate."
+            )
+        return
+    if len(dataset) == 0:
+        raise ValueError(f"{name} is empty; it needs at least one row with a 'prompt'.")
+    for i, p in enumerate(dataset[formats.PROMPT_COLUMN]):
+        formats.check_prompt(p, i)
     needed = global_batch // group
     if len(dataset) < needed:
         raise ValueError(

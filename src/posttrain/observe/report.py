@@ -17,6 +17,7 @@ import html
 import json
 import math
 import random
+import re
 import sys
 import warnings
 from dataclasses import dataclass, field
@@ -24,8 +25,10 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.observe import plots
+from posttrain.observe.completions import render_messages
 
 COMPLETIONS_FILE = "completions.jsonl"
+EVAL_COMPLETIONS_FILE = "eval_completions.jsonl"
 DEFAULT_MAX_ROWS = 2000
 REQUIRED_KEYS = ("step", "prompt", "completion", "advantage")
 RESERVED_KEYS = {"step", "prompt", "completion", "advantage", "reward", "rewards"}
@@ -66,21 +69,7 @@ class Completions:
     total: int  # valid rows in the file
     invalid: int = 0
     first_error: str | None = None
-
-
-def _as_text(value: Any) -> str:
-    """Display text of a prompt or completion: a string, or a list of chat messages."""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, list) and all(isinstance(m, dict) and "content" in m for m in value):
-        parts = []
-        for message in value:
-            content = message["content"]
-            if not isinstance(content, str):
-                content = json.dumps(content, ensure_ascii=False)
-            parts.append(f"{message.get('role', '?')}: {content}")
-        return "\n\n".join(parts)
-    return json.dumps(value, ensure_ascii=False)
+    split: str = "train"
 
 
 def _number(value: Any, what: str) -> float | None:
@@ -123,8 +112,8 @@ def parse_row(obj: Any, index: int) -> CompletionRow:
     return CompletionRow(
         index=index,
         step=int(step),
-        prompt=_as_text(obj["prompt"]),
-        completion=_as_text(obj["completion"]),
+        prompt=render_messages(obj["prompt"]),
+        completion=render_messages(obj["completion"]),
         advantage=_number(obj["advantage"], "'advantage'"),
         rewards=rewards,
         reward=total,
@@ -132,7 +121,9 @@ def parse_row(obj: Any, index: int) -> CompletionRow:
     )
 
 
-def read_completions(path: str | Path, max_rows: int = DEFAULT_MAX_ROWS, seed: int = 0) -> Completions:
+def read_completions(
+    path: str | Path, max_rows: int = DEFAULT_MAX_ROWS, seed: int = 0, split: str = "train"
+) -> Completions:
     """Read ``completions.jsonl``; keep at most ``max_rows`` valid rows (a uniform sample, file order).
 
     Blank lines are ignored; an unreadable line (bad JSON, a missing key, a wrong type; for
@@ -164,14 +155,29 @@ def read_completions(path: str | Path, max_rows: int = DEFAULT_MAX_ROWS, seed: i
     kept.sort(key=lambda r: r.index)
     if invalid:
         warnings.warn(f"{path}: skipped {invalid} unreadable line(s); first: {first_error}", stacklevel=2)
-    return Completions(path=path, rows=kept, total=total, invalid=invalid, first_error=first_error)
+    return Completions(
+        path=path, rows=kept, total=total, invalid=invalid, first_error=first_error, split=split
+    )
 
 
 # ---- HTML -------------------------------------------------------------------------------------
 
 
+# C0 controls (but tab, newline, carriage return) and DEL are invalid in HTML text: shown as their
+# Unicode "control pictures"; lone surrogates (JSON "\ud800") cannot be encoded: shown as U+FFFD.
+_UNPRINTABLE = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]|[\ud800-\udfff]")
+
+
+def _visible(match: re.Match[str]) -> str:
+    code = ord(match.group(0))
+    if code == 0x7F:
+        return "\u2421"
+    return chr(0x2400 + code) if code < 0x20 else "\ufffd"
+
+
 def _e(value: Any) -> str:
-    return html.escape(str(value), quote=True)
+    """``value`` as HTML text or attribute value: escaped, and printable."""
+    return _UNPRINTABLE.sub(_visible, html.escape(str(value), quote=True))
 
 
 def _fmt(value: float | None) -> str:
@@ -202,6 +208,7 @@ def _extra_text(value: Any) -> str:
 CSS = """
 :root { --fg:#1d2330; --muted:#5c6578; --line:#d9dee8; --bg:#f6f7fb; --accent:#2f5fd0; }
 * { box-sizing: border-box; }
+[hidden] { display: none !important; }
 body { font: 14px/1.45 system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; color: var(--fg);
        background: var(--bg); margin: 0; padding: 24px 32px; }
 h1 { font-size: 22px; margin: 0 0 4px; } h2 { font-size: 18px; margin: 28px 0 10px; }
@@ -249,13 +256,14 @@ SCRIPT = """
     });
     const textBox = document.getElementById("filter-text");
     const stepBox = document.getElementById("filter-step");
+    const splitBox = document.getElementById("filter-split");
     const sizeBox = document.getElementById("page-size");
     const prev = document.getElementById("page-prev");
     const next = document.getElementById("page-next");
     const info = document.getElementById("page-info");
     const pager = document.getElementById("pager");
     const headers = Array.from(table.tHead.rows[0].cells);
-    const state = { text: "", step: "", sortCol: -1, sortDir: 1, page: 0 };
+    const state = { text: "", step: "", split: "", sortCol: -1, sortDir: 1, page: 0 };
 
     function value(row, col) {
       const raw = row.cells[col].dataset.v;
@@ -265,6 +273,7 @@ SCRIPT = """
     function render() {
       let rows = all.filter(function (row) {
         return (state.step === "" || row.dataset.step === state.step) &&
+               (state.split === "" || row.dataset.split === state.split) &&
                (state.text === "" || row._search.indexOf(state.text) !== -1);
       });
       if (state.sortCol >= 0) {
@@ -300,6 +309,9 @@ SCRIPT = """
       state.text = textBox.value.toLowerCase(); state.page = 0; render();
     });
     stepBox.addEventListener("change", function () { state.step = stepBox.value; state.page = 0; render(); });
+    if (splitBox) {
+      splitBox.addEventListener("change", function () { state.split = splitBox.value; state.page = 0; render(); });
+    }
     sizeBox.addEventListener("change", function () { state.page = 0; render(); });
     prev.addEventListener("click", function () { state.page -= 1; render(); });
     next.addEventListener("click", function () { state.page += 1; render(); });
@@ -373,11 +385,12 @@ def _plots_html(history: plots.History | None, history_error: str | None) -> str
     return f'<div class="plots">{"".join(figures)}</div>'
 
 
-def _table_html(completions: Completions, page_size: int) -> str:
-    rows = completions.rows
+def _table_html(files: list[Completions], page_size: int) -> str:
+    rows = [(f.split, row) for f in files for row in f.rows]
+    several = len(files) > 1
     reward_names: list[str] = []
     extra_names: list[str] = []
-    for row in rows:
+    for _, row in rows:
         for name in row.rewards:
             if name not in reward_names:
                 reward_names.append(name)
@@ -391,7 +404,7 @@ def _table_html(completions: Completions, page_size: int) -> str:
             name not in r.extra
             or r.extra[name] is None
             or (isinstance(r.extra[name], (int, float)) and not isinstance(r.extra[name], bool))
-            for r in rows
+            for _, r in rows
         )
     }
 
@@ -401,12 +414,14 @@ def _table_html(completions: Completions, page_size: int) -> str:
             attrs += f' title="{_e(title)}"'
         return f"<th{attrs}>{_e(label)}</th>"
 
-    head = [
-        th("#", True, "asc", "line in completions.jsonl"),
+    head = [th("#", True, "asc", "line in the completions file")]
+    if several:
+        head.append(th("split", False))
+    head += [
         th("step", True, "asc"),
         th("prompt", False),
         th("completion", False),
-        th("reward", True, "desc", "total reward; click to sort"),
+        th("reward", True, "desc", "the row's total reward, else the sum of its rewards; click to sort"),
     ]
     head += [th(name, True, "desc", f"reward function {name}") for name in reward_names]
     head.append(th("advantage", True, "desc"))
@@ -419,9 +434,11 @@ def _table_html(completions: Completions, page_size: int) -> str:
         return f'<td class="{cls}" data-v="{_data_value(value)}">{_e(_fmt(value))}</td>'
 
     body = []
-    for row in rows:
-        cells = [
-            num_cell(float(row.index)),
+    for split, row in rows:
+        cells = [num_cell(float(row.index))]
+        if several:
+            cells.append(f"<td>{_e(split)}</td>")
+        cells += [
             num_cell(float(row.step)),
             f'<td class="prompt"><div class="text">{_e(row.prompt)}</div></td>',
             f'<td class="completion"><div class="text">{_e(row.completion)}</div></td>',
@@ -437,12 +454,18 @@ def _table_html(completions: Completions, page_size: int) -> str:
                 cells.append("<td></td>")
             else:
                 cells.append(f'<td><div class="text">{_e(_extra_text(value))}</div></td>')
-        body.append(f'<tr data-step="{row.step}">{"".join(cells)}</tr>')
+        body.append(f'<tr data-step="{row.step}" data-split="{_e(split)}">{"".join(cells)}</tr>')
 
-    steps = sorted({row.step for row in rows})
+    steps = sorted({row.step for _, row in rows})
     step_options = '<option value="">all steps</option>' + "".join(
         f'<option value="{s}">step {s}</option>' for s in steps
     )
+    split_select = ""
+    if several:
+        split_options = '<option value="">train and eval</option>' + "".join(
+            f'<option value="{_e(f.split)}">{_e(f.split)}</option>' for f in files
+        )
+        split_select = f'<label>Split <select id="filter-split">{split_options}</select></label>'
     sizes = sorted({25, 50, 100, 200, page_size})
     size_options = "".join(
         f'<option value="{s}"{" selected" if s == page_size else ""}>{s}</option>' for s in sizes
@@ -453,6 +476,7 @@ def _table_html(completions: Completions, page_size: int) -> str:
         '<label>Filter <input type="search" id="filter-text" '
         'placeholder="text in the prompt or completion"></label>'
         f'<label>Step <select id="filter-step">{step_options}</select></label>'
+        f"{split_select}"
         f'<label>Rows per page <select id="page-size">{size_options}</select></label>'
         '<span class="meta">Click a blue column header to sort.</span>'
         "</div>"
@@ -469,29 +493,29 @@ def _table_html(completions: Completions, page_size: int) -> str:
     return controls + pager + table
 
 
-def _completions_html(run_dir: Path, completions: Completions | None, page_size: int) -> str:
-    path = run_dir / COMPLETIONS_FILE
-    if completions is None:
+def _completions_html(run_dir: Path, files: list[Completions], page_size: int) -> str:
+    if not files:
         return (
-            f'<p class="note">No completions: {_e(path)} does not exist. The trainer writes it when '
-            "completion logging is on; its format is described in docs/observability.md.</p>"
+            f'<p class="note">No completions: {_e(run_dir / COMPLETIONS_FILE)} does not exist. The trainer '
+            "writes it with <code>log_completions=True</code>; its format is described in "
+            "docs/observability.md.</p>"
         )
     notes = []
-    if len(completions.rows) < completions.total:
-        notes.append(
-            f"Showing a uniform sample of {len(completions.rows)} of the {completions.total} completions "
-            "in the file, in file order."
-        )
-    else:
-        notes.append(f"{completions.total} completion(s) from {_e(path.name)}.")
-    if completions.invalid:
-        notes.append(
-            f"{completions.invalid} unreadable line(s) skipped (first: {_e(completions.first_error)})."
-        )
-    note = f'<p class="meta">{" ".join(notes)}</p>'
-    if not completions.rows:
+    for f in files:
+        if len(f.rows) < f.total:
+            text = (
+                f"{_e(f.path.name)}: a uniform sample of {len(f.rows)} of the {f.total} completions "
+                "in the file, in file order."
+            )
+        else:
+            text = f"{_e(f.path.name)}: {f.total} completion(s)."
+        if f.invalid:
+            text += f" {f.invalid} unreadable line(s) skipped (first: {_e(f.first_error)})."
+        notes.append(text)
+    note = "".join(f'<p class="meta">{text}</p>' for text in notes)
+    if not any(f.rows for f in files):
         return note + '<p class="note">The completions file holds no readable row.</p>'
-    return note + _table_html(completions, page_size)
+    return note + _table_html([f for f in files if f.rows], page_size)
 
 
 def build_report(run_dir: str | Path, max_rows: int = DEFAULT_MAX_ROWS, page_size: int = 50) -> str:
@@ -499,14 +523,17 @@ def build_report(run_dir: str | Path, max_rows: int = DEFAULT_MAX_ROWS, page_siz
     run = Path(run_dir)
     if not run.is_dir():
         raise FileNotFoundError(f"run directory {str(run)!r} does not exist or is not a folder")
-    completions_path = run / COMPLETIONS_FILE
-    completions = read_completions(completions_path, max_rows) if completions_path.is_file() else None
+    files = [
+        read_completions(run / name, max_rows, split=split)
+        for name, split in ((COMPLETIONS_FILE, "train"), (EVAL_COMPLETIONS_FILE, "eval"))
+        if (run / name).is_file()
+    ]
     history: plots.History | None = None
     history_error = None
     try:
         history = plots.load_history(run)
     except (FileNotFoundError, ValueError) as err:
-        if completions is None:
+        if not files:
             raise
         history_error = str(err)  # completions alone still make a useful page (a run in progress)
     if history is not None:
@@ -528,7 +555,7 @@ def build_report(run_dir: str | Path, max_rows: int = DEFAULT_MAX_ROWS, page_siz
     if summary:
         sections.append(f"<h2>Last values</h2>{summary}")
     sections.append(f"<h2>Curves</h2>{_plots_html(history, history_error)}")
-    sections.append(f"<h2>Completions</h2>{_completions_html(run, completions, page_size)}")
+    sections.append(f"<h2>Completions</h2>{_completions_html(run, files, page_size)}")
     return (
         "<!DOCTYPE html>\n"
         '<html lang="en"><head><meta charset="utf-8">'
