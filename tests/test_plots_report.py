@@ -510,3 +510,32 @@ def test_training_writes_plots_at_the_end(tmp_path):
     ).train()
     names = sorted(p.name for p in (tmp_path / "plots").glob("*.png"))
     assert {"reward.png", "entropy.png", "completion_lengths.png"} <= set(names)
+
+
+def test_report_to_tensorboard_writes_the_grpo_metrics(tmp_path):
+    """report_to="tensorboard" goes through transformers' integration, offline, with our metrics."""
+    pytest.importorskip("tensorboard")
+    from conftest import build_tiny_model, build_tiny_tokenizer
+    from helpers import length_reward, make_config, standard_dataset
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from posttrain import GRPOTrainer
+
+    tok = build_tiny_tokenizer()
+    logs = tmp_path
+    GRPOTrainer(
+        model=build_tiny_model(tok),
+        reward_funcs=length_reward,
+        args=make_config(tmp_path, max_steps=2, report_to="tensorboard"),
+        train_dataset=standard_dataset(),
+        processing_class=tok,
+    ).train()
+    runs = [p.parent for p in logs.rglob("events.out.tfevents.*")]
+    assert runs
+    tags = set()
+    for run in runs:
+        acc = EventAccumulator(str(run))
+        acc.Reload()
+        tags |= set(acc.Tags()["scalars"])
+    for metric in ("train/reward", "train/rewards/length_reward/mean", "train/entropy", "train/num_tokens"):
+        assert metric in tags, (metric, sorted(tags))
