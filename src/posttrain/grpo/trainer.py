@@ -782,6 +782,11 @@ class GRPOTrainer(Trainer):
             self.args.save_total_limit = limit
         run_dir = self._get_output_dir(trial=trial)
         folder = os.path.join(run_dir, f"checkpoint-{self.state.global_step}")
+        # every process's generation buffer, so a resume inside it replays the same rollouts
+        os.makedirs(folder, exist_ok=True)
+        buffer = {"micro_step": self._micro_step, "buffer": self._buffer}
+        torch.save(buffer, os.path.join(folder, BUFFER_STATE.format(self.accelerator.process_index)))
+        self.accelerator.wait_for_everyone()
         if self.args.should_save:
             if self.ref_model is not None and self.args.sync_ref_model:
                 torch.save(self.ref_model.state_dict(), os.path.join(folder, REFERENCE_STATE))
@@ -797,6 +802,12 @@ class GRPOTrainer(Trainer):
         self, resume_from_checkpoint: str, model: torch.nn.Module | None = None
     ) -> None:
         super()._load_from_checkpoint(resume_from_checkpoint, model)
+        buffer_path = os.path.join(
+            resume_from_checkpoint, BUFFER_STATE.format(self.accelerator.process_index)
+        )
+        if os.path.isfile(buffer_path):  # our own file: rollouts are dataclasses of tensors
+            saved = torch.load(buffer_path, map_location=self.accelerator.device, weights_only=False)
+            self._micro_step, self._buffer = saved["micro_step"], saved["buffer"]
         state = checkpoints.read_state(resume_from_checkpoint)
         if state is not None:
             self.entropy_coef = float(state["entropy_coef"])
@@ -843,6 +854,7 @@ def _check_rollout_func_batches(args: GRPOConfig, has_eval: bool) -> None:
 
 
 REFERENCE_STATE = "reference_model.pt"
+BUFFER_STATE = "generation_buffer_rank{}.pt"
 
 
 class _AfterOptimizerStep(TrainerCallback):
