@@ -355,7 +355,8 @@ def test_trainer_writes_every_completion_with_rewards_and_extras(tmp_path, capsy
     assert len(rows) == 12  # 3 steps x 4 completions, none lost
     assert [r["step"] for r in rows] == [0] * 4 + [1] * 4 + [2] * 4
     assert all(set(r["rewards"]) == {"reward"} and "n_tokens" in r and "advantage" in r for r in rows)
-    assert "completion" in capsys.readouterr().out.lower()
+    printed = capsys.readouterr().out
+    assert "completion" in printed.lower() and "n_tok" in printed  # the log_extra column is in the table
     assert all(
         h["my_metric"] == 0.5 for h in trainer.state.log_history if "loss" in h and "train_runtime" not in h
     )
