@@ -117,8 +117,8 @@ def test_dataset_smaller_than_one_batch(tmp_path, tok):
         _trainer(tmp_path, tok, standard_dataset(1), num_generations=2)
 
 
-def test_unbuilt_trainer_arguments(tmp_path, tok):
-    with pytest.raises(NotImplementedError, match="peft_config"):
+def test_peft_config_of_the_wrong_type(tmp_path, tok):
+    with pytest.raises(TypeError, match="peft_config must be a peft.PeftConfig"):
         GRPOTrainer(
             model=build_tiny_model(tok),
             reward_funcs=length_reward,

@@ -19,7 +19,7 @@ import time
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from accelerate.utils import gather, gather_object
@@ -36,6 +36,7 @@ from posttrain.grpo.config import GRPOConfig
 from posttrain.grpo.loss import LossSettings, grpo_loss
 from posttrain.grpo.rollout import Rollout, ScoredRollout
 from posttrain.models import loading
+from posttrain.models import peft as peft_utils
 from posttrain.models import reference as model_options
 from posttrain.observe.completions import COMPLETIONS_FILE, CompletionLog
 from posttrain.observe.metrics import MetricStore
@@ -43,6 +44,9 @@ from posttrain.ops.logprobs import completion_logps
 from posttrain.ops.padding import left_pad
 from posttrain.rewards.models import resolve_reward_funcs, reward_models
 from posttrain.rewards.runner import RewardRunner
+
+if TYPE_CHECKING:
+    from peft import PeftModel
 
 RewardFunc = Callable[..., list[float | None]]
 
@@ -61,9 +65,9 @@ class GRPOTrainer(Trainer):
     import.
 
     Args:
-        model: hub id, local path, embedded name (``"smollm2-135m-instruct"``) or a
-            ``PreTrainedModel`` causal LM. Strings are loaded with ``args.model_init_kwargs``,
-            in float32 unless a ``dtype`` is given there.
+        model: hub id, local path, embedded name (``"smollm2-135m-instruct"``), a
+            ``PreTrainedModel`` causal LM or a ``peft.PeftModel`` (trained as is). Strings are
+            loaded with ``args.model_init_kwargs``, in float32 unless a ``dtype`` is given there.
         reward_funcs: a reward callable (sync or ``async def``), a reward model (hub id, path or
             ``PreTrainedModel`` for sequence classification with one label, scoring
             prompt + completion), or a list of them. A callable receives
@@ -81,8 +85,10 @@ class GRPOTrainer(Trainer):
             loads each reward model's own tokenizer.
         callbacks: extra ``TrainerCallback`` s.
         optimizers: ``(optimizer, scheduler)``; AdamW with a linear schedule by default.
-        quantization_config: not implemented yet.
-        peft_config: not implemented yet.
+        quantization_config: not implemented yet (QLoRA).
+        peft_config: a ``peft.PeftConfig`` (e.g. ``LoraConfig``): the policy is wrapped with
+            ``peft.get_peft_model`` and only the adapter trains. With ``beta > 0`` the KL
+            reference is the base model (adapters disabled), not a second copy. See ``docs/peft.md``.
         tools: not implemented yet.
         rollout_func: ``rollout_func(prompts, trainer) -> dict`` producing the completions
             instead of ``generate``: it gets each prompt of the process's batch once and returns
@@ -97,7 +103,7 @@ class GRPOTrainer(Trainer):
 
     def __init__(
         self,
-        model: str | PreTrainedModel,
+        model: str | PreTrainedModel | PeftModel,
         reward_funcs: RewardFunc | list[RewardFunc] | None = None,
         args: GRPOConfig | None = None,
         train_dataset: Any = None,
@@ -117,7 +123,6 @@ class GRPOTrainer(Trainer):
     ) -> None:
         for name, value in [
             ("quantization_config", quantization_config),
-            ("peft_config", peft_config),
             ("tools", tools or None),
             ("environment_factory", environment_factory),
         ]:
@@ -125,6 +130,7 @@ class GRPOTrainer(Trainer):
         if args is None:
             base = model if isinstance(model, str) else model.config._name_or_path
             args = GRPOConfig(output_dir=f"{os.path.basename(str(base).rstrip('/')) or 'model'}-GRPO")
+        peft_utils.check_peft_arguments(model, peft_config, args)
         rewards = RewardRunner(
             self._setup_reward_funcs(reward_funcs, reward_processing_classes, args),
             fault_policy=args.reward_fault_policy,
@@ -134,7 +140,7 @@ class GRPOTrainer(Trainer):
         if rollout_func is not None:
             _check_rollout_func_batches(args, eval_dataset is not None)
         loss_settings = LossSettings.from_config(args)
-        model, source = self._setup_model(model, args)
+        model, source = self._setup_model(model, args, peft_config)
         processing_class = self._setup_tokenizer(processing_class, source, args)
         _check_chat_template(train_dataset, processing_class)
         super().__init__(
@@ -218,7 +224,7 @@ class GRPOTrainer(Trainer):
             _check_dataset(ds, name, args, args.num_generations_eval, train=False)
 
     @staticmethod
-    def _setup_model(model: Any, args: GRPOConfig) -> tuple[PreTrainedModel, str]:
+    def _setup_model(model: Any, args: GRPOConfig, peft_config: Any = None) -> tuple[Any, str]:
         if isinstance(model, str):
             source = loading.resolve_model_path(model)
             policy = loading.load_policy(source, args.model_init_kwargs, args.trust_remote_code)
@@ -227,13 +233,17 @@ class GRPOTrainer(Trainer):
                 model,
                 model.config._name_or_path,
             )  # model_init_kwargs then only load reward models
+        elif peft_utils.is_peft_model(model):
+            policy, source = model, model.get_base_model().config._name_or_path
         else:
             raise TypeError(
-                f"model must be a hub id, a local path, an embedded name or a PreTrainedModel; got "
-                f"{type(model).__name__}."
+                f"model must be a hub id, a local path, an embedded name, a PreTrainedModel or a PeftModel; "
+                f"got {type(model).__name__}."
             )
         if not hasattr(policy, "generate"):
             raise TypeError("model must be a causal language model (it has no generate method).")
+        if peft_config is not None or peft_utils.is_peft_model(policy):
+            policy = peft_utils.wrap_policy(policy, peft_config, bool(args.activation_checkpointing))
         if args.disable_dropout:
             loading.disable_dropout(policy)
         if args.cast_lm_head_to_fp32:
@@ -245,8 +255,11 @@ class GRPOTrainer(Trainer):
         return policy, source
 
     def _setup_reference(self) -> torch.nn.Module | None:
-        """A frozen copy of the initial policy when the KL penalty is on (``beta != 0``)."""
-        if self.args.beta == 0.0:
+        """A frozen copy of the initial policy when the KL penalty is on (``beta != 0``).
+
+        ``None`` for a PEFT policy: its reference is its own base model, adapters disabled.
+        """
+        if self.args.beta == 0.0 or peft_utils.is_peft_model(self.model):
             return None
         return model_options.create_reference(self.model).to(self.accelerator.device)
 
@@ -545,6 +558,9 @@ class GRPOTrainer(Trainer):
                 c.old_logps = self._frozen_logps(self.model, c.rollout)
             if self.ref_model is not None:
                 c.ref_logps = self._frozen_logps(self.ref_model, c.rollout)
+            elif a.beta != 0.0 and peft_utils.is_peft_model(self.model):
+                with peft_utils.adapters_disabled(self.model) as base:  # the reference: no second copy
+                    c.ref_logps = self._frozen_logps(base, c.rollout)
         return chunks
 
     @torch.no_grad()
