@@ -1,0 +1,304 @@
+"""`posttrain grpo --accelerate_config`: bundled accelerate configs and the relaunch."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from posttrain.cli import main as cli
+from posttrain.cli.main import (
+    CLIError,
+    LaunchRequest,
+    build_launch_command,
+    bundled_accelerate_configs,
+    inside_launch,
+    main,
+    resolve_accelerate_config,
+    split_launcher_flags,
+)
+
+EXPECTED = {
+    "single": ("NO", None),
+    "multi_gpu": ("MULTI_GPU", None),
+    "zero1": ("DEEPSPEED", 1),
+    "zero2": ("DEEPSPEED", 2),
+    "zero3": ("DEEPSPEED", 3),
+    "fsdp2": ("FSDP", None),
+}
+
+
+@pytest.fixture
+def no_launch_env(monkeypatch):
+    """A process environment that no launcher started."""
+    for name in cli._LAUNCH_MARKERS + ("WORLD_SIZE", "RANK"):
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture
+def no_subprocess(monkeypatch):
+    """Fail the test if the command tries to relaunch."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"unexpected relaunch: {args}")
+
+    monkeypatch.setattr(subprocess, "run", refuse)
+
+
+def test_bundled_configs_are_the_expected_ones():
+    assert set(bundled_accelerate_configs()) == set(EXPECTED)
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_bundled_config_parses_with_expected_backend(name):
+    path = bundled_accelerate_configs()[name]
+    values = yaml.safe_load(path.read_text())
+    kind, stage = EXPECTED[name]
+    assert values["compute_environment"] == "LOCAL_MACHINE"
+    assert values["distributed_type"] == kind
+    assert values["mixed_precision"] == "bf16"
+    assert values["num_processes"] == (1 if name == "single" else 8)
+    if stage is not None:
+        ds = values["deepspeed_config"]
+        assert ds["zero_stage"] == stage
+        assert ds["offload_optimizer_device"] == ds["offload_param_device"] == "none"
+    if name == "fsdp2":
+        fsdp = values["fsdp_config"]
+        assert fsdp["fsdp_version"] == 2
+        assert fsdp["fsdp_auto_wrap_policy"] == "TRANSFORMER_BASED_WRAP"
+        assert fsdp["fsdp_state_dict_type"] in ("SHARDED_STATE_DICT", "FULL_STATE_DICT")
+        assert "fsdp_cpu_ram_efficient_loading" in fsdp and "fsdp_reshard_after_forward" in fsdp
+    # accelerate itself accepts the file (it rejects unknown keys)
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    loaded = load_config_from_file(str(path))
+    assert loaded.distributed_type.value == kind
+
+
+def test_split_launcher_flags_takes_out_only_launcher_flags():
+    argv = [
+        "--max_steps",
+        "3",
+        "--accelerate_config",
+        "multi_gpu",
+        "--accelerate_num_processes=4",
+        "--accelerator_config",
+        "{}",
+        "--accelerate_main_process_port",
+        "29555",
+        "--accelerate_mixed_precision=no",
+    ]
+    request, rest = split_launcher_flags(argv)
+    assert request == LaunchRequest(
+        config="multi_gpu", num_processes=4, main_process_port=29555, mixed_precision="no"
+    )
+    assert rest == ["--max_steps", "3", "--accelerator_config", "{}"]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--accelerate_config"],
+        ["--accelerate_num_processes", "0"],
+        ["--accelerate_num_processes", "two"],
+        ["--accelerate_mixed_precision", "fp8"],
+    ],
+)
+def test_split_launcher_flags_rejects_bad_values(argv):
+    with pytest.raises(CLIError):
+        split_launcher_flags(argv)
+
+
+def test_launcher_flags_are_not_grpo_config_fields():
+    import dataclasses
+
+    from posttrain import GRPOConfig
+
+    fields = {f"--{f.name}" for f in dataclasses.fields(GRPOConfig)}
+    assert not fields & set(cli._LAUNCHER_FLAGS)
+
+
+def test_build_launch_command():
+    path = bundled_accelerate_configs()["multi_gpu"]
+    cmd = build_launch_command(
+        path, ["--max_steps", "2"], num_processes=4, main_process_port=29600, mixed_precision="no"
+    )
+    assert cmd == [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(path),
+        "--num_processes",
+        "4",
+        "--main_process_port",
+        "29600",
+        "--mixed_precision",
+        "no",
+        "-m",
+        "posttrain.cli.main",
+        "grpo",
+        "--max_steps",
+        "2",
+    ]
+
+
+def test_build_launch_command_defaults_and_single_promotion():
+    cmd = build_launch_command("/x/cfg.yaml", [])
+    assert cmd == [
+        sys.executable,
+        *("-m", "accelerate.commands.launch", "--config_file", "/x/cfg.yaml"),
+        *("-m", "posttrain.cli.main", "grpo"),
+    ]
+    single = build_launch_command(
+        "/x/single.yaml", ["--bf16", "false"], num_processes=2, distributed_type="NO"
+    )
+    assert single[5:8] == ["--num_processes", "2", "--multi_gpu"]
+    assert single[-3:] == ["grpo", "--bf16", "false"]
+    one = build_launch_command("/x/single.yaml", [], num_processes=1, distributed_type="NO")
+    assert "--multi_gpu" not in one
+
+
+def test_resolve_user_file(tmp_path):
+    user = tmp_path / "mine.yaml"
+    user.write_text("distributed_type: MULTI_GPU\nnum_processes: 2\n")
+    assert resolve_accelerate_config(str(user)) == user
+
+
+def test_inside_launch_markers():
+    assert not inside_launch({})
+    assert inside_launch({"LOCAL_RANK": "0"})
+    assert inside_launch({"ACCELERATE_MIXED_PRECISION": "no"})
+    assert inside_launch({cli.RELAUNCHED_ENV: "1"})
+
+
+def test_relaunch_runs_accelerate_and_exits_with_its_code(monkeypatch, no_launch_env):
+    seen = {}
+
+    def fake_run(cmd, env):
+        seen.update(cmd=cmd, env=env)
+        return subprocess.CompletedProcess(cmd, 7)
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    with pytest.raises(SystemExit) as exc:
+        main(["grpo", "--accelerate_config", "multi_gpu", "--max_steps", "1"])
+    assert exc.value.code == 7
+    assert seen["cmd"][-3:] == ["grpo", "--max_steps", "1"]
+    assert seen["cmd"][1:5] == ["-m", "accelerate.commands.launch", "--config_file", seen["cmd"][4]]
+    assert seen["cmd"][4].endswith("multi_gpu.yaml")
+    assert "--accelerate_config" not in seen["cmd"]
+    assert seen["env"][cli.RELAUNCHED_ENV] == "1"
+
+
+def test_inside_a_launch_the_flag_is_ignored(monkeypatch, no_launch_env, no_subprocess, recorder_like):
+    monkeypatch.setenv(cli.RELAUNCHED_ENV, "1")  # what a relaunched process sees
+    cli.grpo(["--accelerate_config", "multi_gpu", "--max_steps", "1", "--report_to", "none"])
+    assert recorder_like["trained"]
+
+
+@pytest.fixture
+def recorder_like(monkeypatch):
+    captured: dict = {}
+
+    class Recorder:
+        def __init__(self, model, reward_funcs, args, train_dataset):
+            captured["args"] = args
+
+        def train(self, resume_from_checkpoint=None):
+            captured["trained"] = True
+
+        def save_model(self, path):
+            pass
+
+        def save_state(self):
+            pass
+
+        def is_world_process_zero(self):
+            return True
+
+    monkeypatch.setattr("posttrain.GRPOTrainer", Recorder)
+    return captured
+
+
+def _exit_2(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err
+
+
+def test_unknown_name_exits_2_listing_bundled(no_launch_env, no_subprocess, capsys):
+    err = _exit_2(["grpo", "--accelerate_config", "zer3"], capsys)
+    assert "unknown accelerate config 'zer3'" in err
+    for name in EXPECTED:
+        assert name in err
+
+
+def test_missing_path_exits_2(tmp_path, no_launch_env, no_subprocess, capsys):
+    missing = str(tmp_path / "nope.yaml")
+    err = _exit_2(["grpo", "--accelerate_config", missing], capsys)
+    assert "does not exist" in err and missing in err
+
+
+@pytest.mark.parametrize("name", ["zero1", "zero2", "zero3", "fsdp2"])
+def test_unbuilt_backends_exit_2_before_relaunch(name, no_launch_env, no_subprocess, capsys):
+    err = _exit_2(["grpo", "--accelerate_config", name], capsys)
+    assert "not built yet (DeepSpeed ZeRO / FSDP2 in posttrain)" in err
+
+
+def test_user_file_with_deepspeed_exits_2(tmp_path, no_launch_env, no_subprocess, capsys):
+    user = tmp_path / "ds.yaml"
+    user.write_text("distributed_type: DEEPSPEED\ndeepspeed_config:\n  zero_stage: 3\n")
+    err = _exit_2(["grpo", "--accelerate_config", str(user)], capsys)
+    assert "not built yet" in err
+
+
+def test_user_file_that_is_not_an_accelerate_config_exits_2(tmp_path, no_launch_env, no_subprocess, capsys):
+    user = tmp_path / "bad.yaml"
+    user.write_text("- a\n- b\n")
+    err = _exit_2(["grpo", "--accelerate_config", str(user)], capsys)
+    assert "distributed_type" in err
+
+
+REWARD_MODULE = """
+import os
+
+
+def rank_reward(completions, **kwargs):
+    rank = os.environ.get("RANK", "none")
+    world = os.environ.get("WORLD_SIZE", "none")
+    with open(f"rank-{rank}-of-{world}.txt", "w") as f:
+        f.write("seen")
+    return [0.0 for _ in completions]
+"""
+
+
+@pytest.mark.slow
+def test_single_with_two_processes_relaunches_and_trains(tmp_path, tiny_model_dir, monkeypatch):
+    (tmp_path / "rank_rewards.py").write_text(REWARD_MODULE)
+    out = tmp_path / "out"
+    env = {k: v for k, v in os.environ.items() if k not in cli._LAUNCH_MARKERS}
+    env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", CUDA_VISIBLE_DEVICES="")
+    cmd = [
+        *(sys.executable, "-m", "posttrain.cli.main", "grpo"),
+        *("--accelerate_config", "single", "--accelerate_num_processes", "2"),
+        *("--accelerate_main_process_port", "29547"),
+        *("--accelerate_mixed_precision", "no"),
+        *("--model_name_or_path", tiny_model_dir, "--output_dir", str(out)),
+        *("--reward_funcs", "rank_rewards:rank_reward"),
+        *("--max_steps", "1", "--per_device_train_batch_size", "2", "--num_generations", "4"),
+        *("--max_completion_length", "8", "--use_cpu", "--bf16", "false"),
+        *("--gradient_checkpointing", "false", "--report_to", "none", "--save_strategy", "no"),
+        *("--task_size", "16", "--ddp_backend", "gloo", "--disable_tqdm", "true"),
+    ]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "relaunching under accelerate" in proc.stderr
+    assert sorted(p.name for p in tmp_path.glob("rank-*.txt")) == ["rank-0-of-2.txt", "rank-1-of-2.txt"]
+    assert (out / "model.safetensors").is_file()
+    assert (out / "config.json").is_file()
