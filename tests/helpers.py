@@ -77,3 +77,19 @@ def conversational_dataset(n: int = 16):
 def length_reward(completion_ids, **kwargs):
     """Number of completion tokens."""
     return [float(len(ids)) for ids in completion_ids]
+
+
+def make_trainer(tok, reward_funcs, args, dataset=None, model=None, **kwargs):
+    """A GRPOTrainer on a fresh tiny model (or ``model``) and the standard dataset (or ``dataset``)."""
+    from conftest import build_tiny_model
+
+    from posttrain import GRPOTrainer
+
+    return GRPOTrainer(
+        model=model if model is not None else build_tiny_model(tok),
+        reward_funcs=reward_funcs,
+        args=args,
+        train_dataset=dataset if dataset is not None else standard_dataset(),
+        processing_class=tok,
+        **kwargs,
+    )

@@ -8,7 +8,14 @@ import math
 import pytest
 import torch
 from conftest import build_tiny_model, build_tiny_tokenizer
-from helpers import ScriptedGenerator, conversational_dataset, length_reward, make_config, standard_dataset
+from helpers import (
+    ScriptedGenerator,
+    conversational_dataset,
+    length_reward,
+    make_config,
+    make_trainer,
+    standard_dataset,
+)
 
 from posttrain import GRPOTrainer
 
@@ -132,13 +139,7 @@ def test_training_changes_parameters_and_logs_every_metric(tmp_path, tok, datase
 
 def test_async_rewards_are_awaited(tmp_path, tok):
     args = make_config(tmp_path, max_steps=1, reward_weights=[1.0, 1.0])
-    trainer = GRPOTrainer(
-        model=build_tiny_model(tok),
-        reward_funcs=[slow_parity_reward, slow_first_token_reward],
-        args=args,
-        train_dataset=standard_dataset(),
-        processing_class=tok,
-    )
+    trainer = make_trainer(tok, [slow_parity_reward, slow_first_token_reward], args)
     trainer.train()
     log = trainer.state.log_history[0]
     assert 0.0 <= log["rewards/slow_parity_reward/mean"] <= 1.0
@@ -171,13 +172,7 @@ def test_model_init_kwargs_dtype(tmp_path, tiny_model_dir):
 def test_iterable_dataset_trains_with_max_steps(tmp_path, tok):
     stream = conversational_dataset(32).to_iterable_dataset()
     args = make_config(tmp_path, max_steps=3)
-    trainer = GRPOTrainer(
-        model=build_tiny_model(tok),
-        reward_funcs=char_reward,
-        args=args,
-        train_dataset=stream,
-        processing_class=tok,
-    )
+    trainer = make_trainer(tok, char_reward, args, stream)
     trainer.train()
     assert trainer.state.global_step == 3
 
@@ -191,13 +186,7 @@ def test_completions_are_masked_after_eos(tmp_path, tok):
         return [0.0] * len(completion_ids)
 
     args = make_config(tmp_path, max_steps=1)
-    trainer = GRPOTrainer(
-        model=build_tiny_model(tok),
-        reward_funcs=record,
-        args=args,
-        train_dataset=standard_dataset(),
-        processing_class=tok,
-    )
+    trainer = make_trainer(tok, record, args)
     trainer.generator = ScriptedGenerator([[5, 6, eos, 7, 8], [9, 10, 11, 12, 13], [eos, 14], [15, eos]], pad)
     trainer.train()
     ids = [s[0] for s in seen[:4]]
@@ -219,13 +208,7 @@ def test_groups_share_a_prompt_and_batches_count_completions(tmp_path, tok):
     args = make_config(
         tmp_path, per_device_train_batch_size=6, num_generations=2, gradient_accumulation_steps=2, max_steps=2
     )
-    trainer = GRPOTrainer(
-        model=build_tiny_model(tok),
-        reward_funcs=record,
-        args=args,
-        train_dataset=standard_dataset(),
-        processing_class=tok,
-    )
+    trainer = make_trainer(tok, record, args)
     trainer.train()
     assert [len(b) for b in batches] == [12, 12]  # generated once per optimizer step
     for b in batches:
@@ -259,13 +242,7 @@ def test_none_rewards_are_excluded_per_sample(tmp_path, tok):
     args = make_config(
         tmp_path, max_steps=4, shuffle_dataset=False, per_device_train_batch_size=4, num_generations=2
     )
-    trainer = GRPOTrainer(
-        model=build_tiny_model(tok),
-        reward_funcs=[only_even_rows, only_odd_rows],
-        args=args,
-        train_dataset=standard_dataset(),
-        processing_class=tok,
-    )
+    trainer = make_trainer(tok, [only_even_rows, only_odd_rows], args)
     trainer.train()
     log = trainer.state.log_history[0]
     assert log["rewards/only_even_rows/mean"] == 1.0 and log["rewards/only_odd_rows/mean"] == 3.0
@@ -278,13 +255,7 @@ def test_all_none_rewards_warn(tmp_path, tok):
         return [None] * len(prompts)
 
     args = make_config(tmp_path, max_steps=1)
-    trainer = GRPOTrainer(
-        model=build_tiny_model(tok),
-        reward_funcs=never,
-        args=args,
-        train_dataset=standard_dataset(),
-        processing_class=tok,
-    )
+    trainer = make_trainer(tok, never, args)
     with pytest.warns(UserWarning, match="All reward functions returned None"):
         trainer.train()
 
@@ -296,13 +267,7 @@ def test_log_metric_and_log_extra_reach_the_trainer(tmp_path, tok):
         return [0.0] * len(completions)
 
     args = make_config(tmp_path, max_steps=1)
-    trainer = GRPOTrainer(
-        model=build_tiny_model(tok),
-        reward_funcs=reward,
-        args=args,
-        train_dataset=standard_dataset(),
-        processing_class=tok,
-    )
+    trainer = make_trainer(tok, reward, args)
     trainer.train()
     assert trainer.state.log_history[0]["my_accuracy"] == 0.25
     assert trainer.log_extra_columns == {"golden": ["x"] * 4}
@@ -316,13 +281,7 @@ def test_num_iterations_reuses_generations_with_old_logps(tmp_path, tok):
         return [float(i % 2) for i in range(len(prompts))]
 
     args = make_config(tmp_path, num_iterations=2, max_steps=4, epsilon=0.01, learning_rate=0.05)
-    trainer = GRPOTrainer(
-        model=build_tiny_model(tok),
-        reward_funcs=record,
-        args=args,
-        train_dataset=standard_dataset(),
-        processing_class=tok,
-    )
+    trainer = make_trainer(tok, record, args)
     trainer.train()
     assert calls == [4, 4]  # one generation per two optimizer steps
     logs = _train_logs(trainer)
@@ -339,13 +298,7 @@ def test_steps_per_generation_buffers_rollouts(tmp_path, tok):
         return [float(i % 2) for i in range(len(prompts))]
 
     args = make_config(tmp_path, steps_per_generation=2, max_steps=4)
-    trainer = GRPOTrainer(
-        model=build_tiny_model(tok),
-        reward_funcs=record,
-        args=args,
-        train_dataset=standard_dataset(),
-        processing_class=tok,
-    )
+    trainer = make_trainer(tok, record, args)
     trainer.train()
     assert calls == [8, 8]  # 8 completions generated at once, used over two optimizer steps
 
@@ -385,13 +338,7 @@ def test_evaluation_with_dict_of_datasets_and_num_generations_eval(tmp_path, tok
 
 def test_mask_truncated_completions_excludes_cut_completions(tmp_path, tok):
     args = make_config(tmp_path, max_steps=1, mask_truncated_completions=True)
-    trainer = GRPOTrainer(
-        model=build_tiny_model(tok),
-        reward_funcs=length_reward,
-        args=args,
-        train_dataset=standard_dataset(),
-        processing_class=tok,
-    )
+    trainer = make_trainer(tok, length_reward, args)
     # every completion is truncated: nothing is left in the loss, so nothing moves
     trainer.generator = ScriptedGenerator(
         [[5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15, 16], [17, 18, 19, 20]], 0
@@ -428,23 +375,11 @@ def test_disable_dropout(tmp_path, tok):
 
 def test_checkpoint_and_resume(tmp_path, tok):
     args = make_config(tmp_path, max_steps=2, save_strategy="steps", save_steps=1)
-    trainer = GRPOTrainer(
-        model=build_tiny_model(tok),
-        reward_funcs=length_reward,
-        args=args,
-        train_dataset=standard_dataset(),
-        processing_class=tok,
-    )
+    trainer = make_trainer(tok, length_reward, args)
     trainer.train()
     assert (tmp_path / "checkpoint-1").is_dir() and (tmp_path / "checkpoint-2").is_dir()
     args = make_config(tmp_path, max_steps=3, save_strategy="no")
-    resumed = GRPOTrainer(
-        model=build_tiny_model(tok),
-        reward_funcs=length_reward,
-        args=args,
-        train_dataset=standard_dataset(),
-        processing_class=tok,
-    )
+    resumed = make_trainer(tok, length_reward, args)
     resumed.train(resume_from_checkpoint=True)
     assert resumed.state.global_step == 3
     assert resumed.state.num_input_tokens_seen > trainer.state.num_input_tokens_seen
@@ -479,13 +414,7 @@ def test_sampling_parameters_reach_generate(tmp_path, tok):
         generation_kwargs={"top_k": 7, "suppress_tokens": [3]},
         cache_implementation="static",
     )
-    trainer = GRPOTrainer(
-        model=build_tiny_model(tok),
-        reward_funcs=char_reward,
-        args=args,
-        train_dataset=standard_dataset(),
-        processing_class=tok,
-    )
+    trainer = make_trainer(tok, char_reward, args)
     config = trainer.generator.config
     assert (config.temperature, config.top_p, config.min_p, config.repetition_penalty) == (
         0.7,
@@ -508,13 +437,7 @@ def test_generation_batch_size_sets_steps_per_generation(tmp_path, tok):
 
     args = make_config(tmp_path, generation_batch_size=12, max_steps=3)
     assert args.steps_per_generation == 3
-    trainer = GRPOTrainer(
-        model=build_tiny_model(tok),
-        reward_funcs=record,
-        args=args,
-        train_dataset=standard_dataset(),
-        processing_class=tok,
-    )
+    trainer = make_trainer(tok, record, args)
     trainer.train()
     assert calls == [12]
 
