@@ -17,13 +17,45 @@ class ScriptedGenerator:
         self.pad = pad_token_id
         self.calls = 0
 
-    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> Samples:
+    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, **kwargs: Any) -> Samples:
         rows = [
             self.completions[(self.calls + i) % len(self.completions)] for i in range(prompt_ids.shape[0])
         ]
         self.calls += prompt_ids.shape[0]
         width = max(len(r) for r in rows)
         out = torch.full((len(rows), width), self.pad, dtype=torch.long)
+        for i, r in enumerate(rows):
+            out[i, : len(r)] = torch.tensor(r)
+        return Samples(completion_ids=out)
+
+
+class TurnScriptedGenerator:
+    """A multi-turn test double: answers each row from a script chosen by a key in its prompt.
+
+    ``scripts`` maps a key (a string the row's rendered prompt contains) to the texts of that
+    episode's successive assistant turns; the turn is the number of assistant generation prompts
+    (``marker``) in the row's input minus one. Each text is tokenised and ended with ``eos``.
+    """
+
+    def __init__(self, tokenizer: Any, scripts: dict[str, list[str]], marker: str = "<|im_start|>assistant"):
+        self.tokenizer = tokenizer
+        self.scripts = scripts
+        self.marker = marker
+        self.inputs: list[str] = []
+
+    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, **kwargs: Any) -> Samples:
+        eos = self.tokenizer.eos_token_id
+        rows = []
+        for ids, mask in zip(prompt_ids.tolist(), prompt_mask.tolist(), strict=True):
+            text = self.tokenizer.decode([t for t, m in zip(ids, mask, strict=True) if m], skip_special_tokens=False)
+            self.inputs.append(text)
+            key = next(k for k in self.scripts if k in text)
+            turn = text.count(self.marker) - 1
+            script = self.scripts[key]
+            reply = script[min(turn, len(script) - 1)]
+            rows.append(self.tokenizer(reply, add_special_tokens=False)["input_ids"] + [eos])
+        width = max(len(r) for r in rows)
+        out = torch.full((len(rows), width), self.tokenizer.pad_token_id or eos, dtype=torch.long)
         for i, r in enumerate(rows):
             out[i, : len(r)] = torch.tensor(r)
         return Samples(completion_ids=out)

@@ -80,6 +80,9 @@ def take_groups(
     sampler = None
     if rollouts[0].sampler_logps is not None:
         sampler = torch.stack([right(rollouts[r].sampler_logps[i], 0.0) for r, i in rows])
+    tool_mask = None
+    if rollouts[0].tool_mask is not None:
+        tool_mask = torch.stack([right(rollouts[r].tool_mask[i], 0) for r, i in rows])
     device = rollouts[0].prompt_ids.device
     return Rollout(
         prompt_ids=prompt_ids.to(device),
@@ -88,4 +91,5 @@ def take_groups(
         completion_mask=completion_mask,
         is_terminated=torch.stack([rollouts[r].is_terminated[i] for r, i in rows]),
         sampler_logps=sampler,
+        tool_mask=tool_mask,
     )

@@ -26,6 +26,9 @@ class Rollout:
         completion_mask: [N, T] 1 up to and including the first EOS, 0 after it.
         is_terminated: [N] whether the completion ended with EOS (False: cut at the length limit).
         sampler_logps: [N, T] log-probabilities the sampler assigned, when it reports them.
+        tool_mask: [N, T] in agent rollouts, 1 on the tokens the model sampled and 0 on those the
+            tool loop inserted (tool results, template text); ``None`` when every completion
+            token was sampled.
     """
 
     prompt_ids: torch.Tensor
@@ -34,11 +37,24 @@ class Rollout:
     completion_mask: torch.Tensor
     is_terminated: torch.Tensor
     sampler_logps: torch.Tensor | None = None
+    tool_mask: torch.Tensor | None = None
 
     @property
     def completion_lengths(self) -> torch.Tensor:
-        """[N] number of completion tokens (EOS included)."""
+        """[N] number of completion tokens (EOS included), inserted tool tokens included."""
         return self.completion_mask.sum(dim=1)
+
+    @property
+    def model_token_mask(self) -> torch.Tensor:
+        """[N, T] 1 on the completion tokens the model sampled (tool results excluded)."""
+        if self.tool_mask is None:
+            return self.completion_mask
+        return self.completion_mask * self.tool_mask
+
+    @property
+    def generated_lengths(self) -> torch.Tensor:
+        """[N] number of completion tokens the model sampled (what ``completions/*`` count)."""
+        return self.model_token_mask.sum(dim=1)
 
     def rows(self, rows: slice) -> Rollout:
         """The given rows, without the prompt columns that are padding in all of them and the
@@ -53,6 +69,7 @@ class Rollout:
             completion_mask=self.completion_mask[rows, :keep_t],
             is_terminated=self.is_terminated[rows],
             sampler_logps=self.sampler_logps[rows, :keep_t] if self.sampler_logps is not None else None,
+            tool_mask=self.tool_mask[rows, :keep_t] if self.tool_mask is not None else None,
         )
 
 

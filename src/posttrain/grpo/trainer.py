@@ -26,6 +26,9 @@ from accelerate.utils import gather, gather_object
 from transformers import PreTrainedModel, Trainer, TrainerCallback
 from transformers.trainer_utils import TrainOutput, rotate_checkpoints
 
+from posttrain.agents.environments import check_environment_dataset
+from posttrain.agents.loop import LoopSettings
+from posttrain.agents.runner import AgentRunner
 from posttrain.data import formats
 from posttrain.data.sampling import grouped_dataloader
 from posttrain.generation.base import Generator, build_rollout
@@ -89,13 +92,18 @@ class GRPOTrainer(Trainer):
         peft_config: a ``peft.PeftConfig`` (e.g. ``LoraConfig``): the policy is wrapped with
             ``peft.get_peft_model`` and only the adapter trains. With ``beta > 0`` the KL
             reference is the base model (adapters disabled), not a second copy. See ``docs/peft.md``.
-        tools: not implemented yet.
+        tools: plain Python functions (sync or ``async``, with type hints and a Google-style
+            docstring) the model may call during generation; see ``docs/agents.md``.
         rollout_func: ``rollout_func(prompts, trainer) -> dict`` producing the completions
             instead of ``generate``: it gets each prompt of the process's batch once and returns
             ``prompt_ids``, ``completion_ids`` and ``logprobs`` with ``num_generations`` entries
             per prompt (optionally ``logprob_token_ids``; other fields reach the reward
             functions). Its log-probs feed the importance-sampling correction.
-        environment_factory: not implemented yet.
+        environment_factory: a class (or callable) making one environment per rollout, or a dict
+            of them chosen by each row's ``environment`` column: its public methods are tools,
+            ``reset(**row)`` starts an episode and may return the prompt, and an optional
+            ``get_reward()`` is an extra reward source. Without ``train_dataset`` the environment
+            owns the data and ``max_steps`` sets the length of training. See ``docs/agents.md``.
     """
 
     _tag_names = ["posttrain", "grpo"]
@@ -123,20 +131,32 @@ class GRPOTrainer(Trainer):
     ) -> None:
         for name, value in [
             ("quantization_config", quantization_config),
-            ("tools", tools or None),
-            ("environment_factory", environment_factory),
         ]:
             _not_built(name, value)
         if args is None:
             base = model if isinstance(model, str) else model.config._name_or_path
             args = GRPOConfig(output_dir=f"{os.path.basename(str(base).rstrip('/')) or 'model'}-GRPO")
         peft_utils.check_peft_arguments(model, peft_config, args)
+        agent_mode = bool(tools) or environment_factory is not None
+        if agent_mode and rollout_func is not None:
+            raise ValueError(
+                "rollout_func replaces generation, so it cannot be combined with tools or environment_factory, "
+                "which need posttrain's tool-calling loop; call the tools inside your rollout_func instead."
+            )
+        if environment_factory is not None:
+            check_environment_dataset(environment_factory, train_dataset, args.max_steps)
+            if train_dataset is None:
+                train_dataset = _episode_dataset(args)
         rewards = RewardRunner(
-            self._setup_reward_funcs(reward_funcs, reward_processing_classes, args),
+            self._setup_reward_funcs(
+                reward_funcs, reward_processing_classes, args, optional=environment_factory is not None
+            ),
             fault_policy=args.reward_fault_policy,
             timeout=args.reward_timeout,
         )
-        self._check_datasets(train_dataset, eval_dataset, args)
+        self._check_datasets(
+            train_dataset, eval_dataset, args, prompt_optional=environment_factory is not None
+        )
         if rollout_func is not None:
             _check_rollout_func_batches(args, eval_dataset is not None)
         loss_settings = LossSettings.from_config(args)
@@ -157,10 +177,10 @@ class GRPOTrainer(Trainer):
         for reward_model in reward_models(rewards.funcs):
             reward_model.to(self.accelerator.device)
         self.rollout_func = rollout_func
-        self.reward_weights = torch.tensor(
-            args.reward_weights or [1.0] * len(rewards.funcs), dtype=torch.float32
-        )
         self.generator: Generator = self._setup_generator()
+        self.agent = self._setup_agent(tools, environment_factory) if agent_mode else None
+        self._reward_names = list(rewards.names) + (self.agent.reward_names if self.agent else [])
+        self._setup_reward_weights()
         aux = model_options.set_router_aux_loss_coef(self.model, args.router_aux_loss_coef)
         self.loss_settings = replace(loss_settings, aux_loss_coef=aux)
         self.ref_model = self._setup_reference()
@@ -189,9 +209,16 @@ class GRPOTrainer(Trainer):
     # ---- setup -------------------------------------------------------------------------------
 
     @staticmethod
-    def _setup_reward_funcs(reward_funcs: Any, processing_classes: Any, args: GRPOConfig) -> list[RewardFunc]:
-        """Reward callables; reward models (a name or a PreTrainedModel) are wrapped to score completions."""
+    def _setup_reward_funcs(
+        reward_funcs: Any, processing_classes: Any, args: GRPOConfig, optional: bool = False
+    ) -> list[RewardFunc]:
+        """Reward callables; reward models (a name or a PreTrainedModel) are wrapped to score completions.
+
+        ``optional``: environments may own the reward (``get_reward``), so none may be given.
+        """
         if reward_funcs is None or (isinstance(reward_funcs, list) and not reward_funcs):
+            if optional:
+                return []
             raise ValueError(
                 "GRPOTrainer needs a reward: pass reward_funcs (a callable or a list of callables, a reward "
                 "model name or PreTrainedModel)."
@@ -211,17 +238,52 @@ class GRPOTrainer(Trainer):
             )
         return funcs
 
+    def _setup_agent(self, tools: Any, environment_factory: Any) -> AgentRunner:
+        """The tool loop (``agents/``): tool schemas, environments, the chat template it trains with."""
+        a = self.args
+        settings = LoopSettings(
+            max_completion_length=a.max_completion_length,
+            max_tool_calling_iterations=a.max_tool_calling_iterations,
+            max_model_length=getattr(self.model.config, "max_position_embeddings", None),
+            eos_token_ids=self._eos_token_ids,
+            pad_token_id=self._tokenizer.pad_token_id,
+            chat_template_kwargs=dict(a.chat_template_kwargs or {}),
+        )
+        return AgentRunner(tools, environment_factory, self._tokenizer, settings)
+
+    def _setup_reward_weights(self) -> None:
+        """``reward_weights`` weigh the reward functions; environment rewards always weigh 1."""
+        if not self._reward_names:
+            raise ValueError(
+                "GRPOTrainer needs a reward: pass reward_funcs, or give the environment class a get_reward() "
+                "method that scores the episode."
+            )
+        weights = list(self.args.reward_weights or [1.0] * len(self.rewards.funcs))
+        weights += [1.0] * (len(self._reward_names) - len(self.rewards.funcs))
+        self.reward_weights = torch.tensor(weights, dtype=torch.float32)
+
     @staticmethod
-    def _check_datasets(train_dataset: Any, eval_dataset: Any, args: GRPOConfig) -> None:
+    def _check_datasets(
+        train_dataset: Any, eval_dataset: Any, args: GRPOConfig, prompt_optional: bool = False
+    ) -> None:
         if train_dataset is None:
             raise ValueError("GRPOTrainer needs a train_dataset with a 'prompt' column.")
-        _check_dataset(train_dataset, "train_dataset", args, args.num_generations, train=True)
+        _check_dataset(
+            train_dataset,
+            "train_dataset",
+            args,
+            args.num_generations,
+            train=True,
+            prompt_optional=prompt_optional,
+        )
         if eval_dataset is None:
             return
         items = eval_dataset.items() if isinstance(eval_dataset, Mapping) else [("", eval_dataset)]
         for key, ds in items:
             name = f"eval_dataset[{key!r}]" if key else "eval_dataset"
-            _check_dataset(ds, name, args, args.num_generations_eval, train=False)
+            _check_dataset(
+                ds, name, args, args.num_generations_eval, train=False, prompt_optional=prompt_optional
+            )
 
     @staticmethod
     def _setup_model(model: Any, args: GRPOConfig, peft_config: Any = None) -> tuple[Any, str]:
@@ -376,6 +438,8 @@ class GRPOTrainer(Trainer):
     def _sample(self, batch: list[dict[str, Any]], mode: str) -> tuple[Rollout, torch.Tensor]:
         """Generate one completion per row and score it: the rollout and [n, F] local rewards."""
         prompts = [row.get(formats.PROMPT_COLUMN) for row in batch]
+        if self.agent is not None:
+            return self._sample_episodes(batch, prompts, mode)
         for i, p in enumerate(prompts):
             formats.check_prompt(p, f"{i} of this batch")
         extra: dict[str, Any] = {}
@@ -398,6 +462,42 @@ class GRPOTrainer(Trainer):
         rewards = self.rewards.score(len(batch), kwargs)
         self._sampled_text = (prompts, completions, dict(self.log_extra_columns))
         return rollout, rewards
+
+    def _sample_episodes(
+        self, batch: list[dict[str, Any]], prompts: list[Any], mode: str
+    ) -> tuple[Rollout, torch.Tensor]:
+        """Agent rollouts (``agents/``): tool-calling episodes, scored by the reward functions and
+        the environments' ``get_reward``."""
+        assert self.agent is not None
+        rows = [{k: v for k, v in row.items() if k != EPISODE_COLUMN} for row in batch]
+        out = self.agent.rollout(self.generator, rows, prompts, self.accelerator.device)
+        rollout, completions = out.result.rollout, out.result.completions
+        ids = [
+            row[mask.bool()].tolist()
+            for row, mask in zip(rollout.completion_ids, rollout.completion_mask, strict=True)
+        ]
+        kwargs = self._reward_kwargs(rows, out.prompts, completions, ids, mode)
+        if out.environments is not None:
+            kwargs["environments"] = out.environments
+        rewards = torch.cat([self.rewards.score(len(batch), kwargs), out.environment_rewards], dim=1)
+        self._record_tool_metrics(mode, out.result.tool_calls, out.result.tool_failures)
+        self._sampled_text = (out.prompts, completions, dict(self.log_extra_columns))
+        return rollout, rewards
+
+    def _record_tool_metrics(self, mode: str, calls: list[int], failures: list[int]) -> None:
+        """``tools/call_frequency`` (calls per completion) and ``tools/failure_frequency`` (failed calls
+        per call), from counts summed over processes."""
+        local = torch.tensor(
+            [float(len(calls)), float(sum(calls)), float(sum(failures))], device=self.accelerator.device
+        )
+        completions, total_calls, total_failures = gather(local.unsqueeze(0)).sum(dim=0).tolist()
+        self._metrics.add_all(
+            mode,
+            {
+                "tools/call_frequency": total_calls / max(completions, 1.0),
+                "tools/failure_frequency": total_failures / total_calls if total_calls else 0.0,
+            },
+        )
 
     def _refill(self, rollout: Rollout, rewards: torch.Tensor, group: int) -> tuple[Rollout, torch.Tensor]:
         """DAPO dynamic sampling: replace this process's zero-spread groups (``dynamic_sampling.py``)."""
@@ -475,7 +575,7 @@ class GRPOTrainer(Trainer):
             for n in names
         }
         columns: dict[str, list[float]] = {}
-        for j, name in enumerate(self.rewards.names):
+        for j, name in enumerate(self._reward_names):
             columns[name if name not in columns else f"{name}_{j}"] = rewards[:, j].tolist()
         self._completion_logs[mode].add(
             self.state.global_step, prompts, completions, columns, adv.tolist(), extra
@@ -572,8 +672,8 @@ class GRPOTrainer(Trainer):
         return out.logps
 
     def _loss_mask(self, rollout: Rollout) -> torch.Tensor:
-        """Completion tokens that count in the loss: [N, T]."""
-        mask = rollout.completion_mask
+        """Completion tokens that count in the loss (sampled by the model, not tool results): [N, T]."""
+        mask = rollout.model_token_mask
         if self.args.mask_truncated_completions:
             mask = mask * rollout.is_terminated.unsqueeze(1).to(mask.dtype)
         return mask
@@ -648,10 +748,10 @@ class GRPOTrainer(Trainer):
         self, mode: str, rollout: Rollout, rewards: torch.Tensor, adv_metrics: dict[str, float]
     ) -> None:
         device = self.accelerator.device
-        lengths = gather(rollout.completion_lengths.to(device)).float().cpu()
+        lengths = gather(rollout.generated_lengths.to(device)).float().cpu()  # tool results not counted
         terminated = gather(rollout.is_terminated.to(device)).cpu()
         tokens = gather(
-            (rollout.prompt_mask.sum() + rollout.completion_mask.sum()).reshape(1).to(device)
+            (rollout.prompt_mask.sum() + rollout.model_token_mask.sum()).reshape(1).to(device)
         ).sum()
         if mode == "train":
             self.state.num_input_tokens_seen += int(tokens.item())
@@ -659,7 +759,7 @@ class GRPOTrainer(Trainer):
         m.update(_stats("completions/{}_length", lengths))
         m.update(_stats("completions/{}_terminated_length", lengths[terminated]))
         m["completions/clipped_ratio"] = 1.0 - terminated.float().mean().item()
-        for j, name in enumerate(self.rewards.names):
+        for j, name in enumerate(self._reward_names):
             col = rewards[:, j]
             m[f"rewards/{name}/mean"] = torch.nanmean(col).item()
             m[f"rewards/{name}/std"] = _nanstd(col)
@@ -908,6 +1008,19 @@ def _take_texts(texts: list[tuple], chosen: list[tuple[int, int]], group: int) -
     )
 
 
+# The column of the dataset made when the environment owns the data (``_episode_dataset``); never
+# forwarded to ``reset``.
+EPISODE_COLUMN = "posttrain_episode"
+
+
+def _episode_dataset(args: GRPOConfig) -> Any:
+    """Rows to drive episodes when the environment owns the data: ``reset`` writes each prompt."""
+    from datasets import Dataset
+
+    prompts_per_step = max(args.generation_batch_size // args.num_generations, 1)
+    return Dataset.from_dict({EPISODE_COLUMN: list(range(max(args.max_steps, 1) * prompts_per_step))})
+
+
 def _identity(batch: list[Any]) -> list[Any]:
     return batch
 
@@ -929,7 +1042,7 @@ def _nanstd(values: torch.Tensor) -> float:
 
 def _check_chat_template(dataset: Any, processing_class: Any) -> None:
     """A conversational dataset needs a tokenizer with a chat template: say so before training."""
-    if not hasattr(dataset, "__len__") or len(dataset) == 0:
+    if not hasattr(dataset, "__len__") or len(dataset) == 0 or formats.PROMPT_COLUMN not in dataset[0]:
         return
     tok = getattr(processing_class, "tokenizer", processing_class)
     if (
@@ -942,9 +1055,17 @@ def _check_chat_template(dataset: Any, processing_class: Any) -> None:
         )
 
 
-def _check_dataset(dataset: Any, name: str, args: GRPOConfig, group: int, train: bool) -> None:
-    """Clear errors for a dataset GRPO cannot use, before any model is loaded."""
-    formats.check_prompt_column(getattr(dataset, "column_names", None), name)
+def _check_dataset(
+    dataset: Any, name: str, args: GRPOConfig, group: int, train: bool, prompt_optional: bool = False
+) -> None:
+    """Clear errors for a dataset GRPO cannot use, before any model is loaded.
+
+    ``prompt_optional``: environments may write the prompt (``reset``), so the column may be absent.
+    """
+    columns = getattr(dataset, "column_names", None)
+    has_prompts = columns is None or formats.PROMPT_COLUMN in columns
+    if not prompt_optional:
+        formats.check_prompt_column(columns, name)
     per_process = (
         args.per_device_train_batch_size * args.steps_per_generation
         if train
@@ -967,8 +1088,9 @@ def _check_dataset(dataset: Any, name: str, args: GRPOConfig, group: int, train:
         return
     if len(dataset) == 0:
         raise ValueError(f"{name} is empty; it needs at least one row with a 'prompt'.")
-    for i, p in enumerate(dataset[formats.PROMPT_COLUMN]):
-        formats.check_prompt(p, i)
+    if has_prompts:
+        for i, p in enumerate(dataset[formats.PROMPT_COLUMN]):
+            formats.check_prompt(p, i)
     needed = global_batch // group
     if len(dataset) < needed:
         raise ValueError(

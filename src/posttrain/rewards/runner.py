@@ -137,6 +137,8 @@ class RewardRunner:
         Returns:
             [n, F] float32 rewards, NaN where a function returned ``None``.
         """
+        if not self.funcs:  # every reward comes from elsewhere (environments)
+            return torch.zeros((n, 0), dtype=torch.float32)
         results: list[Any] = []
         for func in self.funcs:
             try:
