@@ -24,7 +24,7 @@ def dataset():
     )
 
 
-def teach_tool_call(tok, model, steps: int = 150) -> None:
+def teach_tool_call(tok, model, steps: int = 200) -> None:
     """Supervised steps on [prompt | call | tool result | "Done."], loss on the model's tokens only."""
     env = IncrementEnv()
     (schema,) = [t.schema for t in tools_from_functions([env.increment])]
@@ -51,15 +51,18 @@ def teach_tool_call(tok, model, steps: int = 150) -> None:
         rows.append((torch.tensor([ids]), torch.tensor([weights[1:]], dtype=torch.float32)))
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     model.train()
-    for step in range(steps):
-        ids, weights = rows[step % len(rows)]
+    ids = torch.cat([r[0] for r in rows])  # both prompts render to the same length here
+    weights = torch.cat([r[1] for r in rows])
+    for _ in range(steps):
         logits = model(input_ids=ids).logits[:, :-1]
         nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
         loss = (nll * weights).sum() / weights.sum()
+        if loss.item() < 0.01:
+            break
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-    assert loss.item() < 0.05, f"the fixture model did not learn the call (loss {loss.item():.3f})"
+    assert loss.item() < 0.01, f"the fixture model did not learn the call (loss {loss.item():.3f})"
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +74,7 @@ def tool_calling_model():
     return tok, model
 
 
+@pytest.mark.slow
 def test_increment_env_end_to_end(tmp_path, tool_calling_model):
     from posttrain import GRPOTrainer
 
