@@ -47,7 +47,9 @@ class TurnScriptedGenerator:
         eos = self.tokenizer.eos_token_id
         rows = []
         for ids, mask in zip(prompt_ids.tolist(), prompt_mask.tolist(), strict=True):
-            text = self.tokenizer.decode([t for t, m in zip(ids, mask, strict=True) if m], skip_special_tokens=False)
+            text = self.tokenizer.decode(
+                [t for t, m in zip(ids, mask, strict=True) if m], skip_special_tokens=False
+            )
             self.inputs.append(text)
             key = next(k for k in self.scripts if k in text)
             turn = text.count(self.marker) - 1

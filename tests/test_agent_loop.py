@@ -400,3 +400,56 @@ def test_prompt_longer_than_the_model_is_refused(tmp_path):
         ValueError, match=r"renders to \d+ tokens \(tool schemas included\), but the model's maximum"
     ):
         trainer._sample([dict(r) for r in task_dataset()][:2], "train")
+
+
+class FlakyEnv(IncrementEnv):
+    """get_reward fails on the episodes of task 1."""
+
+    def reset(self, target, **kwargs) -> None:
+        super().reset(target)
+        self.flaky = False
+
+    def increment(self, step: int) -> int:
+        """Increment the internal counter.
+
+        Args:
+            step: Value to add to the counter.
+
+        Returns:
+            The updated counter value.
+        """
+        return super().increment(step)
+
+    def get_reward(self) -> float:
+        if self.counter == 0:
+            raise ConnectionError("scorer unreachable")
+        return 1.0
+
+
+@pytest.mark.parametrize("policy", ["raise", "skip"])
+def test_failing_get_reward_follows_the_fault_policy(tmp_path, policy):
+    tok = qwen_tokenizer()
+    trainer = make_trainer(
+        tok,
+        None,
+        make_config(
+            tmp_path,
+            per_device_train_batch_size=4,
+            num_generations=2,
+            max_completion_length=200,
+            reward_fault_policy=policy,
+        ),
+        dataset=task_dataset(),
+        model=long_context_model(tok),
+        environment_factory=FlakyEnv,
+    )
+    trainer.generator = TurnScriptedGenerator(tok, SCRIPTS)
+    rows = [dict(r) for r in task_dataset()]
+    batch = [rows[0], rows[0], rows[1], rows[1]]  # task 1's wrong arguments leave the counter at 0
+    if policy == "raise":
+        with pytest.raises(RuntimeError, match=r"FlakyEnv.get_reward\(\) raised on row 2: ConnectionError"):
+            trainer._sample(batch, "train")
+        return
+    _, rewards = trainer._sample(batch, "train")
+    assert rewards[:2, 0].tolist() == [1.0, 1.0] and torch.isnan(rewards[2:, 0]).all()
+    assert trainer.rewards.pop_faults() == {"FlakyEnv": 2}

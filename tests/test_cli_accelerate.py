@@ -245,17 +245,30 @@ def test_missing_path_exits_2(tmp_path, no_launch_env, no_subprocess, capsys):
     assert "does not exist" in err and missing in err
 
 
+def _relaunched_command(monkeypatch, config: str) -> list[str]:
+    seen = {}
+
+    def fake_run(cmd, env):
+        seen["cmd"] = cmd
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    with pytest.raises(SystemExit) as exc:
+        main(["grpo", "--accelerate_config", config, "--max_steps", "1"])
+    assert exc.value.code == 0
+    return seen["cmd"]
+
+
 @pytest.mark.parametrize("name", ["zero1", "zero2", "zero3", "fsdp2"])
-def test_unbuilt_backends_exit_2_before_relaunch(name, no_launch_env, no_subprocess, capsys):
-    err = _exit_2(["grpo", "--accelerate_config", name], capsys)
-    assert "not built yet (DeepSpeed ZeRO / FSDP2 in posttrain)" in err
+def test_sharded_backends_relaunch(name, monkeypatch, no_launch_env):
+    cmd = _relaunched_command(monkeypatch, name)
+    assert cmd[4].endswith(f"{name}.yaml")
 
 
-def test_user_file_with_deepspeed_exits_2(tmp_path, no_launch_env, no_subprocess, capsys):
+def test_user_file_with_deepspeed_relaunches(tmp_path, monkeypatch, no_launch_env):
     user = tmp_path / "ds.yaml"
     user.write_text("distributed_type: DEEPSPEED\ndeepspeed_config:\n  zero_stage: 3\n")
-    err = _exit_2(["grpo", "--accelerate_config", str(user)], capsys)
-    assert "not built yet" in err
+    assert _relaunched_command(monkeypatch, str(user))[4] == str(user)
 
 
 def test_user_file_that_is_not_an_accelerate_config_exits_2(tmp_path, no_launch_env, no_subprocess, capsys):

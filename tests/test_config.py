@@ -621,19 +621,10 @@ def test_pad_to_multiple_of_digit_string_becomes_int(tmp_path) -> None:
     assert make(tmp_path, pad_to_multiple_of="64").pad_to_multiple_of == 64
 
 
-def test_deprecated_paged_flag_maps_to_continuous_batching(tmp_path, monkeypatch) -> None:
-    # Pretend continuous batching is built, to see the mapping itself.
-    monkeypatch.delitem(UNBUILT_OPTIONS, "use_transformers_paged")
-    monkeypatch.delitem(UNBUILT_OPTIONS, "use_transformers_continuous_batching")
+def test_deprecated_paged_flag_turns_on_continuous_batching(tmp_path) -> None:
     with pytest.warns(FutureWarning, match="use_transformers_paged"):
         config = make(tmp_path, use_transformers_paged=True)
     assert config.use_transformers_continuous_batching is True
-
-
-def test_deprecated_paged_flag_is_unbuilt_for_now(tmp_path) -> None:
-    with pytest.warns(FutureWarning, match="use_transformers_paged"):
-        with pytest.raises(NotImplementedError, match="use_transformers_paged=True"):
-            make(tmp_path, use_transformers_paged=True)
 
 
 def test_deprecated_importance_sampling_cap(tmp_path) -> None:

@@ -2,8 +2,7 @@
 
 The catalogue lists each bad input with the test that covers it and the start of its message. These
 tests parse it and check that it is large enough, that every cited test exists, and that every quoted
-message is still in the source, so the page cannot drift from the code. The catalogue also lists the
-trainer arguments that are not built yet; the ones no other file tests are tested here.
+message is still in the source, so the page cannot drift from the code.
 """
 
 from __future__ import annotations
@@ -11,10 +10,6 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
-
-import pytest
-
-from posttrain import GRPOTrainer
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "errors.md"
@@ -126,20 +121,3 @@ def test_quoted_messages_are_in_the_source() -> None:
                     if len(part.strip()) >= 3 and part not in source:
                         stale.append(f"{row.cells['ID']}: {part!r}")
     assert not stale, f"quoted messages not found in src/posttrain: {stale}"
-
-
-# ---- not-built trainer arguments that no other test file covers -----------------------------------
-
-
-def _reward(completions, **kwargs):
-    return [0.0] * len(completions)
-
-
-@pytest.mark.parametrize("argument", ["quantization_config"])
-def test_unbuilt_trainer_argument_raises(argument: str) -> None:
-    """The argument is refused first, before any config, dataset or model is looked at."""
-    value = object()
-    with pytest.raises(
-        NotImplementedError, match=rf"GRPOTrainer\({argument}=\.\.\.\) is not implemented yet"
-    ):
-        GRPOTrainer(model="never-loaded", reward_funcs=_reward, **{argument: value})

@@ -341,16 +341,3 @@ def test_cast_lm_head_to_fp32_with_an_adapter(tmp_path, tok):
     trainer.train()
     logs = _train_logs(trainer)
     assert all(math.isfinite(h["loss"]) for h in logs) and logs[1]["kl"] > 0.0
-
-
-def test_quantization_config_is_still_not_built(tmp_path, tok):
-    with pytest.raises(NotImplementedError, match=r"GRPOTrainer\(quantization_config=\.\.\.\)"):
-        GRPOTrainer(
-            model=build_tiny_model(tok),
-            reward_funcs=varied_reward,
-            args=make_config(tmp_path),
-            train_dataset=standard_dataset(),
-            processing_class=tok,
-            peft_config=lora(),
-            quantization_config=object(),
-        )

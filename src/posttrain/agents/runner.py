@@ -32,12 +32,15 @@ class AgentBatch:
         prompts: the prompts the episodes started from (after ``reset`` added its text).
         environments: one environment per row, or ``None`` without ``environment_factory``.
         environment_rewards: [n, k] rewards of the environments' ``get_reward`` (k may be 0).
+        faults: per environment reward column, how many ``get_reward`` calls failed and were
+            skipped (``reward_fault_policy="skip"``).
     """
 
     result: AgentRollout
     prompts: list[list[dict[str, Any]]]
     environments: list[object] | None
     environment_rewards: torch.Tensor
+    faults: dict[str, int]
 
 
 class AgentRunner:
@@ -48,6 +51,8 @@ class AgentRunner:
         environment_factory: a class or callable making an environment, or a dict of them.
         tokenizer: the policy's tokenizer (its chat template must render tool calls).
         settings: the loop's limits and special tokens.
+        fault_policy: ``reward_fault_policy``: ``"raise"`` stops on a failing ``get_reward``,
+            ``"skip"`` leaves that episode unscored (NaN) and counts it.
 
     Raises:
         ValueError: a tool without schema, a clash of tool names, or a chat template that cannot
@@ -61,7 +66,9 @@ class AgentRunner:
         environment_factory: Any,
         tokenizer: Any,
         settings: LoopSettings,
+        fault_policy: str = "raise",
     ) -> None:
+        self.fault_policy = fault_policy
         self.tools = tool_table(tools_from_functions(list(tools or [])))
         self.pool = EnvironmentPool(environment_factory) if environment_factory is not None else None
         self._prototypes = self.pool.prototypes() if self.pool is not None else []
@@ -104,11 +111,27 @@ class AgentRunner:
         conversations = [_as_conversation(p) for p in prompts]
         tables = [self._tools_for(env) for env in (envs or [None] * len(rows))]
         result = self.loop.run(generator, conversations, tables, device)
-        if envs is not None and self.reward_classes:
-            _, env_rewards = environment_rewards(envs, self.reward_classes)
-        else:
-            env_rewards = torch.zeros((len(rows), 0), dtype=torch.float32)
-        return AgentBatch(result, conversations, envs, env_rewards)
+        env_rewards, faults = self._score(envs or [], len(rows))
+        return AgentBatch(result, conversations, envs, env_rewards, faults)
+
+    def _score(self, envs: list[object], n: int) -> tuple[torch.Tensor, dict[str, int]]:
+        """The environments' rewards [n, k]; failures follow the fault policy."""
+        if not envs or not self.reward_classes:
+            return torch.zeros((n, len(self.reward_classes)), dtype=torch.float32), {}
+        try:
+            return environment_rewards(envs, self.reward_classes)[1], {}
+        except (RuntimeError, TypeError):
+            if self.fault_policy == "raise":
+                raise
+        rows, faults = [], {}  # skip: score episode by episode, so one failure spares the others
+        for env in envs:
+            try:
+                rows.append(environment_rewards([env], self.reward_classes)[1])
+            except (RuntimeError, TypeError):
+                rows.append(torch.full((1, len(self.reward_classes)), float("nan")))
+                name = self.reward_names[self.reward_classes.index(type(env))]
+                faults[name] = faults.get(name, 0) + 1
+        return torch.cat(rows), faults
 
     def _tools_for(self, env: object | None) -> dict[str, Tool]:
         if env is None:

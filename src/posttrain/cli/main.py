@@ -374,9 +374,6 @@ def _resume(value: Any) -> Any:
 #: Folder of the accelerate config files shipped with posttrain (``--accelerate_config NAME``).
 ACCELERATE_CONFIGS_DIR = Path(__file__).resolve().parent / "accelerate_configs"
 
-#: accelerate ``distributed_type`` values whose backend posttrain does not support yet.
-_UNBUILT_BACKENDS: dict[str, str] = {"DEEPSPEED": "DeepSpeed ZeRO", "FSDP": "FSDP2"}
-
 #: Set in the relaunched processes' environment, so that they never relaunch again.
 RELAUNCHED_ENV = "POSTTRAIN_ACCELERATE_LAUNCHED"
 
@@ -500,17 +497,8 @@ def _read_accelerate_config(path: Path) -> dict[str, Any]:
 
 
 def check_accelerate_config(path: Path) -> dict[str, Any]:
-    """Read the config; refuse backends posttrain does not support yet (DeepSpeed ZeRO, FSDP2)."""
-    values = _read_accelerate_config(path)
-    kind = str(values["distributed_type"]).upper()
-    if kind in _UNBUILT_BACKENDS:
-        stage = (values.get("deepspeed_config") or {}).get("zero_stage")
-        what = f"{_UNBUILT_BACKENDS[kind]} stage {stage}" if stage is not None else _UNBUILT_BACKENDS[kind]
-        raise CLIError(
-            f"the accelerate config {str(path)!r} uses {what} (distributed_type: {kind}), which is not built "
-            "yet (DeepSpeed ZeRO / FSDP2 in posttrain). Use --accelerate_config single or multi_gpu (DDP)."
-        )
-    return values
+    """Read the config; every backend accelerate offers (DDP, DeepSpeed ZeRO, FSDP2) is accepted."""
+    return _read_accelerate_config(path)
 
 
 def inside_launch(environ: Any = None) -> bool:

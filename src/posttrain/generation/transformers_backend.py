@@ -1,12 +1,34 @@
-"""Generation with transformers' ``generate``."""
+"""Generation with transformers' ``generate``: the shared prompt prefilled once, prepacked weights.
+
+GRPO samples ``num_generations`` completions of every prompt, so a batch of N prompt rows holds
+far fewer distinct prompts. ``TransformersGenerator`` runs the prompt tokens of each distinct
+prompt once (a forward pass over the unique rows, minus their last token), copies the resulting
+KV cache to the N rows, and lets ``generate`` continue from that cache: it then computes only
+the last prompt token (whose logits give the first sampled token) and the decode steps.
+
+Only the prefill changes, so the completions are those of the plain call up to floating-point
+rounding of the prompt's keys and values (a different batch shape): greedy and seeded sampling
+give the same tokens except at exact near-ties. ``shared_prefix_blocker`` names the cases where
+the plain call is used instead.
+
+On the CPU, the float32 linear layers also multiply with oneDNN-prepacked weight copies for the
+duration of the call (``onednn_prepacked_linears``): a decode step multiplies a few rows by every
+weight, and the blocked layout reads them faster than ``F.linear`` does. Figures and exactness:
+``benchmarks/decode_paths.py`` and ``docs/performance-generation-draft.md``.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import contextlib
+import copy
+import inspect
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import GenerationConfig
+from transformers import DynamicCache, GenerationConfig
+from transformers.cache_utils import DynamicLayer
 
 from posttrain.generation.base import Samples
 
@@ -44,28 +66,324 @@ def sampling_config(
     return GenerationConfig(**values)
 
 
+# ---- shared-prefix prefill ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PromptGroups:
+    """The distinct rows of a left-padded prompt batch.
+
+    Attributes:
+        unique_ids: [U, P] one row per distinct prompt (same width and padding as the batch).
+        unique_mask: [U, P] their attention mask.
+        inverse: [N] for each batch row, the index of its distinct prompt in ``unique_ids``.
+    """
+
+    unique_ids: torch.Tensor
+    unique_mask: torch.Tensor
+    inverse: torch.Tensor
+
+    @property
+    def num_unique(self) -> int:
+        """U, the number of distinct prompts."""
+        return self.unique_ids.shape[0]
+
+
+def group_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> PromptGroups:
+    """Find the distinct prompts of a batch; rows are equal when their mask and unmasked ids are.
+
+    Args:
+        prompt_ids: [N, P] left-padded prompt tokens (row order does not matter).
+        prompt_mask: [N, P] 1 for prompt tokens, 0 for padding.
+    """
+    width = prompt_ids.shape[1]
+    visible = prompt_ids.masked_fill(prompt_mask == 0, 0)  # what sits under padding does not count
+    keys = torch.cat([visible, prompt_mask.to(prompt_ids.dtype)], dim=1)  # [N, 2P]
+    unique, inverse = torch.unique(keys, dim=0, return_inverse=True)  # [U, 2P], [N]
+    return PromptGroups(unique[:, :width], unique[:, width:].to(prompt_mask.dtype), inverse)
+
+
+def core_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model under a PEFT wrapper (the model itself otherwise)."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+def cache_argument(model: torch.nn.Module) -> str | None:
+    """The name under which the model's forward takes its KV cache, or None if it takes none.
+
+    transformers 5 renamed ``past_key_values`` to ``cache``; both spellings are accepted.
+    """
+    params = inspect.signature(core_model(model).forward).parameters
+    return next((name for name in ("cache", "past_key_values") if name in params), None)
+
+
+def _forward_accepts(model: torch.nn.Module, name: str) -> bool:
+    return name in inspect.signature(core_model(model).forward).parameters
+
+
+def _supports_dynamic_cache(core: torch.nn.Module) -> bool:
+    supports = getattr(core, "_supports_default_dynamic_cache", None)
+    return bool(supports()) if callable(supports) else False
+
+
+def _only_full_attention_layers(model: torch.nn.Module) -> bool:
+    """Whether the model's dynamic cache is made of plain full-attention layers only.
+
+    Sliding-window, linear-attention and other layer kinds keep state that a row copy of the
+    prompt's keys and values does not describe, so they take the plain path.
+    """
+    text_config = core_model(model).config.get_text_config(decoder=True)
+    layers = DynamicCache(config=text_config).layers
+    return all(type(layer) is DynamicLayer for layer in layers)
+
+
+def shared_prefix_blocker(
+    model: torch.nn.Module, config: GenerationConfig, groups: PromptGroups
+) -> str | None:
+    """Why the shared-prefix prefill cannot serve this batch, or None when it can.
+
+    Args:
+        model: the model ``generate`` runs on (a PEFT wrapper is looked through).
+        config: the sampling configuration.
+        groups: the batch's distinct prompts.
+
+    Returns:
+        A short reason for taking the plain ``generate`` path, or None.
+    """
+    core = core_model(model)
+    model_default = getattr(getattr(core, "generation_config", None), "cache_implementation", None)
+    checks = (
+        (groups.unique_ids.shape[1] < 2, "one-token prompts leave nothing to prefill ahead"),
+        (groups.num_unique == groups.inverse.shape[0], "every prompt is distinct"),
+        (config.use_cache is False, "use_cache=False"),
+        (
+            config.cache_implementation not in (None, "dynamic"),
+            f"cache_implementation={config.cache_implementation!r}",
+        ),
+        (
+            model_default is not None,
+            f"the model's generation_config sets cache_implementation={model_default!r}",
+        ),
+        (
+            (config.num_beams or 1) > 1 or (config.num_return_sequences or 1) > 1,
+            "beam search or several sequences per row",
+        ),
+        (getattr(core.config, "is_encoder_decoder", False), "encoder-decoder model"),
+        (not _supports_dynamic_cache(core), "the model does not use a DynamicCache"),
+        (cache_argument(model) is None, "the model's forward takes no cache argument"),
+    )
+    for blocked, reason in checks:
+        if blocked:
+            return reason
+    if not _only_full_attention_layers(model):
+        return "sliding-window or linear-attention layers"
+    return None
+
+
+def prefill_shared_prefix(model: torch.nn.Module, groups: PromptGroups) -> DynamicCache:
+    """KV cache of every prompt row but its last token, computed once per distinct prompt.
+
+    The unique prompts keep the batch's width and left padding, and get the position ids
+    ``generate`` derives from the attention mask, so each cached row equals the plain
+    prefill's. The cache is then copied to the N batch rows.
+
+    Args:
+        model: the model to prefill with (eval mode, gradients off).
+        groups: the batch's distinct prompts.
+
+    Returns:
+        A ``DynamicCache`` of N rows and P - 1 positions.
+    """
+    ids, mask = groups.unique_ids[:, :-1], groups.unique_mask[:, :-1]  # [U, P-1]
+    cache = DynamicCache(config=core_model(model).config.get_text_config(decoder=True))
+    inputs: dict[str, Any] = {"input_ids": ids, "attention_mask": mask, "use_cache": True}
+    inputs[cache_argument(model)] = cache
+    if _forward_accepts(model, "position_ids"):
+        inputs["position_ids"] = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    if _forward_accepts(model, "logits_to_keep"):
+        inputs["logits_to_keep"] = 1  # the logits are not used: keep the smallest slice
+    model(**inputs)
+    cache.batch_select_indices(groups.inverse)  # [U, ...] -> [N, ...]
+    return cache
+
+
+# ---- prepacked linear layers -------------------------------------------------------------------
+
+#: Below this many new tokens, packing the weights (about 0.25 s for a 135M model) costs more than
+#: the decode steps save (20-50 ms each on 2 CPU cores): ``generate`` runs with ``F.linear``.
+PREPACK_MIN_NEW_TOKENS = 32
+
+
+def onednn_linear_available() -> bool:
+    """Whether this torch build has oneDNN's prepacked linear product (CPU builds with MKLDNN)."""
+    ops = torch.ops.mkldnn
+    return (
+        torch.backends.mkldnn.is_available()
+        and hasattr(ops, "_reorder_linear_weight")
+        and hasattr(ops, "_linear_pointwise")
+    )
+
+
+def packable_linears(model: torch.nn.Module) -> list[torch.nn.Linear]:
+    """The layers ``onednn_prepacked_linears`` swaps: plain float32 ``nn.Linear`` on the CPU.
+
+    Subclasses (quantised layers), sharded weights (DTensor, DeepSpeed ZeRO-3 partitions) and layers whose forward is
+    already replaced (offloading hooks, a swap in progress) are left alone.
+    """
+    if not onednn_linear_available():
+        return []
+    return [
+        m
+        for m in model.modules()
+        if type(m) is torch.nn.Linear
+        and type(m.weight.detach()) is torch.Tensor
+        and m.weight.dtype == torch.float32
+        and m.weight.device.type == "cpu"
+        and m.weight.dim() == 2  # a DeepSpeed ZeRO-3 partitioned weight is an empty 1-D placeholder
+        and not hasattr(m.weight, "ds_id")
+        and "forward" not in m.__dict__
+    ]
+
+
+@contextlib.contextmanager
+def onednn_prepacked_linears(model: torch.nn.Module, rows: int) -> Iterator[int]:
+    """Within the block, every packable linear layer multiplies with a oneDNN-prepacked weight copy.
+
+    Small-batch float32 products (a decode step multiplies ``rows`` vectors by each weight)
+    reach more of the memory bandwidth with oneDNN's blocked weight layout than with
+    ``F.linear``. Weights change at every optimizer step, so they are packed on entry (one
+    copy of the weights, freed on exit) and the layers are restored on exit, also on error.
+    The products differ from ``F.linear`` by float32 rounding only (accumulation order).
+
+    Args:
+        model: the model about to generate (gradients off).
+        rows: the number of rows per decode step, the packing's batch-size hint.
+
+    Yields:
+        The number of layers swapped (0 where oneDNN is unavailable).
+    """
+    swapped = packable_linears(model)
+    for module in swapped:
+        packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), rows)
+        module.forward = _prepacked_forward(packed, module.bias)
+    try:
+        yield len(swapped)
+    finally:
+        for module in swapped:
+            del module.forward  # the class's forward again
+
+
+def _prepacked_forward(
+    packed: torch.Tensor, bias: torch.Tensor | None
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+    return forward
+
+
+# ---- the backend -------------------------------------------------------------------------------
+
+
 class TransformersGenerator:
     """Samples with ``model.generate`` on the training model (in eval mode, without gradients).
 
     Args:
         get_model: returns the unwrapped model to sample from (it changes under DDP wrapping).
         config: the sampling configuration.
+        share_prefix: prefill each distinct prompt once (see the module docstring); batches
+            where ``shared_prefix_blocker`` gives a reason take the plain path.
+        full_parameters: maps the model to the context its prefill and ``generate`` run in; under
+            FSDP2 or ZeRO-3 it gathers the sharded parameters once for the whole call
+            (``models.distributed.generation_parameters``). No context when ``None``.
+        prepack_weights: on the CPU, multiply float32 linear layers with oneDNN-prepacked
+            weights while generating (``onednn_prepacked_linears``), for calls of at least
+            ``PREPACK_MIN_NEW_TOKENS`` new tokens.
     """
 
-    def __init__(self, get_model: Callable[[], torch.nn.Module], config: GenerationConfig) -> None:
+    def __init__(
+        self,
+        get_model: Callable[[], torch.nn.Module],
+        config: GenerationConfig,
+        share_prefix: bool = True,
+        full_parameters: Callable[[torch.nn.Module], contextlib.AbstractContextManager] | None = None,
+        prepack_weights: bool = True,
+    ) -> None:
         self.get_model = get_model
         self.config = config
+        self.share_prefix = share_prefix
+        self.full_parameters = full_parameters or (lambda model: contextlib.nullcontext())
+        self.prepack_weights = prepack_weights
+        self.last_path = "plain"  # "plain" or "shared_prefix": what the latest call used
+        self.last_blocker: str | None = None  # why the latest call took the plain path
 
     @torch.no_grad()
-    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> Samples:
-        """One sampled completion per prompt row: ``[N, P] -> Samples([N, T])``."""
+    def generate(
+        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_new_tokens: int | None = None
+    ) -> Samples:
+        """One sampled completion per prompt row: ``[N, P] -> Samples([N, T])``.
+
+        Args:
+            prompt_ids: [N, P] left-padded prompts; prompt_mask: [N, P].
+            max_new_tokens: a tighter budget for this call (the tool loop's remaining tokens).
+        """
+        config = self.config
+        if max_new_tokens is not None and max_new_tokens < (config.max_new_tokens or max_new_tokens + 1):
+            config = copy.deepcopy(config)
+            config.max_new_tokens = max_new_tokens
+            if config.min_new_tokens is not None:
+                config.min_new_tokens = min(config.min_new_tokens, max_new_tokens)
         model = self.get_model()
         was_training = model.training
         model.eval()
         try:
-            out = model.generate(
-                input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=self.config
-            )
+            with self.full_parameters(model):
+                out = self._generate(model, prompt_ids, prompt_mask, config)
         finally:
             model.train(was_training)
         return Samples(completion_ids=out[:, prompt_ids.shape[1] :])
+
+    def _packed(
+        self, model: torch.nn.Module, rows: int, config: GenerationConfig
+    ) -> contextlib.AbstractContextManager:
+        """The prepacked-weights context; none when ``prepack_weights`` is off or too few steps repay it."""
+        steps = config.max_new_tokens or 0
+        if self.prepack_weights and steps >= PREPACK_MIN_NEW_TOKENS:
+            return onednn_prepacked_linears(model, rows)
+        return contextlib.nullcontext()
+
+    def _generate(
+        self,
+        model: torch.nn.Module,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        config: GenerationConfig,
+    ) -> torch.Tensor:
+        """``model.generate`` on the batch, from a shared-prefix cache when that applies.
+
+        The shared prefill runs before the weights are packed: prepacking pays for decode steps
+        (a few rows per product) and costs about 10 % on a prefill's many-row products.
+        """
+        kwargs: dict[str, Any] = {}
+        self.last_path, self.last_blocker = "plain", "share_prefix=False"
+        if self.share_prefix:
+            groups = group_prompts(prompt_ids, prompt_mask)
+            self.last_blocker = shared_prefix_blocker(model, config, groups)
+            if self.last_blocker is None:
+                self.last_path = "shared_prefix"
+                kwargs[cache_argument(model)] = prefill_shared_prefix(model, groups)
+                config = _without_cache_implementation(config)
+        with self._packed(model, prompt_ids.shape[0], config):
+            return model.generate(
+                input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config, **kwargs
+            )
+
+
+def _without_cache_implementation(config: GenerationConfig) -> GenerationConfig:
+    """``config`` with ``cache_implementation`` unset: ``generate`` refuses it beside a given cache."""
+    if config.cache_implementation is None:
+        return config
+    config = copy.deepcopy(config)
+    config.cache_implementation = None
+    return config

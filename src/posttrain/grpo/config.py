@@ -63,11 +63,7 @@ class UnbuiltOption:
 # fmt: off
 UNBUILT_OPTIONS: dict[str, UnbuiltOption] = {
     "use_vllm":                             UnbuiltOption(False, "vLLM generation", "Use use_vllm=False (completions are then generated with transformers).", True),
-    "use_transformers_paged":               UnbuiltOption(False, "transformers continuous batching", "Use use_transformers_paged=False (the flag is deprecated as well).", True),
-    "use_transformers_continuous_batching": UnbuiltOption(False, "transformers continuous batching", "Use use_transformers_continuous_batching=False.", True),
     "log_completions_hub_repo":             UnbuiltOption(None, "completion upload to the Hub", "Leave log_completions_hub_repo=None.", "user/completions"),
-    "deepspeed":                            UnbuiltOption(None, "DeepSpeed ZeRO", "Leave deepspeed unset and run data-parallel with accelerate or torchrun.", {"zero_optimization": {"stage": 2}}, unbuilt_if=bool),
-    "fsdp":                                 UnbuiltOption(None, "FSDP", "Leave fsdp unset and run data-parallel with accelerate or torchrun.", "full_shard", unbuilt_if=bool),
 }
 # fmt: on
 

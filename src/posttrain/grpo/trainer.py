@@ -32,13 +32,14 @@ from posttrain.agents.runner import AgentRunner
 from posttrain.data import formats
 from posttrain.data.sampling import grouped_dataloader
 from posttrain.generation.base import Generator, build_rollout
+from posttrain.generation.continuous_batching import ContinuousBatchingGenerator
 from posttrain.generation.rollout_func import call_rollout_func
 from posttrain.generation.transformers_backend import TransformersGenerator, sampling_config
 from posttrain.grpo import advantages, checkpoints, dynamic_sampling, objectives, regularizers
 from posttrain.grpo.config import GRPOConfig
 from posttrain.grpo.loss import LossSettings, grpo_loss
 from posttrain.grpo.rollout import Rollout, ScoredRollout
-from posttrain.models import loading
+from posttrain.models import distributed, loading
 from posttrain.models import peft as peft_utils
 from posttrain.models import reference as model_options
 from posttrain.observe.completions import COMPLETIONS_FILE, CompletionLog
@@ -52,13 +53,6 @@ if TYPE_CHECKING:
     from peft import PeftModel
 
 RewardFunc = Callable[..., list[float | None]]
-
-
-def _not_built(name: str, value: Any) -> None:
-    if value is not None:
-        raise NotImplementedError(
-            f"GRPOTrainer({name}=...) is not implemented yet in posttrain; remove the argument for now."
-        )
 
 
 class GRPOTrainer(Trainer):
@@ -88,7 +82,9 @@ class GRPOTrainer(Trainer):
             loads each reward model's own tokenizer.
         callbacks: extra ``TrainerCallback`` s.
         optimizers: ``(optimizer, scheduler)``; AdamW with a linear schedule by default.
-        quantization_config: not implemented yet (QLoRA).
+        quantization_config: a transformers quantization config (e.g. ``BitsAndBytesConfig``) to load
+            ``model`` by name with quantized weights; needs ``peft_config`` (QLoRA: only the adapter
+            trains). Ignored, with a warning, for a model already built. See ``docs/peft.md``.
         peft_config: a ``peft.PeftConfig`` (e.g. ``LoraConfig``): the policy is wrapped with
             ``peft.get_peft_model`` and only the adapter trains. With ``beta > 0`` the KL
             reference is the base model (adapters disabled), not a second copy. See ``docs/peft.md``.
@@ -129,14 +125,10 @@ class GRPOTrainer(Trainer):
         rollout_func: Callable | None = None,
         environment_factory: Any = None,
     ) -> None:
-        for name, value in [
-            ("quantization_config", quantization_config),
-        ]:
-            _not_built(name, value)
         if args is None:
             base = model if isinstance(model, str) else model.config._name_or_path
             args = GRPOConfig(output_dir=f"{os.path.basename(str(base).rstrip('/')) or 'model'}-GRPO")
-        peft_utils.check_peft_arguments(model, peft_config, args)
+        peft_utils.check_peft_arguments(model, peft_config, args, quantization_config)
         agent_mode = bool(tools) or environment_factory is not None
         if agent_mode and rollout_func is not None:
             raise ValueError(
@@ -160,7 +152,7 @@ class GRPOTrainer(Trainer):
         if rollout_func is not None:
             _check_rollout_func_batches(args, eval_dataset is not None)
         loss_settings = LossSettings.from_config(args)
-        model, source = self._setup_model(model, args, peft_config)
+        model, source = self._setup_model(model, args, peft_config, quantization_config)
         processing_class = self._setup_tokenizer(processing_class, source, args)
         _check_chat_template(train_dataset, processing_class)
         super().__init__(
@@ -249,7 +241,7 @@ class GRPOTrainer(Trainer):
             pad_token_id=self._tokenizer.pad_token_id,
             chat_template_kwargs=dict(a.chat_template_kwargs or {}),
         )
-        return AgentRunner(tools, environment_factory, self._tokenizer, settings)
+        return AgentRunner(tools, environment_factory, self._tokenizer, settings, a.reward_fault_policy)
 
     def _setup_reward_weights(self) -> None:
         """``reward_weights`` weigh the reward functions; environment rewards always weigh 1."""
@@ -286,10 +278,14 @@ class GRPOTrainer(Trainer):
             )
 
     @staticmethod
-    def _setup_model(model: Any, args: GRPOConfig, peft_config: Any = None) -> tuple[Any, str]:
+    def _setup_model(
+        model: Any, args: GRPOConfig, peft_config: Any = None, quantization_config: Any = None
+    ) -> tuple[Any, str]:
         if isinstance(model, str):
             source = loading.resolve_model_path(model)
-            policy = loading.load_policy(source, args.model_init_kwargs, args.trust_remote_code)
+            policy = loading.load_policy(
+                source, args.model_init_kwargs, args.trust_remote_code, quantization_config, args.device
+            )
         elif isinstance(model, PreTrainedModel):
             policy, source = (
                 model,
@@ -321,9 +317,27 @@ class GRPOTrainer(Trainer):
 
         ``None`` for a PEFT policy: its reference is its own base model, adapters disabled.
         """
-        if self.args.beta == 0.0 or peft_utils.is_peft_model(self.model):
+        a = self.args
+        if a.beta == 0.0 or peft_utils.is_peft_model(self.model):
             return None
-        return model_options.create_reference(self.model).to(self.accelerator.device)
+        if a.sync_ref_model and (self.is_fsdp_enabled or self.is_deepspeed_enabled):
+            raise NotImplementedError(
+                "sync_ref_model=True is not supported with FSDP2 or DeepSpeed in posttrain: the reference is "
+                "mixed with the policy parameter by parameter, which sharded parameters do not allow. Train "
+                "without sync_ref_model, or with DDP."
+            )
+        return distributed.create_reference(
+            self.model,
+            self.accelerator,
+            reload=lambda: loading.load_policy(
+                self.model.config._name_or_path, a.model_init_kwargs, a.trust_remote_code
+            ),
+        )
+
+    def create_accelerator_and_postprocess(self) -> None:
+        """transformers' Accelerator; on CPU processes switched to the FSDP2 that ``fsdp`` asks for."""
+        super().create_accelerator_and_postprocess()
+        distributed.use_fsdp_on_cpu(self)
 
     @staticmethod
     def _setup_tokenizer(processing_class: Any, source: str, args: GRPOConfig) -> Any:
@@ -333,22 +347,33 @@ class GRPOTrainer(Trainer):
         return loading.prepare_tokenizer(processing_class)
 
     def _setup_generator(self) -> Generator:
+        """transformers ``generate`` (shared prompt prefill, prepacked weights), or its continuous
+        batching engine with ``use_transformers_continuous_batching``."""
         a = self.args
-        return TransformersGenerator(
-            get_model=lambda: self.accelerator.unwrap_model(self.model),
-            config=sampling_config(
-                max_new_tokens=a.max_completion_length,
-                temperature=a.temperature,
-                top_p=a.top_p,
-                top_k=a.top_k,
-                min_p=a.min_p,
-                repetition_penalty=a.repetition_penalty,
-                cache_implementation=a.cache_implementation,
-                pad_token_id=self._tokenizer.pad_token_id,
-                eos_token_ids=self._eos_token_ids,
-                generation_kwargs=a.generation_kwargs,
-            ),
+        config = sampling_config(
+            max_new_tokens=a.max_completion_length,
+            temperature=a.temperature,
+            top_p=a.top_p,
+            top_k=a.top_k,
+            min_p=a.min_p,
+            repetition_penalty=a.repetition_penalty,
+            cache_implementation=a.cache_implementation,
+            pad_token_id=self._tokenizer.pad_token_id,
+            eos_token_ids=self._eos_token_ids,
+            generation_kwargs=a.generation_kwargs,
         )
+        get_model = lambda: self.accelerator.unwrap_model(self.model)  # noqa: E731
+        full_parameters = lambda m: distributed.generation_parameters(  # noqa: E731
+            self.accelerator, m, a.ds3_gather_for_generation
+        )
+        if a.use_transformers_continuous_batching:
+            return ContinuousBatchingGenerator(
+                get_model=get_model,
+                config=config,
+                cb_config=a.transformers_continuous_batching_config,
+                full_parameters=full_parameters,
+            )
+        return TransformersGenerator(get_model=get_model, config=config, full_parameters=full_parameters)
 
     @property
     def _tokenizer(self) -> Any:
@@ -480,6 +505,8 @@ class GRPOTrainer(Trainer):
         if out.environments is not None:
             kwargs["environments"] = out.environments
         rewards = torch.cat([self.rewards.score(len(batch), kwargs), out.environment_rewards], dim=1)
+        for name, count in out.faults.items():  # reported with the reward functions' faults
+            self.rewards.faults[name] = self.rewards.faults.get(name, 0) + count
         self._record_tool_metrics(mode, out.result.tool_calls, out.result.tool_failures)
         self._sampled_text = (out.prompts, completions, dict(self.log_extra_columns))
         return rollout, rewards
@@ -765,9 +792,9 @@ class GRPOTrainer(Trainer):
             m[f"rewards/{name}/std"] = _nanstd(col)
         faults = self.rewards.pop_faults()
         if self.args.reward_fault_policy == "skip":
-            local = torch.tensor([float(faults.get(name, 0)) for name in self.rewards.names], device=device)
+            local = torch.tensor([float(faults.get(name, 0)) for name in self._reward_names], device=device)
             for name, count in zip(
-                self.rewards.names, gather(local.unsqueeze(0)).sum(dim=0).tolist(), strict=True
+                self._reward_names, gather(local.unsqueeze(0)).sum(dim=0).tolist(), strict=True
             ):
                 m[f"rewards/{name}/faults"] = count
         total = advantages.weighted_sum(rewards, self.reward_weights)
@@ -914,6 +941,11 @@ class GRPOTrainer(Trainer):
                 use_mtime=True,
             )
 
+    @property
+    def _load_location(self) -> Any:
+        """Where checkpoint tensors load: "cpu" on CPU processes (torch cannot restore "cpu:0")."""
+        return "cpu" if self.accelerator.device.type == "cpu" else self.accelerator.device
+
     def _load_from_checkpoint(
         self, resume_from_checkpoint: str, model: torch.nn.Module | None = None
     ) -> None:
@@ -922,14 +954,14 @@ class GRPOTrainer(Trainer):
             resume_from_checkpoint, BUFFER_STATE.format(self.accelerator.process_index)
         )
         if os.path.isfile(buffer_path):  # our own file: rollouts are dataclasses of tensors
-            saved = torch.load(buffer_path, map_location=self.accelerator.device, weights_only=False)
+            saved = torch.load(buffer_path, map_location=self._load_location, weights_only=False)
             self._micro_step, self._buffer = saved["micro_step"], saved["buffer"]
         state = checkpoints.read_state(resume_from_checkpoint)
         if state is not None:
             self.entropy_coef = float(state["entropy_coef"])
         ref_path = os.path.join(resume_from_checkpoint, REFERENCE_STATE)
         if self.ref_model is not None and os.path.isfile(ref_path):
-            self.ref_model.load_state_dict(torch.load(ref_path, map_location=self.accelerator.device))
+            self.ref_model.load_state_dict(torch.load(ref_path, map_location=self._load_location))
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Add the GRPO metrics averaged since the last log (``eval_``-prefixed during evaluation)."""

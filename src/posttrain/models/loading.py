@@ -37,13 +37,33 @@ def _dtype(value: Any) -> Any:
     return value
 
 
-def load_policy(name: str, init_kwargs: Mapping[str, Any] | None, trust_remote_code: bool) -> Any:
-    """Load a causal LM by name with ``model_init_kwargs``; float32 unless a dtype is given."""
+def load_policy(
+    name: str,
+    init_kwargs: Mapping[str, Any] | None,
+    trust_remote_code: bool,
+    quantization_config: Any = None,
+    device: torch.device | None = None,
+) -> Any:
+    """Load a causal LM by name with ``model_init_kwargs``; float32 unless a dtype is given.
+
+    Args:
+        name: hub id, local path or embedded name.
+        init_kwargs: ``model_init_kwargs`` (``dtype``, ``revision``, ``attn_implementation``, ...).
+        trust_remote_code: allow the model's own code from the hub.
+        quantization_config: e.g. ``BitsAndBytesConfig(load_in_4bit=True)`` to load the weights
+            quantized (QLoRA); ``init_kwargs["quantization_config"]`` is used when this is ``None``.
+        device: the process's device. A quantized model is loaded straight onto it when it is
+            an accelerator (each process onto its own), unless ``device_map`` is given.
+    """
     from transformers import AutoModelForCausalLM
 
     kwargs = dict(init_kwargs or {})
     kwargs["dtype"] = _dtype(kwargs.pop("dtype", kwargs.pop("torch_dtype", None)))
     kwargs.setdefault("trust_remote_code", trust_remote_code)
+    if quantization_config is not None:
+        kwargs["quantization_config"] = quantization_config
+    if kwargs.get("quantization_config") is not None and device is not None and device.type != "cpu":
+        kwargs.setdefault("device_map", {"": device})
     return AutoModelForCausalLM.from_pretrained(resolve_model_path(name), **kwargs)
 
 

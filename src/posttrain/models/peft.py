@@ -1,4 +1,5 @@
-"""LoRA and other PEFT adapters on the policy (the ``peft`` extra: ``pip install posttrain[peft]``).
+"""LoRA and other PEFT adapters on the policy (the ``peft`` extra: ``pip install posttrain[peft]``),
+and QLoRA: the adapter on a base model loaded quantized (the ``qlora`` extra adds bitsandbytes).
 
 With an adapter only its own weights train; the base weights stay frozen. That makes the base
 model itself the reference policy of the KL penalty: its log-probs are the policy's with the
@@ -10,6 +11,7 @@ adapters switched off, so no second copy of the model is kept (see ``docs/peft.m
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import sys
 import warnings
 from collections.abc import Iterator
@@ -18,6 +20,7 @@ from typing import Any
 import torch
 
 INSTALL_HINT = "pip install 'posttrain[peft]'  (or: pip install 'peft>=0.15')"
+QLORA_INSTALL_HINT = "pip install 'posttrain[qlora]'  (or: pip install bitsandbytes 'peft>=0.15')"
 
 
 def _import_peft() -> Any:
@@ -36,15 +39,19 @@ def is_peft_model(model: Any) -> bool:
     return peft is not None and isinstance(model, peft.PeftModel)
 
 
-def check_peft_arguments(model: Any, peft_config: Any, args: Any) -> None:
+def check_peft_arguments(model: Any, peft_config: Any, args: Any, quantization_config: Any = None) -> None:
     """Refuse the PEFT combinations that cannot work, before any model is loaded.
 
     Raises:
-        ImportError: ``peft_config`` is given but peft is not installed.
-        TypeError: ``peft_config`` is not a ``peft.PeftConfig``.
-        ValueError: ``model`` is already a ``PeftModel`` and ``peft_config`` is given too, or
-            ``sync_ref_model=True`` is combined with an adapter.
+        ImportError: ``peft_config`` is given but peft is not installed, or a
+            ``BitsAndBytesConfig`` is given but bitsandbytes is not installed.
+        TypeError: ``peft_config`` is not a ``peft.PeftConfig``, or ``quantization_config`` is
+            not a transformers quantization config.
+        ValueError: ``model`` is already a ``PeftModel`` and ``peft_config`` is given too,
+            ``sync_ref_model=True`` is combined with an adapter, or ``quantization_config`` is
+            given without ``peft_config``.
     """
+    check_quantization_arguments(model, quantization_config, peft_config)
     uses_peft = peft_config is not None or is_peft_model(model)
     if not uses_peft:
         return
@@ -68,11 +75,63 @@ def check_peft_arguments(model: Any, peft_config: Any, args: Any) -> None:
         )
 
 
+def check_quantization_arguments(model: Any, quantization_config: Any, peft_config: Any) -> None:
+    """QLoRA: a model loaded quantized (4-bit, 8-bit) trains through an adapter only.
+
+    ``quantization_config`` applies when the trainer loads ``model`` from a name; for a model
+    that is already built it is ignored, with a warning (load it quantized yourself instead).
+
+    Raises:
+        TypeError: ``quantization_config`` is not a transformers quantization config.
+        ImportError: it is a ``BitsAndBytesConfig`` and bitsandbytes is not installed.
+        ValueError: ``model`` is a name and ``peft_config`` is ``None``.
+    """
+    if quantization_config is None:
+        return
+    from transformers.utils.quantization_config import QuantizationConfigMixin
+
+    if not isinstance(quantization_config, QuantizationConfigMixin):
+        raise TypeError(
+            "quantization_config must be a transformers quantization config, e.g. "
+            "BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4'); "
+            f"got {type(quantization_config).__name__}."
+        )
+    if not isinstance(model, str):
+        warnings.warn(
+            "quantization_config is ignored: it applies only when GRPOTrainer loads the model from a name. "
+            "Load the model quantized yourself (from_pretrained(..., quantization_config=...)) or pass its name.",
+            UserWarning,
+            stacklevel=3,
+        )
+        return
+    if peft_config is None:
+        raise ValueError(
+            "quantization_config loads the model's weights quantized, and quantized weights cannot be trained: "
+            "pass a peft_config as well (QLoRA), e.g. peft.LoraConfig(r=16, target_modules='all-linear'), or "
+            "drop quantization_config to train the full model."
+        )
+    if (
+        quantization_config.quant_method == "bitsandbytes"
+        and importlib.util.find_spec("bitsandbytes") is None
+    ):
+        raise ImportError(
+            f"quantization_config=BitsAndBytesConfig(...) needs bitsandbytes: {QLORA_INSTALL_HINT}"
+        )
+
+
+def is_quantized(model: Any) -> bool:
+    """Whether ``model`` was loaded with a transformers quantization config (4-bit, 8-bit, ...)."""
+    return getattr(model, "hf_quantizer", None) is not None
+
+
 def wrap_policy(policy: Any, peft_config: Any, gradient_checkpointing: bool) -> Any:
     """The policy ready for adapter training.
 
+    A quantized model is first prepared for k-bit training (``peft.prepare_model_for_kbit_training``:
+    base weights frozen, the remaining half-precision ones such as norms cast to float32).
+
     Args:
-        policy: a causal LM, or already a ``PeftModel``.
+        policy: a causal LM (possibly loaded quantized), or already a ``PeftModel``.
         peft_config: the adapter to add (``None`` for a ``PeftModel`` taken as is).
         gradient_checkpointing: whether activations will be recomputed in the backward pass;
             the frozen embeddings' outputs must then require a gradient, or none reaches the
@@ -85,6 +144,8 @@ def wrap_policy(policy: Any, peft_config: Any, gradient_checkpointing: bool) -> 
         ValueError: a ``PeftModel`` with no trainable parameter (loaded without ``is_trainable=True``).
     """
     if peft_config is not None:
+        if is_quantized(policy):
+            policy = _import_peft().prepare_model_for_kbit_training(policy, use_gradient_checkpointing=False)
         with warnings.catch_warnings():  # peft reads a transformers attribute deprecated in v5
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
             policy = _import_peft().get_peft_model(policy, peft_config)

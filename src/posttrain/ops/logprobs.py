@@ -1,9 +1,14 @@
 """Log-probabilities and entropy of completion tokens.
 
-The model is run on ``[prompt | completion]`` and only the logits of the completion positions
-are kept (``logits_to_keep``). Log-probs are taken of ``softmax(logits / temperature)``, the
-distribution the sampler drew from. The log-softmax is done one row at a time so at most one
-row's float32 copy of ``[T, V]`` exists besides the logits themselves.
+The model is run on ``[prompt | completion]``; log-probs are taken of
+``softmax(logits / temperature)``, the distribution the sampler drew from. Two paths compute them:
+
+- chunked (the default where ``chunked.supports_chunked`` holds): the final hidden states of the
+  completion positions are projected onto the vocabulary a chunk of token rows at a time, and
+  recomputed in backward, so no ``[B, T, V]`` logits exist (``ops/chunked.py``);
+- naive (any other model, or ``chunk_size=None``): the model's own logits of the completion
+  positions (``logits_to_keep``), log-softmaxed one row at a time so at most one row's float32
+  copy of ``[T, V]`` exists besides the logits themselves.
 """
 
 from __future__ import annotations
@@ -11,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from posttrain.ops import chunked
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -65,30 +72,73 @@ def completion_logps(
     temperature: float = 1.0,
     with_entropy: bool = False,
     entropy_grad: bool = False,
+    chunk_size: int | None = chunked.DEFAULT_CHUNK_SIZE,
 ) -> PolicyOutput:
     """Log-probs (and optionally entropy) of each completion token under ``model``.
 
     Args:
-        model: a causal LM accepting ``logits_to_keep``.
+        model: a causal LM accepting ``logits_to_keep`` (possibly a ``PeftModel`` or DDP-wrapped).
         prompt_ids: [B, P] left-padded prompts; prompt_mask: [B, P].
         completion_ids: [B, T] right-padded completions; completion_mask: [B, T].
         temperature: sampling temperature the logits are divided by.
         with_entropy: also compute the per-token entropy.
         entropy_grad: let the entropy carry a gradient (entropy regularisation).
+        chunk_size: token rows projected onto the vocabulary at once by the chunked path;
+            ``None`` forces the naive full-logits path.
 
     Returns:
         A ``PolicyOutput``.
     """
-    T = completion_ids.shape[1]
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [B, P + T]
-    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
-    out = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids_from_mask(attention_mask),
-        logits_to_keep=T + 1,
-        use_cache=False,
+    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)  # [B, P + T]
+    inputs = {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "position_ids": position_ids_from_mask(attention_mask),
+        "use_cache": False,
+    }
+    if chunk_size is not None and chunked.supports_chunked(model):
+        out = _chunked_output(
+            model, inputs, completion_ids, temperature, with_entropy, entropy_grad, chunk_size
+        )
+        if out is not None:
+            return out
+    return _naive_output(model, inputs, completion_ids, temperature, with_entropy, entropy_grad)
+
+
+def _chunked_output(
+    model: torch.nn.Module,
+    inputs: dict[str, torch.Tensor | bool],
+    completion_ids: torch.Tensor,
+    temperature: float,
+    with_entropy: bool,
+    entropy_grad: bool,
+    chunk_size: int,
+) -> PolicyOutput | None:
+    """The chunked path; ``None`` when the model turns out to transform its logits (checked once)."""
+    T = completion_ids.shape[1]
+    out, hidden = chunked.run_with_hidden(model, **inputs)  # hidden: [B, P + T, H]
+    if not chunked.logits_match_head(model, out, hidden):
+        return None
+    head = chunked.causal_lm(model).get_output_embeddings()
+    hidden = chunked.head_input(model, hidden[:, -(T + 1) : -1])  # [B, T, H]: position t predicts token t
+    logps, entropy = chunked.token_stats(
+        hidden, head.weight, head.bias, completion_ids, temperature, chunk_size, with_entropy, entropy_grad
     )
+    return PolicyOutput(logps=logps, entropy=entropy, aux_loss=getattr(out, "aux_loss", None))
+
+
+def _naive_output(
+    model: torch.nn.Module,
+    inputs: dict[str, torch.Tensor | bool],
+    completion_ids: torch.Tensor,
+    temperature: float,
+    with_entropy: bool,
+    entropy_grad: bool,
+) -> PolicyOutput:
+    """The full-logits path: the model's own logits of the completion positions, row by row."""
+    T = completion_ids.shape[1]
+    out = model(**inputs, logits_to_keep=T + 1)
     logits = out.logits[:, :-1, :]  # [B, T, V]: position t predicts completion token t
     if temperature != 1.0:
         logits = logits / temperature

@@ -1,0 +1,392 @@
+"""Completion log-probs and entropy from hidden states, chunk by chunk, recomputed in backward.
+
+The naive way to score ``N = B * T`` completion tokens builds ``[N, V]`` logits (V is the
+vocabulary, 49152 for SmolLM2) and keeps them, plus float32 log-softmax copies, alive until
+the backward pass. Here the model's backbone yields the final hidden states ``[N, H]`` and
+``TokenStats`` projects them onto the vocabulary ``chunk_size`` rows at a time, keeping only
+``[N]`` results (the chosen token's log-prob, the log-partition and the entropy). Its backward
+recomputes each chunk's logits and turns ``grad_logps`` and ``grad_entropy`` into gradients of
+the hidden states and of the LM head's weight (and bias). At most one chunk's ``[chunk, V]``
+float32 logits (and two or three work copies of it) exist at any time, in forward and backward.
+
+The math, with ``z = (h @ W^T + b) / temperature``, ``lse = logsumexp(z)``, ``log p = z - lse``:
+
+- log-prob of target ``y``: ``z_y - lse``; ``d/dz = onehot(y) - p``;
+- entropy ``H = -sum(p * log p)``; ``dH/dz = -p * (log p + H)``.
+
+How the hidden states are obtained: the model is called as usual, through whatever wraps it
+(DDP, a ``PeftModel``), with ``logits_to_keep=1`` so its own head projects a single position;
+a forward hook on the decoder (``get_decoder()``) captures ``last_hidden_state``. Going through
+the wrapper keeps DDP's gradient synchronisation, PEFT's forward and a Mixture-of-Experts
+model's router loss (``aux_loss``) exactly as in the naive path; gradient checkpointing of the
+decoder layers is unaffected. The one projected position doubles as a check: the first time a
+model is seen, its own logits there are compared with ``lm_head(hidden)``; a model that
+transforms its logits in a way ``supports_chunked`` does not know of is then sent, with a
+warning, to the naive path for good.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+DEFAULT_CHUNK_SIZE = 256
+"""Token rows projected at once. One chunk's float32 logits take ``chunk_size * V * 4`` bytes (50 MB
+for SmolLM2's V = 49152), and forward holds two such buffers at most, backward one (two with the
+entropy's gradient). On the embedded model 256 rows gave 16 % less peak step memory than 1024 at
+T = 1024 (``benchmarks/logprobs_memory.py``), and a [256, H] x [H, V] product is still a large matmul."""
+
+# config fields of transformers models whose logits are not plainly lm_head(hidden)
+_LOGIT_TRANSFORMS: dict[str, Callable[[Any], bool]] = {
+    "final_logit_softcapping": lambda v: v is not None and v != 0,  # Gemma 2/3: cap * tanh(z / cap)
+    "logit_scale": lambda v: v is not None and v != 1,  # Cohere: z * logit_scale
+    "logits_scaling": lambda v: v is not None and v != 1,  # Granite: z / logits_scaling
+}
+
+
+# ---- the kernel ----------------------------------------------------------------------------
+
+
+def _scaled_logits(
+    h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float
+) -> torch.Tensor:
+    """``(h @ W^T + b) / temperature`` in float32 (float64 stays float64): [c, H] -> [c, V]."""
+    z = nn.functional.linear(h, weight, bias)
+    z = z.to(_stats_dtype(z.dtype))  # a fresh tensor either way: safe to divide in place
+    return z.div_(temperature) if temperature != 1.0 else z
+
+
+def _stats_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the softmax statistics are taken in: at least float32."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _chunk_stats(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    temperature: float,
+    with_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Log-prob of each target, log-partition and entropy of one chunk: [c, H] -> 3 x [c]."""
+    z = _scaled_logits(h, weight, bias, temperature)  # [c, V]
+    lse = torch.logsumexp(z, dim=-1)  # [c]
+    logps = z.gather(1, targets.unsqueeze(1)).squeeze(1) - lse  # [c]
+    entropy = None
+    if with_entropy:
+        logp_all = z.sub_(lse.unsqueeze(1))  # [c, V], in place: z is no longer needed
+        entropy = -(logp_all.exp().mul_(logp_all)).sum(dim=-1)  # [c]
+    return logps, lse, entropy
+
+
+def _chunk_grad_logits(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    lse: torch.Tensor,
+    entropy: torch.Tensor | None,
+    grad_logps: torch.Tensor | None,
+    grad_entropy: torch.Tensor | None,
+    temperature: float,
+) -> torch.Tensor:
+    """Gradient of the loss wrt one chunk's raw logits ``h @ W^T + b``, in the weight's dtype: [c, V].
+
+    One [c, V] float32 buffer without the entropy's gradient, two with it. The 1 / temperature of
+    ``dz / dlogits`` is folded into the [c] coefficients.
+    """
+    g_lp = grad_logps / temperature if grad_logps is not None else None  # [c]
+    g_ent = grad_entropy / temperature if grad_entropy is not None else None  # [c]
+    logp_all = _scaled_logits(h, weight, bias, temperature).sub_(lse.unsqueeze(1))  # [c, V]
+    if g_ent is None:
+        grad = logp_all.exp_().mul_(-g_lp.unsqueeze(1))  # d log p_y / dz = onehot(y) - p: the -p part
+    else:
+        probs = logp_all.exp()  # [c, V]
+        # dH/dz = -p * (log p + H), written over logp_all's storage
+        grad = logp_all.add_(entropy.unsqueeze(1)).mul_(probs).mul_(-g_ent.unsqueeze(1))
+        if g_lp is not None:
+            grad.sub_(probs.mul_(g_lp.unsqueeze(1)))
+    if g_lp is not None:
+        grad.scatter_add_(1, targets.unsqueeze(1), g_lp.unsqueeze(1))  # the onehot(y) part
+    return grad.to(weight.dtype)
+
+
+class TokenStats(torch.autograd.Function):
+    """Chosen-token log-probs and entropy of ``softmax((h @ W^T + b) / temperature)``, chunked.
+
+    Inputs: hidden [N, H], weight [V, H], bias [V] or ``None``, targets [N] (long), then the
+    Python values temperature, chunk_size, with_entropy, entropy_grad. Outputs: logps [N] and
+    entropy [N] (float32, or float64 for a float64 head; an empty tensor when ``with_entropy`` is off; not differentiable
+    unless ``entropy_grad``). Saved for backward: hidden, weight and three [N] vectors.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        targets: torch.Tensor,
+        temperature: float,
+        chunk_size: int,
+        with_entropy: bool,
+        entropy_grad: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        n, dtype = hidden.shape[0], _stats_dtype(weight.dtype)
+        logps = hidden.new_empty(n, dtype=dtype)  # [N]
+        lse = hidden.new_empty(n, dtype=dtype)  # [N]
+        entropy = hidden.new_empty(n if with_entropy else 0, dtype=dtype)  # [N] or [0]
+        for start in range(0, n, chunk_size):
+            rows = slice(start, start + chunk_size)
+            lp, ls, ent = _chunk_stats(hidden[rows], weight, bias, targets[rows], temperature, with_entropy)
+            logps[rows], lse[rows] = lp, ls
+            if ent is not None:
+                entropy[rows] = ent
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
+        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        ctx.set_materialize_grads(False)
+        if not (with_entropy and entropy_grad):
+            ctx.mark_non_differentiable(entropy)
+        return logps, entropy
+
+    @staticmethod
+    def backward(ctx: Any, grad_logps: torch.Tensor | None, grad_entropy: torch.Tensor | None):
+        hidden, weight, bias, targets, lse, entropy = ctx.saved_tensors
+        if entropy.numel() == 0:
+            grad_entropy = None
+        grad_h, grad_w, grad_b = _grad_buffers(ctx.needs_input_grad, hidden, weight, bias)
+        if grad_logps is None and grad_entropy is None:
+            return _finish(grad_h, grad_w, grad_b, weight, bias)
+        chunk = ctx.chunk_size
+        for start in range(0, hidden.shape[0], chunk):
+            rows = slice(start, start + chunk)
+            g = _chunk_grad_logits(  # [c, V]
+                hidden[rows],
+                weight,
+                bias,
+                targets[rows],
+                lse[rows],
+                entropy[rows] if grad_entropy is not None else None,
+                grad_logps[rows] if grad_logps is not None else None,
+                grad_entropy[rows] if grad_entropy is not None else None,
+                ctx.temperature,
+            )
+            _accumulate(g, hidden[rows], weight, rows, grad_h, grad_w, grad_b)
+        return _finish(grad_h, grad_w, grad_b, weight, bias)
+
+
+def _grad_buffers(
+    needs: tuple[bool, ...], hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """Zeroed gradient buffers for the inputs that need one; the head's in float32 (summed over chunks)."""
+    grad_h = torch.zeros_like(hidden) if needs[0] else None  # [N, H]
+    dtype = _stats_dtype(weight.dtype)
+    grad_w = torch.zeros_like(weight, dtype=dtype) if needs[1] else None  # [V, H]
+    grad_b = torch.zeros_like(bias, dtype=dtype) if bias is not None and needs[2] else None  # [V]
+    return grad_h, grad_w, grad_b
+
+
+def _accumulate(
+    g: torch.Tensor,
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    rows: slice,
+    grad_h: torch.Tensor | None,
+    grad_w: torch.Tensor | None,
+    grad_b: torch.Tensor | None,
+) -> None:
+    """Add one chunk's share: ``dh = g @ W``, ``dW += g^T @ h``, ``db += sum(g)``; g: [c, V], h: [c, H]."""
+    if grad_h is not None:
+        grad_h[rows] = g @ weight  # [c, H]
+    if grad_w is not None:
+        if g.dtype == grad_w.dtype:
+            grad_w.addmm_(g.t(), h)  # [V, H]
+        else:
+            grad_w.add_(g.t() @ h)
+    if grad_b is not None:
+        grad_b.add_(g.sum(dim=0, dtype=grad_b.dtype))  # [V]
+
+
+def _finish(
+    grad_h: torch.Tensor | None,
+    grad_w: torch.Tensor | None,
+    grad_b: torch.Tensor | None,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+) -> tuple[torch.Tensor | None, ...]:
+    """Backward's return value: the buffers in their inputs' dtypes, ``None`` for the rest."""
+    grad_w = grad_w.to(weight.dtype) if grad_w is not None else None
+    grad_b = grad_b.to(bias.dtype) if grad_b is not None else None
+    return grad_h, grad_w, grad_b, None, None, None, None, None
+
+
+def token_stats(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    with_entropy: bool = False,
+    entropy_grad: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs and entropy of ``targets`` under ``softmax((hidden @ W^T + b) / temperature)``.
+
+    Args:
+        hidden: [..., H] final hidden states, already in the head's dtype.
+        weight: [V, H] LM head weight; bias: [V] or ``None``.
+        targets: [...] token ids.
+        temperature: the logits are divided by it.
+        chunk_size: token rows projected onto the vocabulary at once.
+        with_entropy: also return the entropy.
+        entropy_grad: let the entropy carry a gradient (otherwise it is detached).
+
+    Returns:
+        ``(logps, entropy)``, float32 with ``targets``' shape; ``entropy`` is ``None`` unless asked for.
+    """
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive number of token rows, got {chunk_size}.")
+    shape = targets.shape
+    flat_h = hidden.reshape(-1, hidden.shape[-1])  # [N, H]
+    logps, entropy = TokenStats.apply(
+        flat_h, weight, bias, targets.reshape(-1), temperature, chunk_size, with_entropy, entropy_grad
+    )
+    return logps.view(shape), (entropy.view(shape) if with_entropy else None)
+
+
+# ---- which models, and their hidden states --------------------------------------------------
+
+
+def causal_lm(model: nn.Module) -> nn.Module:
+    """The transformers model inside DDP / DeepSpeed / PEFT wrappers (the one with the LM head)."""
+    while True:
+        if hasattr(model, "get_base_model"):  # PeftModel
+            model = model.get_base_model()
+        elif not hasattr(model, "get_output_embeddings") and isinstance(
+            getattr(model, "module", None), nn.Module
+        ):
+            model = model.module  # DistributedDataParallel, DeepSpeedEngine, FSDP (v1)
+        else:
+            return model
+
+
+def _is_sharded(model: nn.Module, weight: torch.Tensor) -> bool:
+    """Whether the head's weight is partitioned (FSDP, DeepSpeed ZeRO-3): not whole outside forward."""
+    wrappers = []
+    while isinstance(getattr(model, "module", None), nn.Module):
+        wrappers.append(type(model).__name__)
+        model = model.module
+    dtensor = type(weight).__name__ == "DTensor" or type(weight.data).__name__ == "DTensor"
+    return (
+        dtensor or hasattr(weight, "ds_id") or weight.numel() == 0 or "FullyShardedDataParallel" in wrappers
+    )
+
+
+def _plain_linear_head(head: Any) -> bool:
+    """An ``nn.Linear`` itself (not LoRA, quantized or offloaded), with at most input pre-hooks."""
+    return (
+        type(head) is nn.Linear
+        and not hasattr(head, "_hf_hook")  # accelerate offloading / device maps replace forward
+        and not head._forward_hooks
+        and not head._forward_pre_hooks_with_kwargs
+    )
+
+
+def supports_chunked(model: nn.Module) -> bool:
+    """Whether the chunked path computes exactly what ``model(...).logits`` would.
+
+    True for a transformers causal LM (plain, inside DDP, or a ``PeftModel`` whose adapters do not
+    touch the LM head) whose logits are ``lm_head(decoder(x).last_hidden_state)``: the head is a
+    plain ``nn.Linear``, tied to the input embeddings or not, possibly cast to float32 by
+    ``cast_lm_head_to_fp32`` (its input pre-hooks are applied to the hidden states). Mixture-of-
+    Experts models qualify: their router loss comes from the same forward call.
+
+    False (the naive full-logits path is used) for: logits transformed after the head (Gemma's
+    ``final_logit_softcapping``, Cohere's ``logit_scale``, Granite's ``logits_scaling``); an LM head
+    that is wrapped (LoRA on ``lm_head``, ``modules_to_save``, quantized, offloaded) or has output
+    hooks; a sharded head weight (FSDP, DeepSpeed ZeRO-3); a model without ``get_decoder``. A
+    model that transforms its logits some other way is caught at its first call (module docstring).
+    """
+    lm = causal_lm(model)
+    config = getattr(lm, "config", None)
+    if config is None or not hasattr(lm, "get_output_embeddings") or not hasattr(lm, "get_decoder"):
+        return False
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if any(test(getattr(text_config, name, None)) for name, test in _LOGIT_TRANSFORMS.items()):
+        return False
+    head = lm.get_output_embeddings()
+    return _plain_linear_head(head) and not _is_sharded(model, head.weight)
+
+
+def head_input(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """``hidden`` as the LM head sees it: its input pre-hooks applied (the float32 cast), in its dtype."""
+    head = causal_lm(model).get_output_embeddings()
+    for hook in head._forward_pre_hooks.values():
+        result = hook(head, (hidden,))
+        if result is not None:
+            hidden = result[0] if isinstance(result, tuple) else result
+    return hidden.to(head.weight.dtype)
+
+
+def run_with_hidden(model: nn.Module, **inputs: Any) -> tuple[Any, torch.Tensor]:
+    """Call ``model(**inputs, logits_to_keep=1)`` and catch the decoder's final hidden states.
+
+    Returns:
+        The model's output (its ``logits`` cover the last position only) and the hidden
+        states [B, L, H] of every position.
+    """
+    captured: list[torch.Tensor] = []
+
+    def keep(module: nn.Module, args: Any, output: Any) -> None:
+        hidden = getattr(output, "last_hidden_state", None)
+        captured.append(hidden if hidden is not None else output[0])
+
+    handle = causal_lm(model).get_decoder().register_forward_hook(keep)
+    try:
+        out = model(**inputs, logits_to_keep=1)
+    finally:
+        handle.remove()
+    if not captured:
+        raise RuntimeError(f"{type(causal_lm(model)).__name__}.get_decoder() was not called in forward.")
+    return out, captured[-1]
+
+
+_VERIFIED: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
+
+
+def logits_match_head(model: nn.Module, out: Any, hidden: torch.Tensor) -> bool:
+    """Once per model: whether its own last-position logits equal ``lm_head(hidden)`` there.
+
+    Args:
+        model: the model called by ``run_with_hidden``.
+        out: its output; ``out.logits`` is [B, 1, V].
+        hidden: [B, L, H] the captured hidden states.
+
+    Returns:
+        The verdict, remembered for the model; a ``False`` also warns once.
+    """
+    lm = causal_lm(model)
+    if lm in _VERIFIED:
+        return _VERIFIED[lm]
+    head = lm.get_output_embeddings()
+    with torch.no_grad():
+        ours = nn.functional.linear(
+            head_input(model, hidden[:, -1]), head.weight, head.bias
+        ).float()  # [B, V]
+        theirs = out.logits[:, -1].float()  # [B, V]
+        tol = 8 * torch.finfo(head.weight.dtype).eps
+        ok = bool(torch.allclose(ours, theirs, rtol=tol, atol=tol * float(theirs.abs().max())))
+    _VERIFIED[lm] = ok
+    if not ok:
+        warnings.warn(
+            f"{type(lm).__name__} computes its logits differently from lm_head(hidden_states); its completion "
+            "log-probs are taken from full logits instead of the chunked path (more memory).",
+            stacklevel=3,
+        )
+    return ok

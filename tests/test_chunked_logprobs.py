@@ -1,0 +1,416 @@
+"""Chunked log-probs and entropy from hidden states (ops/chunked.py) against the full-logits path.
+
+The naive path (``chunk_size=None``) takes ``log_softmax`` over the model's own ``[B, T, V]``
+logits; the chunked path must give the same values and the same gradient for every parameter,
+while never saving a ``[B, T, V]``-sized tensor for backward.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from conftest import build_tiny_model, build_tiny_tokenizer
+
+from posttrain.models import reference as model_options
+from posttrain.ops import chunked
+from posttrain.ops.logprobs import completion_logps
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")
+
+B, P, T = 3, 6, 13  # B * T = 39 token rows: chunk sizes 5, 7 and 16 do not divide it
+TEMPERATURE = 0.7
+ENTROPY_COEF = 0.3
+EXACT = {"rtol": 1e-5, "atol": 1e-5}  # values, float32
+GRAD = {"rtol": 1e-5, "atol": 1e-6}  # gradients, float32
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tiny_tokenizer()
+
+
+def tiny(tok, tied: bool = False, seed: int = 0) -> torch.nn.Module:
+    """The conftest Llama, optionally with the LM head tied to the input embeddings."""
+    model = build_tiny_model(tok, seed=seed)
+    if tied:
+        model.config.tie_word_embeddings = True
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model
+
+
+def batch(vocab: int, b: int = B, p: int = P, t: int = T, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random ids; left padding in two prompts, right padding in two completions."""
+    g = torch.Generator().manual_seed(seed)
+    prompt_mask = torch.ones(b, p, dtype=torch.long)
+    prompt_mask[0, :3] = 0
+    prompt_mask[-1, :1] = 0
+    completion_mask = torch.ones(b, t, dtype=torch.long)
+    completion_mask[1, t // 2 :] = 0
+    completion_mask[-1, -2:] = 0
+    return {
+        "prompt_ids": torch.randint(0, vocab, (b, p), generator=g),
+        "prompt_mask": prompt_mask,
+        "completion_ids": torch.randint(0, vocab, (b, t), generator=g),
+        "completion_mask": completion_mask,
+    }
+
+
+def logps_of(model, inputs, chunk_size, **kwargs):
+    kwargs.setdefault("temperature", TEMPERATURE)
+    return completion_logps(model, **inputs, chunk_size=chunk_size, **kwargs)
+
+
+def loss_of(out, inputs) -> torch.Tensor:
+    """A weighted sum of log-probs plus an entropy term, masked like the GRPO loss."""
+    mask = inputs["completion_mask"].float()
+    weights = torch.linspace(-1.0, 2.0, mask.numel()).view(mask.shape)  # [B, T], mixed signs
+    loss = (out.logps * weights * mask).sum()
+    if out.entropy is not None and out.entropy.requires_grad:
+        loss = loss + ENTROPY_COEF * (out.entropy * mask).sum()
+    return loss
+
+
+def grads(model, inputs, chunk_size, **kwargs) -> dict[str, torch.Tensor]:
+    """Every trainable parameter's gradient of ``loss_of``."""
+    model.zero_grad(set_to_none=True)
+    loss_of(logps_of(model, inputs, chunk_size, **kwargs), inputs).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def assert_same_grads(got: dict, want: dict, **tol) -> None:
+    assert got.keys() == want.keys() and want
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], msg=lambda m, n=name: f"{n}: {m}", **(tol or GRAD))
+
+
+# ---- values ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("chunk_size", [1, 5, 16, 1024])
+def test_values_equal_the_full_logits_path(tok, tied, chunk_size):
+    model = tiny(tok, tied)
+    inputs = batch(len(tok))
+    assert chunked.supports_chunked(model)
+    with torch.no_grad():
+        want = logps_of(model, inputs, None, with_entropy=True)
+        got = logps_of(model, inputs, chunk_size, with_entropy=True)
+    torch.testing.assert_close(got.logps, want.logps, **EXACT)
+    torch.testing.assert_close(got.entropy, want.entropy, **EXACT)
+    assert got.logps.shape == (B, T) and got.logps.dtype == torch.float32
+
+
+def test_values_by_hand_from_the_logits(tok):
+    """log p = log_softmax(lm_head(h) / temperature)[target], H = -sum p log p, from explicit logits."""
+    model = tiny(tok)
+    inputs = batch(len(tok))
+    with torch.no_grad():
+        ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+        mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+        positions = (mask.cumsum(1) - 1).clamp(min=0)
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits[:, P - 1 : -1]
+        logp = torch.log_softmax(logits / TEMPERATURE, dim=-1)  # [B, T, V]
+        want = logp.gather(-1, inputs["completion_ids"].unsqueeze(-1)).squeeze(-1)
+        got = logps_of(model, inputs, 7, with_entropy=True)
+    torch.testing.assert_close(got.logps, want, **EXACT)
+    torch.testing.assert_close(got.entropy, -(logp.exp() * logp).sum(-1), **EXACT)
+
+
+def test_entropy_only_when_asked(tok):
+    model = tiny(tok)
+    inputs = batch(len(tok))
+    assert logps_of(model, inputs, 8).entropy is None
+    out = logps_of(model, inputs, 8, with_entropy=True)
+    assert out.logps.requires_grad and not out.entropy.requires_grad
+    assert logps_of(model, inputs, 8, with_entropy=True, entropy_grad=True).entropy.requires_grad
+
+
+# ---- gradients ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("entropy_grad", [False, True])
+def test_gradients_equal_the_full_logits_path(tok, tied, entropy_grad):
+    model = tiny(tok, tied)
+    inputs = batch(len(tok))
+    kwargs = {"with_entropy": True, "entropy_grad": entropy_grad}
+    want = grads(model, inputs, None, **kwargs)
+    got = grads(model, inputs, 5, **kwargs)
+    assert_same_grads(got, want)
+    if tied:  # one parameter gets both the embedding's and the head's share
+        assert "lm_head.weight" not in got and "model.embed_tokens.weight" in got
+
+
+def test_the_entropy_term_changes_the_gradient(tok):
+    """Guards the test above: with entropy_grad the entropy's gradient is really there."""
+    model = tiny(tok)
+    inputs = batch(len(tok))
+    without = grads(model, inputs, 5, with_entropy=True)
+    with_ent = grads(model, inputs, 5, with_entropy=True, entropy_grad=True)
+    assert (without["lm_head.weight"] - with_ent["lm_head.weight"]).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_kernel_gradcheck_with_bias(with_entropy):
+    """Float64 finite differences of the autograd Function itself, bias included, both outputs."""
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(7, 4, dtype=torch.float64, generator=g, requires_grad=True)
+    weight = torch.randn(11, 4, dtype=torch.float64, generator=g, requires_grad=True)
+    bias = torch.randn(11, dtype=torch.float64, generator=g, requires_grad=True)
+    targets = torch.randint(0, 11, (7,), generator=g)
+
+    def f(h, w, b):
+        return chunked.TokenStats.apply(h, w, b, targets, 1.3, 3, with_entropy, with_entropy)
+
+    assert torch.autograd.gradcheck(f, (hidden, weight, bias))
+
+
+def test_kernel_with_bias_equals_log_softmax():
+    g = torch.Generator().manual_seed(1)
+    hidden, weight, bias = torch.randn(2, 5, 4, generator=g), torch.randn(9, 4, generator=g), torch.randn(9)
+    targets = torch.randint(0, 9, (2, 5), generator=g)
+    logps, entropy = chunked.token_stats(hidden, weight, bias, targets, 0.5, 3, with_entropy=True)
+    logp = torch.log_softmax((hidden @ weight.T + bias) / 0.5, dim=-1)  # [2, 5, 9]
+    torch.testing.assert_close(logps, logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1), **EXACT)
+    torch.testing.assert_close(entropy, -(logp.exp() * logp).sum(-1), **EXACT)
+
+
+def test_bad_chunk_size_is_refused():
+    with pytest.raises(ValueError, match="chunk_size"):
+        chunked.token_stats(
+            torch.zeros(2, 3), torch.zeros(4, 3), None, torch.zeros(2, dtype=torch.long), 1.0, 0
+        )
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_gradient_checkpointing(tok, reentrant):
+    plain, ckpt = tiny(tok), tiny(tok)
+    ckpt.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
+    ckpt.enable_input_require_grads()
+    ckpt.train()
+    inputs = batch(len(tok))
+    kwargs = {"with_entropy": True, "entropy_grad": True}
+    assert_same_grads(grads(ckpt, inputs, 5, **kwargs), grads(plain, inputs, None, **kwargs))
+
+
+def test_float32_head_on_a_bfloat16_model(tok):
+    """cast_lm_head_to_fp32: bf16 hidden states, float32 head; both paths project in float32."""
+    model = tiny(tok).to(torch.bfloat16)
+    model_options.cast_lm_head_to_fp32(model)
+    assert model.lm_head.weight.dtype == torch.float32 and chunked.supports_chunked(model)
+    inputs = batch(len(tok))
+    kwargs = {"with_entropy": True, "entropy_grad": True}
+    with torch.no_grad():
+        want, got = logps_of(model, inputs, None, **kwargs), logps_of(model, inputs, 5, **kwargs)
+    torch.testing.assert_close(got.logps, want.logps, **EXACT)
+    torch.testing.assert_close(got.entropy, want.entropy, **EXACT)
+    got_g, want_g = grads(model, inputs, 5, **kwargs), grads(model, inputs, None, **kwargs)
+    torch.testing.assert_close(got_g["lm_head.weight"], want_g["lm_head.weight"], **GRAD)
+    assert got_g["lm_head.weight"].dtype == torch.float32
+    assert_same_grads(got_g, want_g, rtol=1e-2, atol=1e-3)  # at most the bf16 backbone's rounding
+
+
+# ---- memory: nothing of [B, T, V] size is kept for backward -------------------------------------
+
+
+def saved_for_backward(model, inputs, chunk_size) -> list[torch.Tensor]:
+    """Every tensor autograd saves for backward during the forward pass of the loss."""
+    saved: list[torch.Tensor] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss_of(logps_of(model, inputs, chunk_size, with_entropy=True, entropy_grad=True), inputs)
+    return saved
+
+
+def test_no_vocabulary_sized_tensor_is_saved(tok):
+    """Nothing vocabulary-wide is kept for backward but the head weight itself (a parameter)."""
+    model = tiny(tok)
+    b, t, vocab = 4, 16, len(tok)
+    inputs = batch(vocab, b=b, t=t)
+    logits_numel = b * t * vocab  # [B, T, V]
+
+    def vocab_wide(saved):  # tensors with a V-sized dimension, the head weight left out
+        weight = model.lm_head.weight
+        return [x for x in saved if vocab in x.shape and x.data_ptr() != weight.data_ptr()]
+
+    naive = vocab_wide(saved_for_backward(model, inputs, None))
+    assert sum(x.numel() for x in naive) >= logits_numel  # the check does see the naive path's logits
+    saved = saved_for_backward(model, inputs, 16)
+    assert vocab_wide(saved) == []
+    assert max(x.numel() for x in saved) < logits_numel
+
+
+# ---- which models go where -------------------------------------------------------------------
+
+
+def test_softcapping_goes_to_the_naive_path(tok):
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Gemma2Config(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        final_logit_softcapping=0.5,  # small so it changes the log-probs a lot
+        pad_token_id=None,
+        bos_token_id=None,
+        eos_token_id=tok.eos_token_id,
+    )
+    model = Gemma2ForCausalLM(config)
+    assert not chunked.supports_chunked(model)
+    inputs = batch(len(tok))
+    with torch.no_grad():
+        want, got = logps_of(model, inputs, None), logps_of(model, inputs, 5)
+    torch.testing.assert_close(got.logps, want.logps, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("field,value", [("logit_scale", 0.25), ("logits_scaling", 4.0)])
+def test_known_logit_scalings_are_refused(tok, field, value):
+    model = tiny(tok)
+    setattr(model.config, field, value)
+    assert not chunked.supports_chunked(model)
+
+
+class ScaledLlama:
+    """A Llama whose forward rescales its logits, unknown to supports_chunked."""
+
+    @staticmethod
+    def build(tok):
+        from transformers import LlamaForCausalLM
+
+        class Scaled(LlamaForCausalLM):
+            def forward(self, *args, **kwargs):
+                out = super().forward(*args, **kwargs)
+                out.logits = out.logits * 3.0
+                return out
+
+        base = tiny(tok)
+        model = Scaled(base.config)
+        model.load_state_dict(base.state_dict())
+        return model
+
+
+def test_an_unknown_logit_transform_is_caught_at_the_first_call(tok):
+    model = ScaledLlama.build(tok)
+    assert chunked.supports_chunked(model)  # the config says nothing
+    inputs = batch(len(tok))
+    with pytest.warns(UserWarning, match="computes its logits differently"):
+        first = logps_of(model, inputs, 5, with_entropy=True)
+    want = logps_of(model, inputs, None, with_entropy=True)
+    torch.testing.assert_close(first.logps, want.logps, rtol=0, atol=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once: the verdict is remembered
+        again = logps_of(model, inputs, 5)
+    torch.testing.assert_close(again.logps, want.logps, rtol=0, atol=0)
+
+
+def test_a_plain_model_passes_the_first_call_check_silently(tok):
+    model = tiny(tok)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        logps_of(model, batch(len(tok)), 5)
+    assert chunked._VERIFIED[model] is True
+
+
+# ---- PEFT, DDP, Mixture of Experts -----------------------------------------------------------
+
+
+def test_lora_on_the_lm_head_goes_to_the_naive_path(tok):
+    peft = pytest.importorskip("peft")
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["lm_head"], task_type="CAUSAL_LM")
+    model = peft.get_peft_model(tiny(tok), cfg)
+    assert not chunked.supports_chunked(model)
+    cfg = peft.LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"], task_type="CAUSAL_LM")
+    assert not chunked.supports_chunked(peft.get_peft_model(tiny(tok), cfg))
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_lora_on_attention_goes_through_the_chunked_path(tok, checkpointing, monkeypatch):
+    peft = pytest.importorskip("peft")
+    base = tiny(tok)
+    nn_init = torch.Generator().manual_seed(3)
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    model = peft.get_peft_model(base, cfg)
+    for name, param in model.named_parameters():  # lora_B starts at zero: give it a gradient path
+        if "lora_B" in name:
+            param.data = torch.randn(param.shape, generator=nn_init) * 0.1
+    if checkpointing:
+        base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True})
+        model.enable_input_require_grads()
+        model.train()
+    assert chunked.supports_chunked(model)
+    calls = []
+    real = chunked.TokenStats.apply
+    monkeypatch.setattr(chunked.TokenStats, "apply", lambda *a: calls.append(1) or real(*a))
+    inputs = batch(len(tok))
+    kwargs = {"with_entropy": True, "entropy_grad": True}
+    got = grads(model, inputs, 5, **kwargs)
+    assert calls
+    want = grads(model, inputs, None, **kwargs)
+    assert all("lora_" in n for n in got)
+    assert_same_grads(got, want)
+    with torch.no_grad(), model.disable_adapter():  # the PEFT reference: the base model
+        torch.testing.assert_close(
+            logps_of(model, inputs, 5).logps, logps_of(tiny(tok), inputs, None).logps, **EXACT
+        )
+
+
+def test_ddp_wrapped_model(tok, tmp_path):
+    """Through DistributedDataParallel (one gloo process): chunked, same gradients."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        plain = tiny(tok)
+        ddp = torch.nn.parallel.DistributedDataParallel(tiny(tok))
+        assert chunked.supports_chunked(ddp) and chunked.causal_lm(ddp) is ddp.module
+        inputs = batch(len(tok))
+        kwargs = {"with_entropy": True, "entropy_grad": True}
+        got = grads(ddp, inputs, 5, **kwargs)
+        want = grads(plain, inputs, None, **kwargs)
+        assert_same_grads({n.removeprefix("module."): g for n, g in got.items()}, want)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_mixture_of_experts_keeps_its_router_loss(tok):
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    config = MixtralConfig(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        output_router_logits=True,
+        router_aux_loss_coef=0.01,
+        pad_token_id=None,
+        bos_token_id=None,
+        eos_token_id=tok.eos_token_id,
+    )
+    model = MixtralForCausalLM(config)
+    assert chunked.supports_chunked(model)
+    inputs = batch(len(tok))
+    want = logps_of(model, inputs, None, with_entropy=True)
+    got = logps_of(model, inputs, 5, with_entropy=True)
+    assert got.aux_loss is not None and got.aux_loss.requires_grad
+    torch.testing.assert_close(got.aux_loss, want.aux_loss, **EXACT)
+    torch.testing.assert_close(got.logps, want.logps, **EXACT)
+    torch.testing.assert_close(got.entropy, want.entropy, **EXACT)
