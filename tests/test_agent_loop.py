@@ -22,6 +22,20 @@ def long_context_model(tok):
     return model
 
 
+def agent_trainer(tmp_path, tok, reward, dataset, **kwargs):
+    """A trainer on the long-context tiny model: 2 prompts x 2 completions, 120 tokens."""
+    config = {
+        "per_device_train_batch_size": 4,
+        "num_generations": 2,
+        "max_steps": 1,
+        "max_completion_length": 120,
+    }
+    config.update(kwargs.pop("config", {}))
+    return make_trainer(
+        tok, reward, make_config(tmp_path, **config), dataset=dataset, model=long_context_model(tok), **kwargs
+    )
+
+
 def qwen_tokenizer():
     tok = build_tiny_tokenizer()
     tok.chat_template = QWEN25
@@ -220,16 +234,7 @@ def test_tools_without_environment(tmp_path):
         return [float(m[-1]["content"] == "6") for m in completions]
 
     dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"task {k}"}] for k in range(2)]})
-    trainer = make_trainer(
-        tok,
-        reward,
-        make_config(
-            tmp_path, per_device_train_batch_size=4, num_generations=2, max_steps=1, max_completion_length=120
-        ),
-        dataset=dataset,
-        model=long_context_model(tok),
-        tools=[multiply],
-    )
+    trainer = agent_trainer(tmp_path, tok, reward, dataset, tools=[multiply])
     trainer.generator = TurnScriptedGenerator(tok, {"task": [call("multiply", '{"a": 2, "b": 3}'), "6"]})
     rollout, rewards = trainer._sample([dict(r) for r in dataset] * 2, "train")
     assert calls == [(2, 3)] * 4
@@ -256,15 +261,8 @@ def test_multi_environment_routing(tmp_path):
             "environment": ["inc", "dbl"],
         }
     )
-    trainer = make_trainer(
-        tok,
-        None,
-        make_config(
-            tmp_path, per_device_train_batch_size=4, num_generations=2, max_steps=1, max_completion_length=120
-        ),
-        dataset=dataset,
-        model=long_context_model(tok),
-        environment_factory={"inc": IncrementEnv, "dbl": DoubleEnv},
+    trainer = agent_trainer(
+        tmp_path, tok, None, dataset, environment_factory={"inc": IncrementEnv, "dbl": DoubleEnv}
     )
     trainer.generator = TurnScriptedGenerator(
         tok, {"task 0": [call("increment", '{"step": 1}'), "ok"], "task 1": [call("double", "{}"), "ok"]}
@@ -288,14 +286,14 @@ def test_environment_owns_the_data(tmp_path):
             self.counter, self.target = 0, 3
             return "task 9: increment the counter to 3."
 
-    trainer = GRPOTrainer_from_env(tmp_path, tok, SelfSampling)
+    trainer = trainer_without_dataset(tmp_path, tok, SelfSampling)
     trainer.generator = TurnScriptedGenerator(tok, {"task 9": [call("increment", '{"step": 3}'), "ok"]})
     trainer.train()
     logs = next(e for e in trainer.state.log_history if "rewards/SelfSampling/mean" in e)
     assert logs["rewards/SelfSampling/mean"] == 1.0
 
 
-def GRPOTrainer_from_env(tmp_path, tok, env):
+def trainer_without_dataset(tmp_path, tok, env):
     from posttrain import GRPOTrainer
 
     return GRPOTrainer(
@@ -429,19 +427,13 @@ class FlakyEnv(IncrementEnv):
 @pytest.mark.parametrize("policy", ["raise", "skip"])
 def test_failing_get_reward_follows_the_fault_policy(tmp_path, policy):
     tok = qwen_tokenizer()
-    trainer = make_trainer(
+    trainer = agent_trainer(
+        tmp_path,
         tok,
         None,
-        make_config(
-            tmp_path,
-            per_device_train_batch_size=4,
-            num_generations=2,
-            max_completion_length=200,
-            reward_fault_policy=policy,
-        ),
-        dataset=task_dataset(),
-        model=long_context_model(tok),
+        task_dataset(),
         environment_factory=FlakyEnv,
+        config={"max_completion_length": 200, "reward_fault_policy": policy},
     )
     trainer.generator = TurnScriptedGenerator(tok, SCRIPTS)
     rows = [dict(r) for r in task_dataset()]
