@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from posttrain.ops import chunked
+from posttrain.ops import chunked, shared_prefix
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -73,6 +73,7 @@ def completion_logps(
     with_entropy: bool = False,
     entropy_grad: bool = False,
     chunk_size: int | None = chunked.DEFAULT_CHUNK_SIZE,
+    share_prompts: bool = True,
 ) -> PolicyOutput:
     """Log-probs (and optionally entropy) of each completion token under ``model``.
 
@@ -85,6 +86,8 @@ def completion_logps(
         entropy_grad: let the entropy carry a gradient (entropy regularisation).
         chunk_size: token rows projected onto the vocabulary at once by the chunked path;
             ``None`` forces the naive full-logits path.
+        share_prompts: on the chunked path, run each distinct prompt through the model once for
+            all the rows that share it (``ops/shared_prefix.py``), where the model supports it.
 
     Returns:
         A ``PolicyOutput``.
@@ -98,33 +101,39 @@ def completion_logps(
         "use_cache": False,
     }
     if chunk_size is not None and chunked.supports_chunked(model):
-        out = _chunked_output(
-            model, inputs, completion_ids, temperature, with_entropy, entropy_grad, chunk_size
-        )
-        if out is not None:
-            return out
+        groups = None
+        if share_prompts and shared_prefix.supported(model):
+            groups = shared_prefix.prompt_groups(prompt_ids, prompt_mask)
+        if groups is not None:
+            out, hidden, predicting = shared_prefix.hidden_states(
+                model, groups, completion_ids, completion_mask
+            )
+        else:
+            out, hidden = chunked.run_with_hidden(model, **inputs)  # [B, P + T, H]
+            predicting = hidden[:, -(completion_ids.shape[1] + 1) : -1]  # position t predicts token t
+        if chunked.logits_match_head(model, out, hidden):  # checked once per model
+            return _stats_output(
+                model, out, predicting, completion_ids, temperature, with_entropy, entropy_grad, chunk_size
+            )
     return _naive_output(model, inputs, completion_ids, temperature, with_entropy, entropy_grad)
 
 
-def _chunked_output(
+def _stats_output(
     model: torch.nn.Module,
-    inputs: dict[str, torch.Tensor | bool],
+    out: object,
+    hidden: torch.Tensor,
     completion_ids: torch.Tensor,
     temperature: float,
     with_entropy: bool,
     entropy_grad: bool,
     chunk_size: int,
-) -> PolicyOutput | None:
-    """The chunked path; ``None`` when the model turns out to transform its logits (checked once)."""
-    T = completion_ids.shape[1]
-    out, hidden = chunked.run_with_hidden(model, **inputs)  # hidden: [B, P + T, H]
-    if not chunked.logits_match_head(model, out, hidden):
-        return None
+) -> PolicyOutput:
+    """Log-probs and entropy from the hidden states [B, T, H] that predict the completion tokens."""
     head = chunked.causal_lm(model).get_output_embeddings()
-    hidden = chunked.head_input(model, hidden[:, -(T + 1) : -1])  # [B, T, H]: position t predicts token t
     logps, entropy = chunked.token_stats(
-        hidden, head.weight, head.bias, completion_ids, temperature, chunk_size, with_entropy, entropy_grad
-    )
+        chunked.head_input(model, hidden), head.weight, head.bias, completion_ids, temperature,
+        chunk_size, with_entropy, entropy_grad,
+    )  # fmt: skip
     return PolicyOutput(logps=logps, entropy=entropy, aux_loss=getattr(out, "aux_loss", None))
 
 
