@@ -1,0 +1,161 @@
+"""Where a posttrain step on the anchor config goes: wall time per phase, per step.
+
+Usage::
+
+    benchmarks/.venv/bin/python benchmarks/profile_step.py --steps 4 [--completion_length 64]
+        [--gradient_checkpointing 1] [--bf16 0] [--share_prompts 1]
+
+Wraps the trainer's phases with timers (generation, rewards and advantages, loss forward,
+backward, optimizer step) and prints, per phase, the median over the steps after the first
+(warm-up), the peak RSS, and the largest anonymous and file-backed resident memory seen in each
+phase (sampled every 5 ms). Same config as ``grpo_step.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import resource
+import statistics
+import tempfile
+import threading
+import time
+from typing import Any
+
+CURRENT = {"phase": "setup"}
+
+
+def timed(store: dict[str, float], name: str, fn: Any) -> Any:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        start, outer = time.perf_counter(), CURRENT["phase"]
+        CURRENT["phase"] = name
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            store[name] += time.perf_counter() - start
+            CURRENT["phase"] = outer
+
+    return wrapper
+
+
+def resident() -> dict[str, int]:
+    """RssAnon and RssFile of this process, in MB (Linux)."""
+    values = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(("RssAnon", "RssFile")):
+                key, amount = line.split(":")
+                values[key] = int(amount.split()[0]) // 1024
+    return values
+
+
+def sample_memory(peaks: dict[str, dict[str, int]], stop: threading.Event) -> None:
+    """Every 5 ms: the largest anonymous RSS seen in each phase (and the file-backed RSS then)."""
+    while not stop.wait(0.005):
+        now, phase = resident(), f"{CURRENT['phase']} (step {CURRENT.get('step', '-')})"
+        if now.get("RssAnon", 0) > peaks.get(phase, {}).get("RssAnon", -1):
+            peaks[phase] = now
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--completion_length", type=int, default=64)
+    parser.add_argument("--gradient_checkpointing", type=int, default=1)
+    parser.add_argument("--bf16", type=int, default=0)
+    parser.add_argument("--share_prompts", type=int, default=1)
+    opts = parser.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+    from datasets import Dataset
+    from grpo_step import digit_reward, length_reward
+    from transformers import TrainerCallback
+
+    from posttrain import GRPOConfig, GRPOTrainer
+    from posttrain.models.embedded import resolve_embedded
+    from posttrain.ops import logprobs
+
+    if not opts.share_prompts:
+        original = logprobs.completion_logps
+        logprobs_fn = lambda *a, **k: original(*a, **{**k, "share_prompts": False})  # noqa: E731
+        import posttrain.grpo.trainer as trainer_module
+
+        trainer_module.completion_logps = logprobs_fn
+
+    question = "What is 17 + 25? Think briefly, then give the answer inside <answer></answer>."
+    dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": question}]] * 64})
+    phases: dict[str, float] = collections.defaultdict(float)
+    per_step: list[dict[str, float]] = []
+
+    class Clock(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            CURRENT["step"] = state.global_step
+            phases.clear()
+            phases["_start"] = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            total = time.perf_counter() - phases.pop("_start")
+            row = dict(phases)
+            row["other"] = total - sum(row.values())
+            row["step"] = total
+            per_step.append(row)
+
+    n = opts.completion_length
+    with tempfile.TemporaryDirectory() as out:
+        args = GRPOConfig(
+            output_dir=out,
+            per_device_train_batch_size=8,
+            num_generations=8,
+            max_completion_length=n,
+            generation_kwargs={"min_new_tokens": n},
+            max_steps=opts.steps,
+            learning_rate=1e-6,
+            bf16=bool(opts.bf16),
+            use_cpu=True,
+            gradient_checkpointing=bool(opts.gradient_checkpointing),
+            logging_steps=1,
+            save_strategy="no",
+            report_to="none",
+            disable_tqdm=True,
+            seed=0,
+        )
+        trainer = GRPOTrainer(
+            model=opts.model or resolve_embedded("smollm2-135m-instruct"),
+            reward_funcs=[length_reward, digit_reward],
+            args=args,
+            train_dataset=dataset,
+            callbacks=[Clock()],
+        )
+        trainer.generator.generate = timed(phases, "generation", trainer.generator.generate)
+        trainer.rewards.score = timed(phases, "rewards", trainer.rewards.score)
+        trainer.compute_loss = timed(phases, "loss forward", trainer.compute_loss)
+        trainer.accelerator.backward = timed(phases, "backward", trainer.accelerator.backward)
+        trainer.accelerator.clip_grad_norm_ = timed(phases, "clip", trainer.accelerator.clip_grad_norm_)
+        trainer._prepare_inputs = timed(phases, "prepare inputs", trainer._prepare_inputs)
+        create = trainer.create_optimizer
+
+        def create_and_time(*a: Any, **k: Any) -> Any:
+            optimizer = create(*a, **k)
+            optimizer.step = timed(phases, "optimizer", optimizer.step)
+            return optimizer
+
+        trainer.create_optimizer = create_and_time
+        peaks: dict[str, dict[str, int]] = {}
+        stop = threading.Event()
+        sampler = threading.Thread(target=sample_memory, args=(peaks, stop), daemon=True)
+        sampler.start()
+        CURRENT["phase"] = "other"
+        trainer.train()
+        stop.set()
+    measured = per_step[1:] or per_step
+    names = [k for k in measured[0] if k != "step"] + ["step"]
+    summary = {k: statistics.median(r.get(k, 0.0) for r in measured) for k in names}
+    summary["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps({"options": vars(opts), "median_s": summary, "peak_rss_by_phase_mb": peaks}))
+
+
+if __name__ == "__main__":
+    main()
