@@ -9,7 +9,9 @@ on all of them alike (medians, ratios to the first variant):
 - ``--rounds N``: whole ``generate`` calls: 8 completions of exactly 64 tokens
   (``min_new_tokens=64``) of one prompt, seeded, for each of ``--variants``; the sampled tokens
   are compared with the first variant's, and the largest absolute logit difference along the
-  sampled sequences is printed.
+  sampled sequences is printed. The ``lean`` variants sample with another random stream than
+  ``generate``, so their tokens differ from ``plain``'s (``tests/test_lean_decode.py`` checks
+  their exactness with top-k 1).
 - ``--microbench``: the LM head product alone, ``F.linear`` against oneDNN prepacked.
 
 SmolLM2-135M-Instruct in float32 on the CPU. ``--threads 1`` (the default) makes the process
@@ -79,10 +81,15 @@ SUBSETS: dict[str, Callable[[str], bool] | None] = {
 # ---- whole-generate variants -------------------------------------------------------------------------
 
 
-def _generator(share_prefix: bool, prepack: bool) -> Variant:
+def _generator(share_prefix: bool, prepack: bool, lean: bool = False) -> Variant:
     def run(model, config, ids, mask):
-        gen = TransformersGenerator(lambda: model, config, share_prefix=share_prefix, prepack_weights=prepack)
-        return gen.generate(ids, mask).completion_ids
+        gen = TransformersGenerator(
+            lambda: model, config, share_prefix=share_prefix, prepack_weights=prepack, lean=lean
+        )
+        out = gen.generate(ids, mask).completion_ids
+        expected = ("lean+shared_prefix" if share_prefix else "lean") if lean else None
+        assert expected is None or gen.last_path == expected, (gen.last_path, gen.last_lean_blocker)
+        return out
 
     return run
 
@@ -127,7 +134,9 @@ VARIANTS: dict[str, Variant] = {
     "plain": _generator(False, False),
     "shared_prefix": _generator(True, False),
     "prepacked": _generator(False, True),
-    "shared_prefix+prepacked": _generator(True, True),  # TransformersGenerator's defaults
+    "shared_prefix+prepacked": _generator(True, True),  # generate with both speed-ups
+    "lean": _generator(True, True, lean=True),  # TransformersGenerator's defaults: decode.lean_generate
+    "lean_plain": _generator(False, False, lean=True),  # the lean loop alone
     **{name: _subset(name) for name in SUBSETS},
     "inference_mode": _inference_mode,
     "static_cache": _static_cache,

@@ -67,9 +67,12 @@ def config(tok, **overrides) -> GenerationConfig:
 
 
 def sample(
-    model, cfg, rows, share_prefix: bool, seed: int = 0, prepack: bool = False
+    model, cfg, rows, share_prefix: bool, seed: int = 0, prepack: bool = False, lean: bool = False
 ) -> tuple[torch.Tensor, TransformersGenerator]:
-    gen = TransformersGenerator(lambda: model, cfg, share_prefix=share_prefix, prepack_weights=prepack)
+    """Sample through the generator; ``generate``'s paths unless ``lean`` (tests/test_lean_decode.py)."""
+    gen = TransformersGenerator(
+        lambda: model, cfg, share_prefix=share_prefix, prepack_weights=prepack, lean=lean
+    )
     ids, mask = left_pad(rows)
     torch.manual_seed(seed)
     return gen.generate(ids, mask).completion_ids, gen
@@ -356,7 +359,8 @@ def test_trainer_generates_through_the_fast_paths(tok, tmp_path, pack_calls):
     args = make_config(tmp_path, max_steps=1, gradient_checkpointing=True, max_completion_length=LONG)
     trainer = make_trainer(tok, length_reward, args)
     trainer.train()
-    assert trainer.generator.last_path == "shared_prefix", trainer.generator.last_blocker
+    gen = trainer.generator
+    assert gen.last_path == "lean+shared_prefix", (gen.last_blocker, gen.last_lean_blocker)
     assert len(pack_calls) == 1  # one generation, packed (a no-op where oneDNN is missing)
     assert all("forward" not in m.__dict__ for m in trainer.model.modules() if type(m) is torch.nn.Linear)
     assert trainer.model.training

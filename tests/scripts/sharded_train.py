@@ -124,6 +124,9 @@ def main() -> None:
     trainer = GRPOTrainer(
         model=model, reward_funcs=reward, args=args, train_dataset=standard_dataset(), processing_class=tok
     )
+    # Every mode samples with generate: the lean loop is not used for ZeRO-3 or FSDP across
+    # processes (it falls back to generate), and the DDP reference must draw the same samples.
+    trainer.generator.lean = False
     full_at_generation: list[bool] = []
     spy_on_generation(trainer, full_at_generation)
     trainer.train()

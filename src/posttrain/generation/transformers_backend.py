@@ -55,7 +55,7 @@ def sampling_config(
         "use_cache": True,
         "temperature": temperature,
         "top_p": top_p,
-        "top_k": top_k if top_k > 0 else None,
+        "top_k": top_k,  # 0 disables top-k filtering (None would let generate fill in its default, 50)
         "min_p": min_p,
         "repetition_penalty": repetition_penalty,
         "cache_implementation": cache_implementation,
@@ -300,6 +300,8 @@ class TransformersGenerator:
         prepack_weights: on the CPU, multiply float32 linear layers with oneDNN-prepacked
             weights while generating (``onednn_prepacked_linears``), for calls of at least
             ``PREPACK_MIN_NEW_TOKENS`` new tokens.
+        lean: sample with ``decode.lean_generate`` instead of ``generate`` when
+            ``decode.lean_settings`` accepts the model and configuration.
     """
 
     def __init__(
@@ -309,14 +311,19 @@ class TransformersGenerator:
         share_prefix: bool = True,
         full_parameters: Callable[[torch.nn.Module], contextlib.AbstractContextManager] | None = None,
         prepack_weights: bool = True,
+        lean: bool = True,
     ) -> None:
         self.get_model = get_model
         self.config = config
         self.share_prefix = share_prefix
         self.full_parameters = full_parameters or (lambda model: contextlib.nullcontext())
         self.prepack_weights = prepack_weights
-        self.last_path = "plain"  # "plain" or "shared_prefix": what the latest call used
-        self.last_blocker: str | None = None  # why the latest call took the plain path
+        self.lean = lean
+        # What the latest call used: "plain" or "shared_prefix" (generate), "lean" or
+        # "lean+shared_prefix" (decode.lean_generate).
+        self.last_path = "plain"
+        self.last_blocker: str | None = None  # why the latest call did not prefill the shared prefix
+        self.last_lean_blocker: str | None = None  # why the latest call ran generate
 
     @torch.no_grad()
     def generate(
@@ -360,13 +367,16 @@ class TransformersGenerator:
         prompt_mask: torch.Tensor,
         config: GenerationConfig,
     ) -> torch.Tensor:
-        """``model.generate`` on the batch, from a shared-prefix cache when that applies.
+        """``model.generate`` or the lean loop on the batch, from a shared-prefix cache when that applies.
 
         The shared prefill runs before the weights are packed: prepacking pays for decode steps
         (a few rows per product) and costs about 10 % on a prefill's many-row products.
         """
+        from posttrain.generation.decode import lean_generate, lean_settings  # decode imports this module
+
         kwargs: dict[str, Any] = {}
         self.last_path, self.last_blocker = "plain", "share_prefix=False"
+        settings, self.last_lean_blocker = lean_settings(model, config) if self.lean else (None, "lean=False")
         if self.share_prefix:
             groups = group_prompts(prompt_ids, prompt_mask)
             self.last_blocker = shared_prefix_blocker(model, config, groups)
@@ -375,6 +385,10 @@ class TransformersGenerator:
                 kwargs[cache_argument(model)] = prefill_shared_prefix(model, groups)
                 config = _without_cache_implementation(config)
         with self._packed(model, prompt_ids.shape[0], config):
+            if settings is not None:
+                self.last_path = "lean+shared_prefix" if kwargs else "lean"
+                prefix = next(iter(kwargs.values()), None)
+                return lean_generate(model, prompt_ids, prompt_mask, settings, prefix_cache=prefix)
             return model.generate(
                 input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config, **kwargs
             )
