@@ -414,3 +414,35 @@ def test_mixture_of_experts_keeps_its_router_loss(tok):
     torch.testing.assert_close(got.aux_loss, want.aux_loss, **EXACT)
     torch.testing.assert_close(got.logps, want.logps, **EXACT)
     torch.testing.assert_close(got.entropy, want.entropy, **EXACT)
+
+
+@pytest.mark.parametrize("share_prompts", [False, True])
+def test_tied_embedding_gets_a_sparse_gradient_summed_into_a_dense_one(tok, monkeypatch, share_prompts):
+    """The embedding's sparse gradient adds into the head's dense one: same ``.grad``, still dense."""
+    import contextlib
+
+    from posttrain.ops import logprobs
+
+    model = tiny(tok, tied=True)
+    inputs = batch(len(tok))
+    if share_prompts:  # rows 0 and 1 share a prompt
+        inputs["prompt_ids"][1], inputs["prompt_mask"][1] = inputs["prompt_ids"][0], inputs["prompt_mask"][0]
+    seen = []
+    embed = model.get_input_embeddings()
+    handle = embed.register_forward_pre_hook(lambda m, args: seen.append(m.sparse))
+    sparse = grads(model, inputs, chunk_size=16, share_prompts=share_prompts)
+    handle.remove()
+    assert seen and all(seen) and embed.sparse is False  # sparse while scoring, restored after
+    assert not embed.weight.grad.is_sparse
+    monkeypatch.setattr(logprobs, "sparse_tied_embedding_grad", lambda model: contextlib.nullcontext())
+    dense = grads(model, inputs, chunk_size=16, share_prompts=share_prompts)
+    for name in dense:
+        torch.testing.assert_close(sparse[name], dense[name], **GRAD, msg=name)
+
+
+def test_untied_embedding_keeps_a_dense_gradient(tok):
+    model = tiny(tok, tied=False)
+    seen = []
+    model.get_input_embeddings().register_forward_pre_hook(lambda m, args: seen.append(m.sparse))
+    grads(model, batch(len(tok)), chunk_size=16)
+    assert seen == [False] and not model.get_input_embeddings().weight.grad.is_sparse

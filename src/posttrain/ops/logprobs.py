@@ -13,6 +13,8 @@ The model is run on ``[prompt | completion]``; log-probs are taken of
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -104,18 +106,54 @@ def completion_logps(
         groups = None
         if share_prompts and shared_prefix.supported(model):
             groups = shared_prefix.prompt_groups(prompt_ids, prompt_mask)
-        if groups is not None:
-            out, hidden, predicting = shared_prefix.hidden_states(
-                model, groups, completion_ids, completion_mask
-            )
-        else:
-            out, hidden = chunked.run_with_hidden(model, **inputs)  # [B, P + T, H]
-            predicting = hidden[:, -(completion_ids.shape[1] + 1) : -1]  # position t predicts token t
+        with sparse_tied_embedding_grad(model):
+            if groups is not None:
+                out, hidden, predicting = shared_prefix.hidden_states(
+                    model, groups, completion_ids, completion_mask
+                )
+            else:
+                out, hidden = chunked.run_with_hidden(model, **inputs)  # [B, P + T, H]
+                predicting = hidden[:, -(completion_ids.shape[1] + 1) : -1]  # position t predicts token t
         if chunked.logits_match_head(model, out, hidden):  # checked once per model
             return _stats_output(
                 model, out, predicting, completion_ids, temperature, with_entropy, entropy_grad, chunk_size
             )
     return _naive_output(model, inputs, completion_ids, temperature, with_entropy, entropy_grad)
+
+
+@contextlib.contextmanager
+def sparse_tied_embedding_grad(model: torch.nn.Module) -> Iterator[None]:
+    """While scoring, a trained input embedding tied to the LM head yields a sparse gradient.
+
+    The embedding's backward otherwise builds a dense ``[V, H]`` gradient (113 MB for SmolLM2)
+    only to add it to the head's; a sparse one (the looked-up rows) is added into the head's dense
+    gradient in place by autograd, which sums both before the weight's single accumulation. So the
+    weight's ``.grad`` stays dense and equal, and the end of backward no longer holds a second
+    vocabulary-sized gradient. Only for a tied weight (the head's dense contribution is always
+    there to add into) and an unwrapped model (DDP and sharding reduce gradients themselves).
+    """
+    lm = chunked.causal_lm(model)
+    embed = lm.get_input_embeddings() if hasattr(lm, "get_input_embeddings") else None
+    head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
+    usable = (
+        torch.is_grad_enabled()
+        and type(embed) is torch.nn.Embedding
+        and head is not None
+        and getattr(head, "weight", None) is embed.weight
+        and embed.weight.requires_grad
+        and not embed.sparse
+        and embed.max_norm is None
+        and not hasattr(model, "module")
+        and type(embed.weight.data) is torch.Tensor
+    )
+    if not usable:
+        yield
+        return
+    embed.sparse = True
+    try:
+        yield
+    finally:
+        embed.sparse = False
 
 
 def _stats_output(
