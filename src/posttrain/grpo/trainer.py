@@ -866,7 +866,8 @@ class GRPOTrainer(Trainer):
         # One norm per gradient: no gradient-sized temporaries (isfinite on a 28M-entry embedding
         # gradient allocates ~150 MB). A norm is non-finite if an entry is, or if it overflows; the
         # suspects are then checked entry by entry.
-        norms = torch.stack(torch._foreach_norm([g for _, g in named]))
+        norms = torch._foreach_norm([g for _, g in named])
+        norms = torch.stack([n.full_tensor() if hasattr(n, "full_tensor") else n for n in norms])  # FSDP2
         suspects = torch.nonzero(~torch.isfinite(norms)).flatten().tolist()
         bad = [named[i][0] for i in suspects if not torch.isfinite(named[i][1]).all()]
         if bad:
