@@ -1,6 +1,7 @@
 """Probe the learning of a short GRPO run on the embedded model and the arithmetic task.
 
-Usage: python benchmarks/default_run_probe.py FEW_SHOT TEMPERATURE LEARNING_RATE STEPS
+Usage: python benchmarks/default_run_probe.py FEW_SHOT TEMPERATURE LEARNING_RATE STEPS [MAX_VALUE [ROWS]]
+(ROWS: completions per step, 8 per prompt; default 8.)
 Prints one JSON line: the wall time and, per step, (accuracy mean, format mean, total reward).
 """
 
@@ -13,11 +14,13 @@ from posttrain.data.tasks import load_task
 from posttrain.rewards.answer import answer_accuracy_reward, answer_format_reward
 
 few_shot, temp, lr, steps = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
-ds = load_task("arithmetic", n=1000, seed=0, few_shot=few_shot)
+max_value = int(sys.argv[5]) if len(sys.argv) > 5 else 50
+rows = int(sys.argv[6]) if len(sys.argv) > 6 else 8
+ds = load_task("arithmetic", n=1000, seed=0, few_shot=few_shot, max_value=max_value)
 args = GRPOConfig(
     output_dir="/tmp/default_run_probe",
     max_steps=steps,
-    per_device_train_batch_size=8,
+    per_device_train_batch_size=rows,
     num_generations=8,
     max_completion_length=64,
     learning_rate=lr,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -454,3 +455,29 @@ def test_default_job_on_the_embedded_model(tmp_path):
     saved = AutoModelForCausalLM.from_pretrained(out)
     assert saved.config.model_type == "llama"
     assert sum(p.numel() for p in saved.parameters()) > 100_000_000
+
+
+def test_default_task_and_its_flags(tmp_path, tiny_model_dir, recorder):
+    """The default run's task: one worked example, operands up to 20, no system message; flags change it."""
+    base = ["grpo", "--model_name_or_path", tiny_model_dir, "--output_dir", str(tmp_path), "--use_cpu"]
+    main([*base, "--task_size", "30"])
+    rows = recorder["dataset"]
+    assert [m["role"] for m in rows[0]["prompt"]] == ["user", "assistant", "user"]
+    operands = [int(v) for row in rows for v in re.findall(r"\d+", row["prompt"][-1]["content"])]
+    assert max(operands) <= 20
+    main(
+        [
+            *base,
+            "--task_size",
+            "30",
+            "--task_few_shot",
+            "0",
+            "--task_system_prompt",
+            "true",
+            "--task_max_value",
+            "9",
+        ]
+    )
+    rows = recorder["dataset"]
+    assert [m["role"] for m in rows[0]["prompt"]] == ["system", "user"]
+    assert max(int(v) for row in rows for v in re.findall(r"\d+", row["prompt"][-1]["content"])) <= 9

@@ -33,11 +33,11 @@ from typing import Any
 # Settings of the no-argument run: small enough for a laptop CPU, still a real GRPO job.
 LAPTOP_DEFAULTS: dict[str, Any] = {
     "output_dir": "grpo-smollm2-arithmetic",
-    "max_steps": 50,
+    "max_steps": 60,
     "per_device_train_batch_size": 8,
     "num_generations": 8,
-    "max_completion_length": 96,
-    "learning_rate": 5e-6,
+    "max_completion_length": 64,
+    "learning_rate": 1e-6,
     "logging_steps": 1,
     "save_steps": 25,
     "save_total_limit": 2,
@@ -84,6 +84,10 @@ class GRPOScriptArguments:
         task: a built-in task (``arithmetic``) used when no ``dataset_name`` is given.
         task_size: number of prompts the built-in task generates.
         task_seed: seed of the built-in task.
+        task_few_shot: worked examples shown before each problem of the built-in task.
+        task_max_value: largest operand of the built-in task's problems.
+        task_system_prompt: whether the built-in task's prompts start with its system message
+            (which asks for the ``<answer>`` tag).
         dataset_name: a hub dataset id, or a local ``.json``/``.jsonl``/``.csv``/``.parquet``
             file or a folder of such files, with a ``prompt`` column, instead of the built-in task.
         dataset_config: the hub dataset's configuration name.
@@ -103,6 +107,16 @@ class GRPOScriptArguments:
     )
     task_size: int = field(default=1000, metadata={"help": "Number of prompts the built-in task generates."})
     task_seed: int = field(default=0, metadata={"help": "Seed of the built-in task."})
+    task_few_shot: int = field(
+        default=1, metadata={"help": "Worked examples shown before each problem of the built-in task."}
+    )
+    task_max_value: int = field(default=20, metadata={"help": "Largest operand of the built-in task."})
+    task_system_prompt: bool = field(
+        default=False,
+        metadata={
+            "help": "Start the built-in task's prompts with its system message (asks for the answer tag)."
+        },
+    )
     dataset_name: str | None = field(
         default=None,
         metadata={
@@ -277,9 +291,16 @@ def _load_local_dataset(name: str, split: str) -> Any:
 
 def _dataset(script: GRPOScriptArguments) -> Any:
     if script.dataset_name is None:
-        from posttrain.data.tasks import load_task
+        from posttrain.data.tasks import ARITHMETIC_SYSTEM_PROMPT, load_task
 
-        return load_task(script.task, n=script.task_size, seed=script.task_seed)
+        return load_task(
+            script.task,
+            n=script.task_size,
+            seed=script.task_seed,
+            few_shot=script.task_few_shot,
+            max_value=script.task_max_value,
+            system_prompt=ARITHMETIC_SYSTEM_PROMPT if script.task_system_prompt else None,
+        )
     if _looks_local(script.dataset_name):
         return _load_local_dataset(script.dataset_name, script.dataset_train_split)
     from datasets import load_dataset
