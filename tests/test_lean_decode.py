@@ -344,7 +344,9 @@ def test_lean_settings_refuse_what_the_loop_lacks(tok, model, overrides, reason)
 
 def test_model_generation_config_is_resolved_like_generate(tok):
     model = build_tiny_model(tok)
-    unset = GenerationConfig(do_sample=True, max_new_tokens=4, eos_token_id=tok.eos_token_id, pad_token_id=PAD)
+    unset = GenerationConfig(
+        do_sample=True, max_new_tokens=4, eos_token_id=tok.eos_token_id, pad_token_id=PAD
+    )
     settings, _ = lean_settings(model, unset)
     assert settings.top_k == 50  # unset: generate's default
     model.generation_config.epsilon_cutoff = 3e-4
