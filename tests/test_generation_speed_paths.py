@@ -316,6 +316,18 @@ def test_prepacked_logits_match_f_linear(model):
 
 
 @needs_onednn
+@pytest.mark.parametrize("lean", [False, True])
+def test_prepacked_layers_under_bf16_autocast_run_like_unpacked(tok, model, lean):
+    """bf16=True on the CPU: accelerate runs the forward under autocast, so bf16 activations reach
+    the packed layers; they must take F.linear (with autocast's cast) and give the same tokens."""
+    cfg = config(tok, max_new_tokens=LONG, top_k=1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        unpacked, _ = sample(model, cfg, MIXED, share_prefix=True, prepack=False, lean=lean)
+        packed, _ = sample(model, cfg, MIXED, share_prefix=True, prepack=True, lean=lean)
+    assert torch.equal(packed, unpacked)
+
+
+@needs_onednn
 def test_prepacked_layers_are_restored_even_on_error(model):
     with pytest.raises(RuntimeError, match="boom"):
         with onednn_prepacked_linears(model, rows=2):

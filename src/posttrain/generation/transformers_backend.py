@@ -266,7 +266,7 @@ def onednn_prepacked_linears(model: torch.nn.Module, rows: int) -> Iterator[int]
     swapped = packable_linears(model)
     for module in swapped:
         packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), rows)
-        module.forward = _prepacked_forward(packed, module.bias)
+        module.forward = _prepacked_forward(module, packed)
     try:
         yield len(swapped)
     finally:
@@ -275,10 +275,18 @@ def onednn_prepacked_linears(model: torch.nn.Module, rows: int) -> Iterator[int]
 
 
 def _prepacked_forward(
-    packed: torch.Tensor, bias: torch.Tensor | None
+    module: torch.nn.Linear, packed: torch.Tensor
 ) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The packed product for float32 inputs; the layer's own forward otherwise.
+
+    Under CPU autocast (``bf16=True``: accelerate wraps the model's forward in it) inputs arrive
+    in bfloat16 and ``F.linear`` must run, so the cast autocast applies stays the same.
+    """
+
     def forward(x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        if x.dtype != torch.float32 or torch.is_autocast_enabled(x.device.type):
+            return torch.nn.Linear.forward(module, x)
+        return torch.ops.mkldnn._linear_pointwise(x, packed, module.bias, "none", [], "")
 
     return forward
 
