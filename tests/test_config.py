@@ -392,7 +392,8 @@ def test_output_dir_none_uses_trainer_output() -> None:
 
 
 def test_bf16_resolves_to_true_without_fp16(tmp_path) -> None:
-    config = make(tmp_path, bf16=None)
+    with pytest.warns(UserWarning, match="20x slower"):  # use_cpu=True: the measured CPU cost is named
+        config = make(tmp_path, bf16=None)
     assert config.bf16 is True
     assert config.mixed_precision == "bf16"
 

@@ -973,6 +973,14 @@ class GRPOConfig(TrainingArguments):
         """Resolve ``bf16=None`` and route ``gradient_checkpointing`` without a deprecation warning."""
         if self.bf16 is None:
             self.bf16 = not self.fp16 and _bf16_supported(self.use_cpu)
+            if self.bf16 and self.use_cpu:
+                warnings.warn(
+                    "bf16=None resolved to True with use_cpu=True, so the model runs under CPU bfloat16 "
+                    "autocast. A GRPO step measured 20x slower that way than in float32 on an avx512_bf16 "
+                    "CPU (BENCHMARKS.md, 'bf16 on this CPU'). Pass bf16=False to train in float32.",
+                    UserWarning,
+                    stacklevel=3,
+                )
         # transformers 5 treats `gradient_checkpointing` as a deprecated alias of
         # `activation_checkpointing` and warns whenever it is set; GRPO sets it by default, so
         # hand the value over to the new name unless the user chose that one explicitly.
