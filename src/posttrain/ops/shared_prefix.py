@@ -41,7 +41,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from posttrain.ops import chunked
 
-SUPPORTED_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral", "olmo2", "smollm3"})
+SUPPORTED_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral"})
 """Model families whose decoder reads keys and values through ``cache.update`` and builds its
 mask from the cache's length: the ones checked by ``tests/test_shared_prefix.py``."""
 
