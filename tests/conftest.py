@@ -23,6 +23,16 @@ CORPUS = [
 ] * 20
 
 
+#: Sizes of the tiny decoders the tests build from configs (about 30k parameters with a 320 vocabulary).
+TINY_DECODER = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
+
+
 def build_tiny_tokenizer():
     """A byte-level BPE tokenizer trained on a few sentences, with a ChatML template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers

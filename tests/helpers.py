@@ -127,3 +127,13 @@ def make_trainer(tok, reward_funcs, args, dataset=None, model=None, **kwargs):
         processing_class=tok,
         **kwargs,
     )
+
+
+def left_pad(rows: list[list[int]], pad: int) -> tuple[Any, Any]:
+    """Token rows left-padded with ``pad`` into ``[N, P]`` ids and their attention mask."""
+    import torch
+
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    return ids, mask

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import helpers
 import pytest
 import torch
 from conftest import build_tiny_model, build_tiny_tokenizer
@@ -39,10 +40,7 @@ def model(tok):
 
 
 def left_pad(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(r) for r in rows)
-    ids = torch.tensor([[PAD] * (width - len(r)) + r for r in rows])
-    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
-    return ids, mask
+    return helpers.left_pad(rows, PAD)
 
 
 # Groups of different sizes and prompt lengths, a prompt of its own (C), a one-token prompt (D),

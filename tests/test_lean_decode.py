@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import math
 
+import helpers
 import pytest
 import torch
-from conftest import build_tiny_model, build_tiny_tokenizer
+from conftest import TINY_DECODER, build_tiny_model, build_tiny_tokenizer
 from transformers import (
     GenerationConfig,
     MistralConfig,
@@ -53,10 +54,7 @@ def model(tok):
 
 
 def left_pad(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(r) for r in rows)
-    ids = torch.tensor([[PAD] * (width - len(r)) + r for r in rows])
-    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
-    return ids, mask
+    return helpers.left_pad(rows, PAD)
 
 
 def config(eos: list[int], **overrides) -> GenerationConfig:
@@ -150,11 +148,7 @@ def test_min_new_tokens_and_repetition_penalty_equal_generate(tok, model):
 def tiny_qwen(cls_config, cls_model, tok):
     cfg = cls_config(
         vocab_size=len(tok),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **TINY_DECODER,
         head_dim=8,
         max_position_embeddings=256,
         tie_word_embeddings=True,
@@ -354,15 +348,7 @@ def test_model_generation_config_is_resolved_like_generate(tok):
 
 
 def test_sliding_window_model_falls_back(tok):
-    cfg = MistralConfig(
-        vocab_size=len(tok),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        sliding_window=4,
-    )
+    cfg = MistralConfig(vocab_size=len(tok), **TINY_DECODER, sliding_window=4)
     assert "sliding-window" in lean_settings(MistralForCausalLM(cfg), config([tok.eos_token_id]))[1]
 
 

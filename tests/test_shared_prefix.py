@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import build_tiny_model, build_tiny_tokenizer
+from conftest import TINY_DECODER, build_tiny_model, build_tiny_tokenizer
 from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
@@ -33,11 +33,7 @@ GRAD = {"rtol": 1e-5, "atol": 1e-6}
 VOCAB = 96
 COMMON = {
     "vocab_size": VOCAB,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
+    **TINY_DECODER,
     "max_position_embeddings": 128,
     "tie_word_embeddings": False,
 }
