@@ -31,6 +31,37 @@ def digit_reward(completions, **kwargs):
     return [sum(ch.isdigit() for ch in t) / max(len(t), 1) for t in texts]
 
 
+QUESTION = "What is 17 + 25? Think briefly, then give the answer inside <answer></answer>."
+
+
+def anchor_kwargs(
+    output_dir: str,
+    completion_length: int,
+    steps: int,
+    num_generations: int = 8,
+    gradient_checkpointing: bool = True,
+    bf16: bool = False,
+) -> dict:
+    """GRPOConfig values of the anchor config (the same for posttrain and TRL)."""
+    return {
+        "output_dir": output_dir,
+        "per_device_train_batch_size": num_generations,
+        "num_generations": num_generations,
+        "max_completion_length": completion_length,
+        "generation_kwargs": {"min_new_tokens": completion_length},
+        "max_steps": steps,
+        "learning_rate": 1e-6,
+        "bf16": bf16,
+        "use_cpu": True,
+        "gradient_checkpointing": gradient_checkpointing,
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "report_to": "none",
+        "disable_tqdm": True,
+        "seed": 0,
+    }  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--library", choices=["posttrain", "trl"], required=True)
@@ -49,7 +80,7 @@ def main() -> None:
     else:
         from trl import GRPOConfig, GRPOTrainer
 
-    question = "What is 17 + 25? Think briefly, then give the answer inside <answer></answer>."
+    question = QUESTION
     dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": question}]] * 64})
 
     class Clock(TrainerCallback):
@@ -63,21 +94,7 @@ def main() -> None:
     clock = Clock()
     with tempfile.TemporaryDirectory() as out:
         args = GRPOConfig(
-            output_dir=out,
-            per_device_train_batch_size=opts.num_generations,
-            num_generations=opts.num_generations,
-            max_completion_length=n,
-            generation_kwargs={"min_new_tokens": n},
-            max_steps=opts.steps,
-            learning_rate=1e-6,
-            bf16=False,
-            use_cpu=True,
-            gradient_checkpointing=bool(opts.gradient_checkpointing),
-            logging_steps=1,
-            save_strategy="no",
-            report_to="none",
-            disable_tqdm=True,
-            seed=0,
+            **anchor_kwargs(out, n, opts.steps, opts.num_generations, bool(opts.gradient_checkpointing))
         )
         trainer = GRPOTrainer(
             model=opts.model,

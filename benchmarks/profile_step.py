@@ -72,7 +72,7 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
     from datasets import Dataset
-    from grpo_step import digit_reward, length_reward
+    from grpo_step import QUESTION, anchor_kwargs, digit_reward, length_reward
     from transformers import TrainerCallback
 
     from posttrain import GRPOConfig, GRPOTrainer
@@ -86,7 +86,7 @@ def main() -> None:
 
         trainer_module.completion_logps = logprobs_fn
 
-    question = "What is 17 + 25? Think briefly, then give the answer inside <answer></answer>."
+    question = QUESTION
     dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": question}]] * 64})
     phases: dict[str, float] = collections.defaultdict(float)
     per_step: list[dict[str, float]] = []
@@ -107,21 +107,7 @@ def main() -> None:
     n = opts.completion_length
     with tempfile.TemporaryDirectory() as out:
         args = GRPOConfig(
-            output_dir=out,
-            per_device_train_batch_size=8,
-            num_generations=8,
-            max_completion_length=n,
-            generation_kwargs={"min_new_tokens": n},
-            max_steps=opts.steps,
-            learning_rate=1e-6,
-            bf16=bool(opts.bf16),
-            use_cpu=True,
-            gradient_checkpointing=bool(opts.gradient_checkpointing),
-            logging_steps=1,
-            save_strategy="no",
-            report_to="none",
-            disable_tqdm=True,
-            seed=0,
+            **anchor_kwargs(out, n, opts.steps, 8, bool(opts.gradient_checkpointing), bool(opts.bf16))
         )
         trainer = GRPOTrainer(
             model=opts.model or resolve_embedded("smollm2-135m-instruct"),
