@@ -3,7 +3,7 @@
 Usage::
 
     benchmarks/.venv/bin/python benchmarks/profile_step.py --steps 4 [--completion_length 64]
-        [--gradient_checkpointing 1] [--bf16 0] [--share_prompts 1] [--lean 1]
+        [--gradient_checkpointing 1] [--bf16 0] [--share_prompts 1] [--lean 1] [--fused 1]
 
 Wraps the trainer's phases with timers (generation, rewards and advantages, loss forward,
 backward, optimizer step) and prints, per phase, the median over the steps after the first
@@ -68,6 +68,9 @@ def main() -> None:
     parser.add_argument("--bf16", type=int, default=0)
     parser.add_argument("--share_prompts", type=int, default=1)
     parser.add_argument("--lean", type=int, default=1, help="the lean sampling loop (0: generate)")
+    parser.add_argument(
+        "--fused", type=int, default=1, help="the lean loop's fused decode step (0: the model's forward)"
+    )
     opts = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -117,6 +120,7 @@ def main() -> None:
             callbacks=[Clock()],
         )
         trainer.generator.lean = bool(opts.lean)
+        trainer.generator.fused_step = bool(opts.fused)
         trainer.generator.generate = timed(phases, "generation", trainer.generator.generate)
         trainer.rewards.score = timed(phases, "rewards", trainer.rewards.score)
         trainer.compute_loss = timed(phases, "loss forward", trainer.compute_loss)

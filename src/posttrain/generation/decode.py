@@ -430,6 +430,7 @@ def lean_generate(
     prompt_mask: torch.Tensor,
     settings: SamplingSettings,
     prefix_cache: DynamicCache | None = None,
+    fused: Any = None,
 ) -> torch.Tensor:
     """Sample completions like ``model.generate``: ``[N, P] -> [N, P + T]``.
 
@@ -439,6 +440,9 @@ def lean_generate(
         settings: from ``lean_settings``.
         prefix_cache: every row's prompt minus its last token (``prefill_shared_prefix``); the
             prompt is then run from its last token.
+        fused: a ``fused_step.FusedDecoder`` of ``model``, which then runs every one-token step
+            (all steps after the prompt's, and the prompt's too when ``prefix_cache`` holds all
+            but its last token); the model's own forward runs them when None.
 
     Returns:
         [N, P + T] the prompts and their completions, T <= ``max_new_tokens``: the loop stops
@@ -469,7 +473,12 @@ def lean_generate(
     processor: ScoreProcessor | None = None
     last_position = positions[:, -1:]
     for step in range(steps):
-        logits = model(attention_mask=mask[:, : width + step], **inputs).logits[:, -1].float()
+        if fused is not None and inputs["input_ids"].shape[1] == 1:
+            logits = fused.step(
+                inputs["input_ids"][:, 0], inputs["position_ids"][:, 0], mask[:, : width + step], cache.layers
+            )
+        else:
+            logits = model(attention_mask=mask[:, : width + step], **inputs).logits[:, -1].float()
         if processor is None:
             processor = ScoreProcessor(settings, prompt_ids, prompt_mask, logits.shape[-1])
         tokens = sample_tokens(processor(logits, step))

@@ -310,6 +310,10 @@ class TransformersGenerator:
             ``PREPACK_MIN_NEW_TOKENS`` new tokens.
         lean: sample with ``decode.lean_generate`` instead of ``generate`` when
             ``decode.lean_settings`` accepts the model and configuration.
+        fused_step: in the lean loop, run the one-token decode steps with
+            ``fused_step.FusedDecoder`` (fused, prepacked products and no module tree) when
+            ``prepack_weights`` applies and ``fused_step.fused_decoder_blocker`` finds nothing
+            against the model; the packed weights of ``onednn_prepacked_linears`` are then not built.
     """
 
     def __init__(
@@ -320,6 +324,7 @@ class TransformersGenerator:
         full_parameters: Callable[[torch.nn.Module], contextlib.AbstractContextManager] | None = None,
         prepack_weights: bool = True,
         lean: bool = True,
+        fused_step: bool = True,
     ) -> None:
         self.get_model = get_model
         self.config = config
@@ -327,11 +332,13 @@ class TransformersGenerator:
         self.full_parameters = full_parameters or (lambda model: contextlib.nullcontext())
         self.prepack_weights = prepack_weights
         self.lean = lean
+        self.fused_step = fused_step
         # What the latest call used: "plain" or "shared_prefix" (generate), "lean" or
         # "lean+shared_prefix" (decode.lean_generate).
         self.last_path = "plain"
         self.last_blocker: str | None = None  # why the latest call did not prefill the shared prefix
         self.last_lean_blocker: str | None = None  # why the latest call ran generate
+        self.last_fused_blocker: str | None = None  # why the latest lean call ran the model's forward
 
     @torch.no_grad()
     def generate(
@@ -359,14 +366,28 @@ class TransformersGenerator:
             model.train(was_training)
         return Samples(completion_ids=out[:, prompt_ids.shape[1] :])
 
+    def _packing_pays(self, config: GenerationConfig) -> bool:
+        return self.prepack_weights and (config.max_new_tokens or 0) >= PREPACK_MIN_NEW_TOKENS
+
     def _packed(
         self, model: torch.nn.Module, rows: int, config: GenerationConfig
     ) -> contextlib.AbstractContextManager:
         """The prepacked-weights context; none when ``prepack_weights`` is off or too few steps repay it."""
-        steps = config.max_new_tokens or 0
-        if self.prepack_weights and steps >= PREPACK_MIN_NEW_TOKENS:
+        if self._packing_pays(config):
             return onednn_prepacked_linears(model, rows)
         return contextlib.nullcontext()
+
+    def _fused_decoder(self, model: torch.nn.Module, rows: int, config: GenerationConfig) -> Any:
+        """A ``FusedDecoder`` for the lean loop, or None (the reason in ``last_fused_blocker``)."""
+        from posttrain.generation.fused_step import FusedDecoder, fused_decoder_blocker
+
+        if not self.fused_step:
+            self.last_fused_blocker = "fused_step=False"
+        elif not self._packing_pays(config):
+            self.last_fused_blocker = "prepack_weights=False or too few new tokens to repay packing"
+        else:
+            self.last_fused_blocker = fused_decoder_blocker(model)
+        return FusedDecoder(model, rows) if self.last_fused_blocker is None else None
 
     def _generate(
         self,
@@ -392,11 +413,21 @@ class TransformersGenerator:
                 self.last_path = "shared_prefix"
                 kwargs[cache_argument(model)] = prefill_shared_prefix(model, groups)
                 config = _without_cache_implementation(config)
-        with self._packed(model, prompt_ids.shape[0], config):
-            if settings is not None:
+        self.last_fused_blocker = "the lean loop did not run"
+        if settings is not None:
+            fused = self._fused_decoder(model, prompt_ids.shape[0], config)
+            packed = (
+                contextlib.nullcontext()
+                if fused is not None
+                else self._packed(model, prompt_ids.shape[0], config)
+            )
+            with packed:
                 self.last_path = "lean+shared_prefix" if kwargs else "lean"
                 prefix = next(iter(kwargs.values()), None)
-                return lean_generate(model, prompt_ids, prompt_mask, settings, prefix_cache=prefix)
+                return lean_generate(
+                    model, prompt_ids, prompt_mask, settings, prefix_cache=prefix, fused=fused
+                )
+        with self._packed(model, prompt_ids.shape[0], config):
             return model.generate(
                 input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config, **kwargs
             )
