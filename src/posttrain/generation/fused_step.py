@@ -235,13 +235,18 @@ class FusedDecoder:
         for layer, cache in zip(self.layers, cache_layers, strict=True):
             x = _rms_norm(h, layer.norm_in)
             qkv = _linear(x, layer.qkv, layer.qkv_bias)
-            q = qkv[:, : self.q_width].view(rows, kv_heads, group, d)
-            k = qkv[:, self.q_width : self.q_width + self.kv_width].view(rows, kv_heads, 1, d)
             v = qkv[:, self.q_width + self.kv_width :].view(rows, kv_heads, 1, d)
-            if layer.q_norm is not None:
-                q = _rms_norm(q, layer.q_norm)
-                k = _rms_norm(k, layer.k_norm)
-            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            if layer.q_norm is None:  # rotate the query and key heads together: [N, heads + kv_heads, d]
+                qk = _rotate(qkv[:, : self.q_width + self.kv_width].view(rows, -1, d), cos[:, 0], sin[:, 0])
+                q = qk[:, : kv_heads * group].reshape(rows, kv_heads, group, d)
+                k = qk[:, kv_heads * group :].view(rows, kv_heads, 1, d)
+            else:  # Qwen3: per-head norms with their own weights first
+                q = _rms_norm(qkv[:, : self.q_width].view(rows, kv_heads, group, d), layer.q_norm)
+                k = _rms_norm(
+                    qkv[:, self.q_width : self.q_width + self.kv_width].view(rows, kv_heads, 1, d),
+                    layer.k_norm,
+                )
+                q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
             keys, values = cache.update(k, v)  # [N, kv_heads, L, d]
             scores = torch.baddbmm(
                 bias,
