@@ -3,18 +3,23 @@
 Usage::
 
     benchmarks/.venv/bin/python benchmarks/profile_step.py --steps 4 [--completion_length 64]
-        [--gradient_checkpointing 1] [--bf16 0] [--share_prompts 1] [--lean 1] [--fused 1]
+        [--gradient_checkpointing 1] [--bf16 0] [--share_prompts 1] [--lean 1] [--fused 1] [--heap 0]
 
 Wraps the trainer's phases with timers (generation, rewards and advantages, loss forward,
 backward, optimizer step) and prints, per phase, the median over the steps after the first
 (warm-up), the peak RSS, and the largest anonymous and file-backed resident memory seen in each
-phase (sampled every 5 ms). Same config as ``grpo_step.py``.
+phase (sampled every 5 ms). ``--heap 1`` adds, per phase, the most bytes glibc's malloc had in
+use (heap and mmapped blocks, ``mallinfo2``) and the heap's size and free bytes at that moment:
+resident memory above what malloc has in use is freed heap that stays resident. Same config
+as ``grpo_step.py``.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import ctypes
+import ctypes.util
 import json
 import os
 import resource
@@ -51,12 +56,40 @@ def resident() -> dict[str, int]:
     return values
 
 
-def sample_memory(peaks: dict[str, dict[str, int]], stop: threading.Event) -> None:
-    """Every 5 ms: the largest anonymous RSS seen in each phase (and the file-backed RSS then)."""
+class MallInfo2(ctypes.Structure):
+    """glibc's ``struct mallinfo2`` (all arenas): ``arena`` heap bytes, ``hblkhd`` mmapped blocks, ``uordblks`` in use."""
+
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()
+    ]
+
+
+def heap_stats() -> dict[str, int]:
+    """malloc's view, in MB: heap size, bytes in use (heap + mmapped blocks), free heap bytes (glibc only)."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    libc.mallinfo2.restype = MallInfo2
+    info = libc.mallinfo2()
+    return {
+        "heap": info.arena >> 20,
+        "malloc_in_use": (info.uordblks + info.hblkhd) >> 20,
+        "heap_free": info.fordblks >> 20,
+    }
+
+
+def sample_memory(peaks: dict[str, dict[str, int]], stop: threading.Event, heap: bool) -> None:
+    """Every 5 ms: the largest anonymous RSS seen in each phase (and the file-backed RSS then).
+
+    With ``heap``, also the largest bytes in use by malloc in the phase and the heap's size then.
+    """
     while not stop.wait(0.005):
         now, phase = resident(), f"{CURRENT['phase']} (step {CURRENT.get('step', '-')})"
         if now.get("RssAnon", 0) > peaks.get(phase, {}).get("RssAnon", -1):
-            peaks[phase] = now
+            peaks[phase] = {**peaks.get(phase, {}), **now}
+        if heap:
+            stats = heap_stats()
+            if stats["malloc_in_use"] > peaks.get(phase, {}).get("malloc_in_use", -1):
+                peaks.setdefault(phase, {}).update(stats)
 
 
 def main() -> None:
@@ -68,6 +101,9 @@ def main() -> None:
     parser.add_argument("--bf16", type=int, default=0)
     parser.add_argument("--share_prompts", type=int, default=1)
     parser.add_argument("--lean", type=int, default=1, help="the lean sampling loop (0: generate)")
+    parser.add_argument(
+        "--heap", type=int, default=0, help="also sample glibc malloc's bytes in use and heap size"
+    )
     parser.add_argument(
         "--fused", type=int, default=1, help="the lean loop's fused decode step (0: the model's forward)"
     )
@@ -137,7 +173,7 @@ def main() -> None:
         trainer.create_optimizer = create_and_time
         peaks: dict[str, dict[str, int]] = {}
         stop = threading.Event()
-        sampler = threading.Thread(target=sample_memory, args=(peaks, stop), daemon=True)
+        sampler = threading.Thread(target=sample_memory, args=(peaks, stop, bool(opts.heap)), daemon=True)
         sampler.start()
         CURRENT["phase"] = "other"
         trainer.train()

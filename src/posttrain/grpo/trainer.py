@@ -44,6 +44,7 @@ from posttrain.models import peft as peft_utils
 from posttrain.models import reference as model_options
 from posttrain.observe.completions import COMPLETIONS_FILE, CompletionLog
 from posttrain.observe.metrics import MetricStore
+from posttrain.ops import memory
 from posttrain.ops.logprobs import completion_logps
 from posttrain.ops.padding import left_pad
 from posttrain.rewards.models import resolve_reward_funcs, reward_models
@@ -169,6 +170,8 @@ class GRPOTrainer(Trainer):
         for reward_model in reward_models(rewards.funcs):
             reward_model.to(self.accelerator.device)
         self.rollout_func = rollout_func
+        if self.accelerator.device.type == "cpu":
+            memory.map_large_blocks()  # large activations stay out of glibc's heap (ops/memory.py)
         self.generator: Generator = self._setup_generator()
         self.agent = self._setup_agent(tools, environment_factory) if agent_mode else None
         self._reward_names = list(rewards.names) + (self.agent.reward_names if self.agent else [])
