@@ -60,6 +60,9 @@ def test_environment_choices_win(monkeypatch):
     monkeypatch.setenv("POSTTRAIN_MALLOC_MMAP_THRESHOLD", "4MB")
     with pytest.raises(ValueError, match="POSTTRAIN_MALLOC_MMAP_THRESHOLD='4MB' is not a number of bytes"):
         memory.map_large_blocks()
+    monkeypatch.setenv("POSTTRAIN_MALLOC_MMAP_THRESHOLD", "-1")
+    with pytest.raises(ValueError, match="set it to an integer such as 4194304"):
+        memory.map_large_blocks()
 
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")

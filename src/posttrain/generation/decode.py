@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import DynamicCache, GenerationConfig, GenerationMixin
@@ -39,6 +39,9 @@ from posttrain.generation.transformers_backend import (
     cache_argument,
     core_model,
 )
+
+if TYPE_CHECKING:
+    from posttrain.generation.fused_step import FusedDecoder
 
 # ---- the KV cache --------------------------------------------------------------------------------
 
@@ -430,7 +433,7 @@ def lean_generate(
     prompt_mask: torch.Tensor,
     settings: SamplingSettings,
     prefix_cache: DynamicCache | None = None,
-    fused: Any = None,
+    fused: FusedDecoder | None = None,
 ) -> torch.Tensor:
     """Sample completions like ``model.generate``: ``[N, P] -> [N, P + T]``.
 

@@ -36,22 +36,12 @@ from torch import nn
 from posttrain.generation.transformers_backend import (
     _only_full_attention_layers,
     core_model,
+    is_packable_linear,
     onednn_linear_available,
 )
 
 #: ``model_type``s whose decoder layers this step reproduces (the families the tests check).
 FUSED_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral"})
-
-
-def _plain_linear(module: object) -> bool:
-    return (
-        type(module) is nn.Linear
-        and type(module.weight.detach()) is torch.Tensor
-        and module.weight.dtype == torch.float32
-        and module.weight.device.type == "cpu"
-        and module.weight.dim() == 2
-        and "forward" not in module.__dict__
-    )
 
 
 def _rms_norm_module(module: object) -> bool:
@@ -86,7 +76,7 @@ def fused_decoder_blocker(model: nn.Module) -> str | None:
         return "sliding-window attention"
     backbone = getattr(model, "model", None)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if backbone is None or not _plain_linear(head) or head.bias is not None:
+    if backbone is None or not is_packable_linear(head) or head.bias is not None:
         return "the LM head is not a plain float32 linear layer"
     embed = getattr(backbone, "embed_tokens", None)
     if (
@@ -101,7 +91,7 @@ def fused_decoder_blocker(model: nn.Module) -> str | None:
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         projections = [getattr(attn, f"{n}_proj", None) for n in "qkvo"]
         projections += [getattr(mlp, f"{n}_proj", None) for n in ("gate", "up", "down")]
-        if not all(_plain_linear(p) for p in projections):
+        if not all(is_packable_linear(p) for p in projections):
             return "a projection is not a plain float32 linear layer (LoRA, quantised, offloaded)"
         if any(p.bias is not None for p in projections[4:]) or projections[3].bias is not None:
             return "biases on the output or MLP projections"

@@ -24,13 +24,16 @@ import copy
 import inspect
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import DynamicCache, GenerationConfig
 from transformers.cache_utils import DynamicLayer
 
 from posttrain.generation.base import Samples
+
+if TYPE_CHECKING:
+    from posttrain.generation.fused_step import FusedDecoder
 
 
 def sampling_config(
@@ -233,17 +236,20 @@ def packable_linears(model: torch.nn.Module) -> list[torch.nn.Linear]:
     """
     if not onednn_linear_available():
         return []
-    return [
-        m
-        for m in model.modules()
-        if type(m) is torch.nn.Linear
-        and type(m.weight.detach()) is torch.Tensor
-        and m.weight.dtype == torch.float32
-        and m.weight.device.type == "cpu"
-        and m.weight.dim() == 2  # a DeepSpeed ZeRO-3 partitioned weight is an empty 1-D placeholder
-        and not hasattr(m.weight, "ds_id")
-        and "forward" not in m.__dict__
-    ]
+    return [m for m in model.modules() if is_packable_linear(m)]
+
+
+def is_packable_linear(module: object) -> bool:
+    """A plain float32 ``nn.Linear`` on the CPU, unsharded, with the class's own forward."""
+    return (
+        type(module) is torch.nn.Linear
+        and type(module.weight.detach()) is torch.Tensor
+        and module.weight.dtype == torch.float32
+        and module.weight.device.type == "cpu"
+        and module.weight.dim() == 2  # a DeepSpeed ZeRO-3 partitioned weight is an empty 1-D placeholder
+        and not hasattr(module.weight, "ds_id")
+        and "forward" not in module.__dict__
+    )
 
 
 @contextlib.contextmanager
@@ -377,7 +383,9 @@ class TransformersGenerator:
             return onednn_prepacked_linears(model, rows)
         return contextlib.nullcontext()
 
-    def _fused_decoder(self, model: torch.nn.Module, rows: int, config: GenerationConfig) -> Any:
+    def _fused_decoder(
+        self, model: torch.nn.Module, rows: int, config: GenerationConfig
+    ) -> FusedDecoder | None:
         """A ``FusedDecoder`` for the lean loop, or None (the reason in ``last_fused_blocker``)."""
         from posttrain.generation.fused_step import FusedDecoder, fused_decoder_blocker
 

@@ -58,13 +58,12 @@ def map_large_blocks(threshold: int | None = None) -> int:
         if "MALLOC_MMAP_THRESHOLD_" in os.environ:
             return 0
         value = os.environ.get("POSTTRAIN_MALLOC_MMAP_THRESHOLD", "").strip()
-        try:
-            threshold = int(value) if value else MMAP_THRESHOLD
-        except ValueError:
+        threshold = int(value) if value.isdigit() else MMAP_THRESHOLD if not value else -1
+        if threshold < 0:
             raise ValueError(
                 f"POSTTRAIN_MALLOC_MMAP_THRESHOLD={value!r} is not a number of bytes; "
                 "set it to an integer such as 4194304, or to 0 to leave glibc's default."
-            ) from None
+            )
     libc = _libc()
     if threshold <= 0 or libc is None:
         return 0
