@@ -53,10 +53,41 @@ def test_resume_skips_an_incomplete_checkpoint(tmp_path, tok):
     assert resumed.state.global_step == 3
 
 
-def test_resume_with_no_complete_checkpoint_is_a_clear_error(tmp_path, tok):
-    (tmp_path / "checkpoint-5").mkdir()
-    with pytest.raises(ValueError, match="found no complete checkpoint.*checkpoint-5"):
+def test_resume_with_no_checkpoint_at_all_is_a_clear_error(tmp_path, tok):
+    (tmp_path / "not-a-checkpoint").mkdir()
+    with pytest.raises(ValueError, match="found no checkpoint in .*check output_dir"):
         latest_complete_checkpoint(str(tmp_path))
+    with pytest.raises(ValueError, match="found no checkpoint"):
+        _trainer(tmp_path, tok, max_steps=1).train(resume_from_checkpoint=True)
+
+
+def _seeded(out, tok, **config):
+    torch.manual_seed(0)
+    return GRPOTrainer(
+        model=build_tiny_model(tok, seed=1),
+        reward_funcs=varied_reward,
+        args=make_config(out, max_steps=2, save_strategy="steps", save_steps=1, learning_rate=0.05),
+        train_dataset=standard_dataset(),
+        processing_class=tok,
+    )
+
+
+def test_killed_during_the_first_save_resumes_from_the_start(tmp_path, tok):
+    """Only an interrupted first save on disk: resume=True trains from step 0, as a fresh run."""
+    straight = _seeded(tmp_path / "straight", tok)
+    straight.train()
+    broken = tmp_path / "broken" / "checkpoint-1"
+    broken.mkdir(parents=True)
+    (broken / "model.safetensors").write_bytes(b"half written")
+    (broken / "stale-extra-file").write_text("from the killed save")
+    resumed = _seeded(tmp_path / "broken", tok)
+    with pytest.warns(UserWarning, match="Every checkpoint in .* is incomplete.*starts from step 0"):
+        resumed.train(resume_from_checkpoint=True)
+    assert resumed.state.global_step == 2
+    for a, b in zip(straight.model.parameters(), resumed.model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert is_complete(str(broken))
+    assert not (broken / "stale-extra-file").exists()  # the stale folder was replaced, not mixed
 
 
 def test_rotation_keeps_only_complete_checkpoints(tmp_path, tok):

@@ -46,11 +46,15 @@ def is_complete(folder: str) -> bool:
     return os.path.isfile(os.path.join(folder, TRAINER_STATE_FILE)) and read_state(folder) is not None
 
 
-def latest_complete_checkpoint(output_dir: str) -> str:
+def latest_complete_checkpoint(output_dir: str) -> str | None:
     """The newest complete ``checkpoint-N`` folder in ``output_dir``.
 
+    Incomplete folders (a run killed while saving) are skipped with a warning. When every
+    checkpoint there is incomplete, the run was killed while saving its first one: there is no
+    finished work to resume, so this warns and returns ``None`` (train from the start).
+
     Raises:
-        ValueError: there is none (the message lists the incomplete ones).
+        ValueError: ``output_dir`` holds no ``checkpoint-N`` folder at all.
     """
     names = os.listdir(output_dir) if os.path.isdir(output_dir) else []
     folders = sorted(
@@ -58,6 +62,11 @@ def latest_complete_checkpoint(output_dir: str) -> str:
         key=lambda p: int(_CHECKPOINT.match(os.path.basename(p)).group(1)),
         reverse=True,
     )
+    if not folders:
+        raise ValueError(
+            f"resume_from_checkpoint=True found no checkpoint in {output_dir!r}; pass a checkpoint "
+            "folder explicitly, check output_dir, or start without resume_from_checkpoint."
+        )
     skipped = []
     for folder in folders:
         if os.path.isdir(folder) and is_complete(folder):
@@ -69,11 +78,12 @@ def latest_complete_checkpoint(output_dir: str) -> str:
                 )
             return folder
         skipped.append(folder)
-    raise ValueError(
-        f"resume_from_checkpoint=True found no complete checkpoint in {output_dir!r}"
-        + (f" (incomplete: {skipped})" if skipped else "")
-        + "; pass a checkpoint folder explicitly or start without resume_from_checkpoint."
+    warnings.warn(
+        f"Every checkpoint in {output_dir!r} is incomplete ({skipped}): the run was interrupted while "
+        "saving its first one, so there is no finished step to resume; training starts from step 0.",
+        stacklevel=2,
     )
+    return None
 
 
 def finished_output(folder: str, max_steps: int) -> Any:

@@ -15,6 +15,7 @@ kept whole), the generation buffer, the loss and the metrics.
 from __future__ import annotations
 
 import os
+import shutil
 import time
 import warnings
 from collections.abc import Callable, Mapping
@@ -909,7 +910,7 @@ class GRPOTrainer(Trainer):
         self, resume_from_checkpoint: str | bool | None = None, trial: Any = None, **kwargs: Any
     ) -> Any:
         """Train; ``resume_from_checkpoint=True`` resumes from the newest *complete* checkpoint."""
-        if resume_from_checkpoint is True:
+        if resume_from_checkpoint is True:  # None when only an interrupted first save is there
             resume_from_checkpoint = checkpoints.latest_complete_checkpoint(self.args.output_dir)
         if isinstance(resume_from_checkpoint, str):
             done = checkpoints.finished_output(resume_from_checkpoint, self.args.max_steps)
@@ -925,14 +926,17 @@ class GRPOTrainer(Trainer):
         Old checkpoints are rotated only after the new one is complete, so a kill while saving
         always leaves a complete checkpoint behind.
         """
+        run_dir = self._get_output_dir(trial=trial)
+        folder = os.path.join(run_dir, f"checkpoint-{self.state.global_step}")
+        if self.args.should_save and os.path.isdir(folder) and not checkpoints.is_complete(folder):
+            shutil.rmtree(folder)  # left by a run killed while saving: no stale file may survive
+        self.accelerator.wait_for_everyone()
         limit = self.args.save_total_limit
         self.args.save_total_limit = None
         try:
             super()._save_checkpoint(model, trial)
         finally:
             self.args.save_total_limit = limit
-        run_dir = self._get_output_dir(trial=trial)
-        folder = os.path.join(run_dir, f"checkpoint-{self.state.global_step}")
         # every process's generation buffer, so a resume inside it replays the same rollouts
         os.makedirs(folder, exist_ok=True)
         buffer = {"micro_step": self._micro_step, "buffer": self._buffer}
