@@ -4,6 +4,11 @@ Usage (after ``bash benchmarks/setup.sh``)::
 
     benchmarks/.venv/bin/python benchmarks/compare.py --rounds 2 --steps 4
     benchmarks/.venv/bin/python benchmarks/compare.py --lengths 64 256 1024 --rounds 1 --steps 2
+    python benchmarks/compare.py --device cuda --bf16 1 --model /tmp/smollm2 --lengths 64 256
+
+``--model`` takes any SmolLM2-135M folder (on a machine without the embedded package, one built
+by ``benchmarks/random_model.py``: same architecture, random weights, the same work per step,
+since every completion is exactly N tokens long).
 
 Each measurement is a fresh process (``grpo_step.py``); the libraries alternate
 (posttrain, TRL, posttrain, TRL, ...) so drifts of a shared machine hit both alike. The first
@@ -30,7 +35,9 @@ def model_folder() -> str:
     return resolve_embedded("smollm2-135m-instruct")
 
 
-def run(library: str, model: str, steps: int, length: int, checkpointing: int) -> dict:
+def run(
+    library: str, model: str, steps: int, length: int, checkpointing: int, device: str, bf16: int
+) -> dict:
     cmd = [
         sys.executable,
         os.path.join(HERE, "grpo_step.py"),
@@ -39,6 +46,8 @@ def run(library: str, model: str, steps: int, length: int, checkpointing: int) -
         "--steps", str(steps),
         "--completion_length", str(length),
         "--gradient_checkpointing", str(checkpointing),
+        "--device", device,
+        "--bf16", str(bf16),
     ]  # fmt: skip
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
@@ -55,6 +64,7 @@ def summarise(runs: list[dict]) -> dict:
         "generated_tokens_per_s": runs[0]["generated_tokens_per_step"] / step,
         "trained_tokens_per_s": runs[0]["trained_tokens_per_step"] / step,
         "peak_rss_mb": max(r["peak_rss_mb"] for r in runs),
+        **({"peak_gpu_mb": max(r["peak_gpu_mb"] for r in runs)} if "peak_gpu_mb" in runs[0] else {}),
         "steps_measured": len(steps),
     }
 
@@ -66,16 +76,34 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[64])
     parser.add_argument("--gradient_checkpointing", type=int, default=1)
     parser.add_argument("--libraries", nargs="+", default=["posttrain", "trl"])
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--bf16", type=int, default=0)
+    parser.add_argument("--model", default=None, help="model folder (default: the embedded SmolLM2)")
     opts = parser.parse_args()
-    model = model_folder()
+    model = opts.model or model_folder()
     table = []
     for length in opts.lengths:
         runs: dict[str, list[dict]] = {lib: [] for lib in opts.libraries}
         for _ in range(opts.rounds):
             for lib in opts.libraries:
-                runs[lib].append(run(lib, model, opts.steps, length, opts.gradient_checkpointing))
+                runs[lib].append(
+                    run(
+                        lib,
+                        model,
+                        opts.steps,
+                        length,
+                        opts.gradient_checkpointing,
+                        opts.device,
+                        opts.bf16,
+                    )
+                )
         summary = {lib: summarise(r) for lib, r in runs.items()}
-        row = {"completion_length": length, **{lib: s for lib, s in summary.items()}}
+        row = {
+            "completion_length": length,
+            "device": opts.device,
+            "bf16": bool(opts.bf16),
+            **{lib: s for lib, s in summary.items()},
+        }
         if {"posttrain", "trl"} <= set(summary):
             p, t = summary["posttrain"], summary["trl"]
             row["ratio"] = {key: p[key] / t[key] for key in p if key != "steps_measured"}
@@ -87,7 +115,8 @@ def main() -> None:
     for row in table:
         if "ratio" not in row:
             continue
-        for key in ("step_time_s", "generated_tokens_per_s", "trained_tokens_per_s", "peak_rss_mb"):
+        keys = ("step_time_s", "generated_tokens_per_s", "trained_tokens_per_s", "peak_rss_mb")
+        for key in keys + (("peak_gpu_mb",) if "peak_gpu_mb" in row["ratio"] else ()):
             print(
                 f"| {row['completion_length']} | {key} | {row['posttrain'][key]:.2f} | {row['trl'][key]:.2f} "
                 f"| {row['ratio'][key]:.2f} |"

@@ -6,7 +6,8 @@ reward functions and GRPOConfig values, and only the import differs.
 
 Anchor config (issue "Performance ahead of TRL"): SmolLM2-135M-Instruct in float32 on the CPU,
 one prompt per step, 8 completions of exactly N tokens (``min_new_tokens=N``), cheap rewards,
-``num_iterations=1``, ``beta=0``.
+``num_iterations=1``, ``beta=0``. ``--device cuda`` runs the same config on the GPU (the step
+clock then waits for the GPU's queue, and the JSON adds the GPU's peak allocated memory).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ def anchor_kwargs(
     num_generations: int = 8,
     gradient_checkpointing: bool = True,
     bf16: bool = False,
+    use_cpu: bool = True,
 ) -> dict:
     """GRPOConfig values of the anchor config (the same for posttrain and TRL)."""
     return {
@@ -52,7 +54,7 @@ def anchor_kwargs(
         "max_steps": steps,
         "learning_rate": 1e-6,
         "bf16": bf16,
-        "use_cpu": True,
+        "use_cpu": use_cpu,
         "gradient_checkpointing": gradient_checkpointing,
         "logging_steps": 1,
         "save_strategy": "no",
@@ -70,8 +72,12 @@ def main() -> None:
     parser.add_argument("--completion_length", type=int, default=64)
     parser.add_argument("--num_generations", type=int, default=8)
     parser.add_argument("--gradient_checkpointing", type=int, default=1)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--bf16", type=int, default=0)
     opts = parser.parse_args()
+    cuda = opts.device == "cuda"
 
+    import torch
     from datasets import Dataset
     from transformers import TrainerCallback
 
@@ -88,13 +94,23 @@ def main() -> None:
             self.times: list[float] = [time.perf_counter()]
 
         def on_step_end(self, args, state, control, **kwargs):
+            if cuda:
+                torch.cuda.synchronize()
             self.times.append(time.perf_counter())
 
     n = opts.completion_length
     clock = Clock()
     with tempfile.TemporaryDirectory() as out:
         args = GRPOConfig(
-            **anchor_kwargs(out, n, opts.steps, opts.num_generations, bool(opts.gradient_checkpointing))
+            **anchor_kwargs(
+                out,
+                n,
+                opts.steps,
+                opts.num_generations,
+                bool(opts.gradient_checkpointing),
+                bool(opts.bf16),
+                use_cpu=not cuda,
+            )
         )
         trainer = GRPOTrainer(
             model=opts.model,
@@ -110,10 +126,13 @@ def main() -> None:
         [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False
     )
     prompt_tokens = len(tok(text, add_special_tokens=False)["input_ids"])
+    gpu = {"peak_gpu_mb": torch.cuda.max_memory_allocated() / 2**20} if cuda else {}
     print(
         json.dumps(
             {
                 "library": opts.library,
+                "device": opts.device,
+                "bf16": bool(opts.bf16),
                 "completion_length": n,
                 "num_generations": opts.num_generations,
                 "gradient_checkpointing": bool(opts.gradient_checkpointing),
@@ -122,6 +141,8 @@ def main() -> None:
                 "trained_tokens_per_step": opts.num_generations * (n + prompt_tokens),
                 "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                 "threads": int(os.environ.get("OMP_NUM_THREADS", "0")) or None,
+                "parameter_dtype": str(next(trainer.model.parameters()).dtype),
+                **gpu,
             }
         )
     )

@@ -4,6 +4,7 @@ Usage::
 
     benchmarks/.venv/bin/python benchmarks/profile_step.py --steps 4 [--completion_length 64]
         [--gradient_checkpointing 1] [--bf16 0] [--share_prompts 1] [--lean 1] [--fused 1] [--heap 0]
+        [--device cpu|cuda]
 
 Wraps the trainer's phases with timers (generation, rewards and advantages, loss forward,
 backward, optimizer step) and prints, per phase, the median over the steps after the first
@@ -11,7 +12,8 @@ backward, optimizer step) and prints, per phase, the median over the steps after
 phase (sampled every 5 ms). ``--heap 1`` adds, per phase, the most bytes glibc's malloc had in
 use (heap and mmapped blocks, ``mallinfo2``) and the heap's size and free bytes at that moment:
 resident memory above what malloc has in use is freed heap that stays resident. Same config
-as ``grpo_step.py``.
+as ``grpo_step.py``. With ``--device cuda`` every timer waits for the GPU's queue at its start
+and end, so a phase's time is its own kernels' (the JSON adds the GPU's peak allocated memory).
 """
 
 from __future__ import annotations
@@ -30,15 +32,18 @@ import time
 from typing import Any
 
 CURRENT = {"phase": "setup"}
+SYNC: list[Any] = [lambda: None]  # torch.cuda.synchronize with --device cuda
 
 
 def timed(store: dict[str, float], name: str, fn: Any) -> Any:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        SYNC[0]()
         start, outer = time.perf_counter(), CURRENT["phase"]
         CURRENT["phase"] = name
         try:
             return fn(*args, **kwargs)
         finally:
+            SYNC[0]()
             store[name] += time.perf_counter() - start
             CURRENT["phase"] = outer
 
@@ -107,8 +112,14 @@ def main() -> None:
     parser.add_argument(
         "--fused", type=int, default=1, help="the lean loop's fused decode step (0: the model's forward)"
     )
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     opts = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+
+    cuda = opts.device == "cuda"
+    if cuda:
+        SYNC[0] = torch.cuda.synchronize
 
     from datasets import Dataset
     from grpo_step import QUESTION, anchor_kwargs, digit_reward, length_reward
@@ -133,10 +144,12 @@ def main() -> None:
     class Clock(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
             CURRENT["step"] = state.global_step
+            SYNC[0]()
             phases.clear()
             phases["_start"] = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kwargs):
+            SYNC[0]()
             total = time.perf_counter() - phases.pop("_start")
             row = dict(phases)
             row["other"] = total - sum(row.values())
@@ -146,7 +159,9 @@ def main() -> None:
     n = opts.completion_length
     with tempfile.TemporaryDirectory() as out:
         args = GRPOConfig(
-            **anchor_kwargs(out, n, opts.steps, 8, bool(opts.gradient_checkpointing), bool(opts.bf16))
+            **anchor_kwargs(
+                out, n, opts.steps, 8, bool(opts.gradient_checkpointing), bool(opts.bf16), use_cpu=not cuda
+            )
         )
         trainer = GRPOTrainer(
             model=opts.model or resolve_embedded("smollm2-135m-instruct"),
@@ -182,6 +197,11 @@ def main() -> None:
     names = [k for k in measured[0] if k != "step"] + ["step"]
     summary = {k: statistics.median(r.get(k, 0.0) for r in measured) for k in names}
     summary["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    if cuda:
+        summary["peak_gpu_mb"] = torch.cuda.max_memory_allocated() / 2**20
+    summary["generation_path"] = (
+        trainer.generator.last_path if hasattr(trainer.generator, "last_path") else None
+    )
     print(json.dumps({"options": vars(opts), "median_s": summary, "peak_rss_by_phase_mb": peaks}))
 
 
