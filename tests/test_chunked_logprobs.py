@@ -322,6 +322,29 @@ def test_a_plain_model_passes_the_first_call_check_silently(tok):
     assert chunked._VERIFIED[model] is True
 
 
+def test_bf16_logits_are_judged_at_bf16_precision(tok):
+    """Under autocast the model's logits are bf16 from its own GEMM (on a GPU another kernel than
+    ours, so other roundings): one bf16 step apart still matches; a transform does not."""
+    from types import SimpleNamespace
+
+    model = tiny(tok)
+    hidden = torch.randn(4, 3, model.config.hidden_size)
+    head = model.get_output_embeddings()
+    with torch.no_grad():
+        exact = torch.nn.functional.linear(hidden[:, -1], head.weight).mul(40.0)
+        head.weight.mul_(40.0)  # logits of tens of units, where bf16's step is 0.125 or more
+        bf16 = exact.to(torch.bfloat16)
+        one_step_off = torch.nextafter(bf16, torch.full_like(bf16, float("inf")))
+    assert chunked.logits_match_head(model, SimpleNamespace(logits=one_step_off[:, None]), hidden)
+    scaled = tiny(tok)
+    with torch.no_grad():
+        scaled.get_output_embeddings().weight.mul_(40.0)
+    with pytest.warns(UserWarning, match="computes its logits differently"):
+        assert not chunked.logits_match_head(
+            scaled, SimpleNamespace(logits=(bf16.float() * 1.5).to(torch.bfloat16)[:, None]), hidden
+        )
+
+
 # ---- PEFT, DDP, Mixture of Experts -----------------------------------------------------------
 
 
