@@ -2,7 +2,7 @@
 # The GPU rows of BENCHMARKS.md in one go: posttrain against TRL on the anchor config on a CUDA
 # device, in bf16 and fp32, at 64, 256 and 1024 completion tokens, plus posttrain's phase profile.
 #
-# Usage: bash benchmarks/gpu_run.sh SOURCE OUT [LENGTH ...]
+# Usage: bash benchmarks/gpu_run.sh SOURCE OUT [64|256|1024|profile ...]
 #   SOURCE: a folder with SmolLM2-135M-Instruct's config.json and tokenizer files (the weights are
 #           drawn at random by benchmarks/random_model.py; the work per step is the same).
 #   OUT:    where the JSON lines and logs go.
@@ -19,22 +19,24 @@ print("transformers", transformers.__version__, "trl", trl.__version__, "dataset
       "accelerate", accelerate.__version__)
 PY
 python3 benchmarks/random_model.py --source "$src" --out "$model" || exit 1
-compare() {  # budget_s bf16 length
+compare() {  # budget_s bf16 length steps
     timeout "$1" python3 benchmarks/compare.py --device cuda --bf16 "$2" --model "$model" \
-        --lengths "$3" --rounds 1 --steps 5 2>>"$out/errors.log" | tee -a "$out/compare.txt"
+        --lengths "$3" --rounds 1 --steps "$4" 2>>"$out/errors.log" | tee -a "$out/compare.txt"
 }
-# lengths to run: the rest of the arguments (default 64 256 1024); budgets in seconds per comparison
+# what to run: the rest of the arguments (default: 64 256 1024 profile); budgets in seconds
 shift 2
-lengths=${*:-64 256 1024}
-for length in $lengths; do
-    case $length in
+items=${*:-64 256 1024 profile}
+for item in $items; do
+    case $item in
         64)
-            compare 110 1 64
-            compare 100 0 64
-            timeout 60 python3 benchmarks/profile_step.py --device cuda --bf16 1 --model "$model" --steps 4 \
-                2>>"$out/errors.log" | tee -a "$out/profile.txt"
+            compare 100 1 64 4
+            compare 90 0 64 4
             ;;
-        1024) compare 240 1 1024 ;;
-        *) compare 110 1 "$length" ;;
+        1024) compare 170 1 1024 3 ;;
+        profile)
+            timeout 60 python3 benchmarks/profile_step.py --device cuda --bf16 1 --model "$model" --steps 4 \
+                2>>"$out/errors.log" | tail -1 | tee -a "$out/profile.txt"
+            ;;
+        *) compare 100 1 "$item" 4 ;;
     esac
 done

@@ -199,9 +199,10 @@ def main() -> None:
     summary["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     if cuda:
         summary["peak_gpu_mb"] = torch.cuda.max_memory_allocated() / 2**20
-    summary["generation_path"] = (
-        trainer.generator.last_path if hasattr(trainer.generator, "last_path") else None
-    )
+    gen = trainer.generator
+    summary["generation_path"] = getattr(gen, "last_path", None)
+    summary["fused_blocker"] = getattr(gen, "last_fused_blocker", None)
+    summary["cuda_graph_blocker"] = getattr(gen, "last_cuda_graph_blocker", None)
     print(json.dumps({"options": vars(opts), "median_s": summary, "peak_rss_by_phase_mb": peaks}))
 
 

@@ -17,6 +17,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
+from posttrain.generation.cuda_graph import GraphedDecodeStep, cuda_graph_blocker
 from posttrain.generation.decode import lean_generate, lean_settings, preallocated_cache
 from posttrain.generation.fused_step import FusedDecoder, fused_decoder_blocker
 from posttrain.generation.transformers_backend import (
@@ -74,38 +75,111 @@ def family(name: str, tok, seed: int = 0) -> torch.nn.Module:
 FAMILIES = ["llama", "llama_rope_scaled", "qwen2", "qwen3", "mistral"]
 
 
-@pytest.mark.parametrize("name", FAMILIES)
-def test_step_logits_and_cache_equal_the_model_forward(tok, name):
-    model = family(name, tok)
-    assert fused_decoder_blocker(model) is None
+#: How each kind of decode step is built for a model and its rows.
+STEPS = {
+    "onednn": lambda model, rows: FusedDecoder(model, rows),
+    "plain": lambda model, rows: FusedDecoder(model, rows, backend="plain"),
+    # the CUDA graph's fixed-shape step and buffer bookkeeping, run eagerly (no GPU needed)
+    "fixed-shape": lambda model, rows: GraphedDecodeStep(
+        FusedDecoder(model, rows, backend="plain"), capture=False
+    ),
+}
+
+
+def compare_steps(model, tok, make_step, tolerance=1e-5, autocast=None, steps=5, low_precision=False):
+    """Run ``steps`` decode steps with ``make_step`` and with the model's forward; compare them.
+
+    ``low_precision``: bf16 arithmetic, where another attention kernel moves logits by a few bf16
+    steps; the logits may then differ by ``tolerance`` times the largest one (a dropped rotation
+    or norm moves them by about that largest one).
+    """
     ids, mask = helpers.left_pad(MIXED, PAD)
+    device = next(model.parameters()).device
+    ids, mask = ids.to(device), mask.to(device)
     rows, width = ids.shape
-    steps = 5
+    context = (
+        torch.autocast(device.type, dtype=autocast)
+        if autocast is not None
+        else torch.autocast("cpu", enabled=False)
+    )
     with torch.no_grad():
-        fused = FusedDecoder(model, rows)
+        fused = make_step(model, rows)
         mine, theirs = preallocated_cache(model, width + steps), preallocated_cache(model, width + steps)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         for cache in (mine, theirs):
-            model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
+            with context:
+                model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
+        for layer in mine.layers:  # what an allocator may leave in the unwritten positions
+            layer._key_buffer[:, :, width:] = float("nan")
+            layer._value_buffer[:, :, width:] = float("inf")
         full_mask = torch.cat([mask, mask.new_ones(rows, steps)], dim=1)
         generator = torch.Generator().manual_seed(1)
         for step in range(steps):
-            tokens = torch.randint(1, len(tok), (rows,), generator=generator)
+            tokens = torch.randint(1, len(tok), (rows,), generator=generator).to(device)
             pos = positions[:, -1] + step + 1
             key_mask = full_mask[:, : width + step + 1]
-            expected = model(
-                input_ids=tokens[:, None],
-                attention_mask=key_mask,
-                position_ids=pos[:, None],
-                cache=theirs,
-                use_cache=True,
-            ).logits[:, -1]
+            with context:
+                expected = model(
+                    input_ids=tokens[:, None],
+                    attention_mask=key_mask,
+                    position_ids=pos[:, None],
+                    cache=theirs,
+                    use_cache=True,
+                ).logits[:, -1]
             got = fused.step(tokens, pos, key_mask, mine.layers)
-            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-            assert got.abs().max() > 1.0  # not a trivially flat comparison
+            scale = float(expected.float().abs().max())
+            assert scale > 1.0  # not a trivially flat comparison
+            atol = tolerance * (scale if low_precision else max(scale / 10, 1.0))
+            torch.testing.assert_close(got.float(), expected.float(), rtol=tolerance, atol=atol)
         for a, b in zip(mine.layers, theirs.layers, strict=True):
-            torch.testing.assert_close(a.keys, b.keys, rtol=1e-5, atol=1e-5)
-            torch.testing.assert_close(a.values, b.values, rtol=1e-5, atol=1e-5)
+            assert a.get_seq_length() == b.get_seq_length() == width + steps
+            cache_atol = tolerance * (float(b.keys.float().abs().max()) if low_precision else 1.0)
+            torch.testing.assert_close(a.keys.float(), b.keys.float(), rtol=tolerance, atol=cache_atol)
+            torch.testing.assert_close(a.values.float(), b.values.float(), rtol=tolerance, atol=cache_atol)
+    return fused
+
+
+@pytest.mark.parametrize("kind", list(STEPS))
+@pytest.mark.parametrize("name", FAMILIES)
+def test_step_logits_and_cache_equal_the_model_forward(tok, name, kind):
+    model = family(name, tok)
+    assert fused_decoder_blocker(model) is None
+    assert fused_decoder_blocker(model, "plain") is None
+    compare_steps(model, tok, STEPS[kind])
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_plain_step_in_bf16_weights_follows_the_bf16_model(tok, name):
+    """A model loaded in bf16: the plain step computes in its dtype, as its forward does."""
+    compare_steps(
+        family(name, tok).to(torch.bfloat16), tok, STEPS["plain"], tolerance=3e-2, low_precision=True
+    )
+
+
+@pytest.mark.parametrize("kind", ["plain", "fixed-shape"])
+def test_step_under_autocast_follows_the_autocast_forward(tok, kind):
+    """The trainer's bf16=True wraps the forward in autocast; autocast_dtype mirrors it."""
+
+    def make(model, rows):
+        fused = FusedDecoder(model, rows, backend="plain", autocast_dtype=torch.bfloat16)
+        return fused if kind == "plain" else GraphedDecodeStep(fused, capture=False)
+
+    compare_steps(
+        family("llama", tok), tok, make, tolerance=3e-2, autocast=torch.bfloat16, low_precision=True
+    )
+
+
+def test_fixed_shape_step_needs_the_cache_filled_up_to_the_new_position(tok):
+    model = family("llama", tok)
+    ids, mask = helpers.left_pad(MIXED, PAD)
+    rows, width = ids.shape
+    with torch.no_grad():
+        cache = preallocated_cache(model, width + 3)
+        model(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True)
+        step = STEPS["fixed-shape"](model, rows)
+        key_mask = torch.cat([mask, mask.new_ones(rows, 2)], dim=1)  # skips a position
+        with pytest.raises(ValueError, match="the cache holds"):
+            step.step(ids[:, -1], mask.sum(-1), key_mask, cache.layers)
 
 
 def greedy(eos: int, new_tokens: int = 10):
@@ -122,18 +196,19 @@ def greedy(eos: int, new_tokens: int = 10):
     )
 
 
+@pytest.mark.parametrize("kind", list(STEPS))
 @pytest.mark.parametrize("name", FAMILIES)
-def test_greedy_tokens_equal_without_and_with_a_shared_prefix(tok, name):
+def test_greedy_tokens_equal_without_and_with_a_shared_prefix(tok, name, kind):
     model = family(name, tok)
     ids, mask = helpers.left_pad(MIXED, PAD)
     settings, reason = lean_settings(model, greedy(tok.eos_token_id))
     assert reason is None
     with torch.no_grad():
         plain = lean_generate(model, ids, mask, settings)
-        fused = lean_generate(model, ids, mask, settings, fused=FusedDecoder(model, len(MIXED)))
+        fused = lean_generate(model, ids, mask, settings, fused=STEPS[kind](model, len(MIXED)))
         prefix = prefill_shared_prefix(model, group_prompts(ids, mask))
         shared = lean_generate(
-            model, ids, mask, settings, prefix_cache=prefix, fused=FusedDecoder(model, len(MIXED))
+            model, ids, mask, settings, prefix_cache=prefix, fused=STEPS[kind](model, len(MIXED))
         )
     assert plain.shape[1] > ids.shape[1] + 3
     assert torch.equal(fused, plain)
@@ -151,6 +226,7 @@ def test_generator_runs_the_fused_step_and_matches_the_unfused_loop(tok):
     model = family("llama", tok)
     fused, gen = run_generator(model, tok)
     assert gen.last_path == "lean+shared_prefix" and gen.last_fused_blocker is None
+    assert gen.last_cuda_graph_blocker == "not a CUDA device"
     plain, off = run_generator(model, tok, fused_step=False)
     assert off.last_fused_blocker == "fused_step=False"
     assert torch.equal(fused, plain)
@@ -191,3 +267,59 @@ def test_generator_falls_back_for_a_lora_model_with_the_same_tokens(tok):
     assert gen.last_path.startswith("lean") and gen.last_fused_blocker is not None
     ref, _ = run_generator(model, tok, lean=False)
     assert torch.equal(out, ref)
+
+
+# ---- on a GPU (run on the device machine; skipped elsewhere) -------------------------------------
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@cuda
+@pytest.mark.parametrize("name", FAMILIES)
+def test_cuda_graph_step_equals_the_model_forward(tok, name):
+    model = family(name, tok).cuda()
+    fused = FusedDecoder(model, len(MIXED))
+    assert fused.backend == "plain" and cuda_graph_blocker(fused, torch.device("cuda")) is None
+    step = compare_steps(model, tok, lambda m, rows: GraphedDecodeStep(FusedDecoder(m, rows)), tolerance=1e-4)
+    assert step.graph is not None and step.replays == 5
+
+
+@cuda
+def test_cuda_graph_under_autocast_follows_the_autocast_forward(tok):
+    make = lambda m, rows: GraphedDecodeStep(FusedDecoder(m, rows, autocast_dtype=torch.bfloat16))  # noqa: E731
+    compare_steps(
+        family("llama", tok).cuda(), tok, make, tolerance=3e-2, autocast=torch.bfloat16, low_precision=True
+    )
+
+
+@cuda
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3"])
+def test_cuda_generator_replays_a_graph_with_the_eager_loop_tokens(tok, name):
+    model = family(name, tok).cuda()
+    gen = TransformersGenerator(lambda: model, greedy(tok.eos_token_id, new_tokens=40))
+    ids, mask = helpers.left_pad(MIXED, PAD)
+    graphed = gen.generate(ids.cuda(), mask.cuda()).completion_ids
+    assert gen.last_fused_blocker is None and gen.last_cuda_graph_blocker is None
+    eager = TransformersGenerator(lambda: model, greedy(tok.eos_token_id, new_tokens=40), fused_step=False)
+    want = eager.generate(ids.cuda(), mask.cuda()).completion_ids
+    assert want.shape[1] > 3
+    assert torch.equal(graphed, want)
+
+
+@cuda
+@pytest.mark.parametrize("bf16", [False, True])
+def test_cuda_trainer_samples_through_the_graphed_step(tmp_path, tok, bf16):
+    from posttrain import GRPOTrainer
+
+    trainer = GRPOTrainer(
+        model=build_tiny_model(tok),
+        reward_funcs=lambda completion_ids, **kw: [float(len(c)) for c in completion_ids],
+        args=helpers.make_config(tmp_path, use_cpu=False, bf16=bf16, max_steps=1, max_completion_length=40),
+        train_dataset=helpers.standard_dataset(),
+        processing_class=tok,
+    )
+    trainer.train()
+    gen = trainer.generator
+    assert gen.last_fused_blocker is None, gen.last_fused_blocker
+    assert gen.last_cuda_graph_blocker is None, gen.last_cuda_graph_blocker
+    assert gen.autocast_dtype == (torch.bfloat16 if bf16 else None)

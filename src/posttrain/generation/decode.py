@@ -41,6 +41,7 @@ from posttrain.generation.transformers_backend import (
 )
 
 if TYPE_CHECKING:
+    from posttrain.generation.cuda_graph import GraphedDecodeStep
     from posttrain.generation.fused_step import FusedDecoder
 
 # ---- the KV cache --------------------------------------------------------------------------------
@@ -433,7 +434,7 @@ def lean_generate(
     prompt_mask: torch.Tensor,
     settings: SamplingSettings,
     prefix_cache: DynamicCache | None = None,
-    fused: FusedDecoder | None = None,
+    fused: FusedDecoder | GraphedDecodeStep | None = None,
 ) -> torch.Tensor:
     """Sample completions like ``model.generate``: ``[N, P] -> [N, P + T]``.
 
@@ -443,9 +444,10 @@ def lean_generate(
         settings: from ``lean_settings``.
         prefix_cache: every row's prompt minus its last token (``prefill_shared_prefix``); the
             prompt is then run from its last token.
-        fused: a ``fused_step.FusedDecoder`` of ``model``, which then runs every one-token step
-            (all steps after the prompt's, and the prompt's too when ``prefix_cache`` holds all
-            but its last token); the model's own forward runs them when None.
+        fused: a ``fused_step.FusedDecoder`` of ``model`` (or a ``cuda_graph.GraphedDecodeStep``
+            of one), which then runs every one-token step (all steps after the prompt's, and the
+            prompt's too when ``prefix_cache`` holds all but its last token); the model's own
+            forward runs them when None.
 
     Returns:
         [N, P + T] the prompts and their completions, T <= ``max_new_tokens``: the loop stops

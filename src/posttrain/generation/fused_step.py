@@ -21,17 +21,29 @@ computes one new position for every row with the same arithmetic as the model's 
 It reads and writes the same ``PreallocatedLayer`` KV cache the prompt's forward filled. The
 logits equal the model's forward to float32 rounding (``tests/test_fused_step.py``); greedy
 decoding gives the same tokens. ``fused_decoder_blocker`` names what it does not cover (other
-architectures, LoRA or quantised layers, sliding windows, autocast); the lean loop then calls
-the model as usual.
+architectures, LoRA or quantised layers, sliding windows, CPU autocast); the lean loop then
+calls the model as usual.
+
+Two backends:
+
+- ``"onednn"`` (float32 weights on the CPU): the packed products above.
+- ``"plain"`` (any device; the default on a GPU): the same arithmetic with ``F.linear`` on the
+  model's own weights, no copies; in the model's dtype, or under autocast (``autocast_dtype``,
+  for a forward that accelerate wrapped in mixed precision). On a GPU a step is launch-bound
+  (hundreds of small kernels); ``static_step`` computes the same step with fixed shapes (the
+  whole cache's capacity, masked) so that ``cuda_graph.GraphedDecodeStep`` can capture it once
+  and replay it for every token.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from posttrain.generation.transformers_backend import (
     _only_full_attention_layers,
@@ -54,21 +66,67 @@ def _rms_norm_module(module: object) -> bool:
     )
 
 
-def fused_decoder_blocker(model: nn.Module) -> str | None:
+#: Weight dtypes the plain backend multiplies with (the model's own dtype).
+PLAIN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _is_plain_linear(module: object, device: torch.device) -> bool:
+    """A plain ``nn.Linear`` on ``device``, unsharded, with the class's own forward."""
+    return (
+        type(module) is nn.Linear
+        and type(module.weight.detach()) is torch.Tensor
+        and module.weight.dtype in PLAIN_DTYPES
+        and module.weight.device == device
+        and module.weight.dim() == 2
+        and not hasattr(module.weight, "ds_id")
+        and "forward" not in module.__dict__
+    )
+
+
+def default_backend(model: nn.Module) -> str | None:
+    """``"onednn"`` for float32 CPU weights where oneDNN is there, ``"plain"`` on a GPU, else None."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    weight = getattr(head, "weight", None)
+    if weight is None:
+        return None
+    if weight.device.type == "cpu":
+        return "onednn" if onednn_linear_available() else None
+    return "plain"
+
+
+def rope_is_static(model: nn.Module) -> bool:
+    """Whether the rotary angles of a position depend on the position alone (not on the length).
+
+    ``"dynamic"`` and ``"longrope"`` scaling change with the sequence length; a cos/sin table made
+    once (``static_step``) would then differ from the model's per-step values.
+    """
+    rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
+    return getattr(rotary, "rope_type", "default") not in {"dynamic", "longrope"}
+
+
+def fused_decoder_blocker(
+    model: nn.Module, backend: str | None = None, autocast_dtype: torch.dtype | None = None
+) -> str | None:
     """Why ``FusedDecoder`` cannot run ``model``'s decode steps, or None when it can.
 
     Args:
         model: the model about to generate (a ``PreTrainedModel``; wrappers are not looked through,
             so a PEFT model falls back).
+        backend: ``"onednn"`` or ``"plain"``; None picks ``default_backend``.
+        autocast_dtype: the plain backend's autocast dtype when the model's forward is wrapped in
+            mixed precision (accelerate's ``bf16``/``fp16``); the wrapper is then accepted.
     """
-    if not onednn_linear_available():
+    backend = backend or default_backend(model)
+    if backend is None:
+        return "no oneDNN linear product in this torch build"
+    if backend == "onednn" and not onednn_linear_available():
         return "no oneDNN linear product in this torch build"
     config = getattr(model, "config", None)
     if getattr(config, "model_type", None) not in FUSED_MODEL_TYPES:
         return f"model type {getattr(config, 'model_type', None)!r}"
     if core_model(model) is not model:
         return "a wrapped model (PEFT)"
-    if "forward" in model.__dict__:
+    if "forward" in model.__dict__ and not (backend == "plain" and autocast_dtype is not None):
         return "the model's forward is wrapped (mixed-precision autocast, hooks)"
     if torch.is_autocast_enabled("cpu"):
         return "CPU autocast"
@@ -76,14 +134,21 @@ def fused_decoder_blocker(model: nn.Module) -> str | None:
         return "sliding-window attention"
     backbone = getattr(model, "model", None)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if backbone is None or not is_packable_linear(head) or head.bias is not None:
-        return "the LM head is not a plain float32 linear layer"
+    if backbone is None or head is None or getattr(head, "bias", None) is not None:
+        return "the LM head is not a plain linear layer"
+    device = head.weight.device
+    if backend == "onednn":
+        linear_ok = is_packable_linear
+        what = "float32 linear layer on the CPU"
+    else:
+        linear_ok = lambda m: _is_plain_linear(m, device)  # noqa: E731
+        what = "linear layer"
+    if not linear_ok(head):
+        return f"the LM head is not a plain {what}"
     embed = getattr(backbone, "embed_tokens", None)
-    if (
-        type(embed) is not nn.Embedding
-        or embed.weight.dtype != torch.float32
-        or embed.weight.device.type != "cpu"
-    ):
+    if type(embed) is not nn.Embedding or embed.weight.device != device:
+        return "the input embedding is not a plain embedding beside the LM head"
+    if backend == "onednn" and embed.weight.dtype != torch.float32:
         return "the input embedding is not a plain float32 embedding on the CPU"
     if not _rms_norm_module(getattr(backbone, "norm", None)) or getattr(backbone, "rotary_emb", None) is None:
         return "no final RMSNorm or rotary embedding"
@@ -91,8 +156,8 @@ def fused_decoder_blocker(model: nn.Module) -> str | None:
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         projections = [getattr(attn, f"{n}_proj", None) for n in "qkvo"]
         projections += [getattr(mlp, f"{n}_proj", None) for n in ("gate", "up", "down")]
-        if not all(is_packable_linear(p) for p in projections):
-            return "a projection is not a plain float32 linear layer (LoRA, quantised, offloaded)"
+        if not all(linear_ok(p) for p in projections):
+            return f"a projection is not a plain {what} (LoRA, quantised, offloaded)"
         if any(p.bias is not None for p in projections[4:]) or projections[3].bias is not None:
             return "biases on the output or MLP projections"
         norms = [getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None)]
@@ -110,25 +175,27 @@ def fused_decoder_blocker(model: nn.Module) -> str | None:
 @dataclass
 class _Layer:
     norm_in: nn.Module
-    qkv: torch.Tensor  # packed [q; k; v]
-    qkv_bias: torch.Tensor | None
+    qkv: tuple[torch.Tensor, ...]  # onednn: (packed [q; k; v],); plain: (q, k, v) weights
+    qkv_bias: tuple[torch.Tensor | None, ...]  # onednn: (packed bias or None,); plain: per projection
     q_norm: nn.Module | None
     k_norm: nn.Module | None
     o: torch.Tensor
     norm_post: nn.Module
-    gate_up: torch.Tensor  # packed [gate; up]
+    gate_up: tuple[torch.Tensor, ...]  # onednn: (packed [gate; up],); plain: (gate, up) weights
     down: torch.Tensor
     act: nn.Module
     scaling: float
 
 
 def _rms_norm(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
-    """``transformers``' RMSNorm on a float32 tensor, operation for operation."""
+    """``transformers``' RMSNorm, operation for operation (float32 statistics, weight after)."""
+    dtype = x.dtype
+    x = x.float()  # the same tensor when it already is float32
     variance = x.pow(2).mean(-1, keepdim=True)
-    return module.weight * (x * torch.rsqrt(variance + module.variance_epsilon))
+    return module.weight * (x * torch.rsqrt(variance + module.variance_epsilon)).to(dtype)
 
 
-def _linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def _onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
@@ -139,49 +206,72 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class FusedDecoder:
-    """One model's decode steps with fused, prepacked products (see the module docstring).
+    """One model's decode steps without the module tree (see the module docstring).
 
-    Build it inside ``torch.no_grad()`` for one generation call: it holds a packed copy of the
-    weights (about the size of the model's linear layers), freed with the object.
+    Build it inside ``torch.no_grad()`` for one generation call. The oneDNN backend holds a
+    packed copy of the weights (about the size of the model's linear layers), freed with the
+    object; the plain backend uses the model's weights as they are.
 
     Args:
         model: a model ``fused_decoder_blocker`` accepts.
         rows: rows per decode step (the packing's batch-size hint).
+        backend: ``"onednn"`` or ``"plain"``; None picks ``default_backend``.
+        autocast_dtype: run every step under autocast to this dtype (plain backend; the model's
+            forward is wrapped in mixed precision).
     """
 
-    def __init__(self, model: nn.Module, rows: int) -> None:
-        reason = fused_decoder_blocker(model)
+    def __init__(
+        self,
+        model: nn.Module,
+        rows: int,
+        backend: str | None = None,
+        autocast_dtype: torch.dtype | None = None,
+    ) -> None:
+        backend = backend or default_backend(model)
+        reason = fused_decoder_blocker(model, backend, autocast_dtype)
         if reason is not None:
             raise ValueError(f"FusedDecoder cannot run this model: {reason}")
+        self.backend = backend
+        self.autocast_dtype = autocast_dtype
+        self.rope_is_static = rope_is_static(model)
         backbone = model.model
         self.embed = backbone.embed_tokens.weight.detach()
         self.rotary = backbone.rotary_emb
         self.final_norm = backbone.norm
-        self.head = self._pack(model.get_output_embeddings().weight, rows)
+        self.head = self._weight(model.get_output_embeddings().weight, rows)
         self.layers: list[_Layer] = []
         for layer in backbone.layers:
             attn, mlp = layer.self_attn, layer.mlp
             q, k, v = attn.q_proj, attn.k_proj, attn.v_proj
-            biases = [p.bias for p in (q, k, v)]
-            qkv_bias = None
-            if any(b is not None for b in biases):
-                qkv_bias = torch.cat(
-                    [
-                        b.detach() if b is not None else p.weight.new_zeros(p.out_features)
-                        for b, p in zip(biases, (q, k, v), strict=True)
-                    ]
-                )
+            biases = [None if p.bias is None else p.bias.detach() for p in (q, k, v)]
+            if backend == "onednn":
+                qkv = (self._weight(torch.cat([q.weight, k.weight, v.weight]), rows),)
+                qkv_bias: tuple[torch.Tensor | None, ...] = (None,)
+                if any(b is not None for b in biases):
+                    qkv_bias = (
+                        torch.cat(
+                            [
+                                b if b is not None else p.weight.new_zeros(p.out_features)
+                                for b, p in zip(biases, (q, k, v), strict=True)
+                            ]
+                        ),
+                    )
+                gate_up = (self._weight(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), rows),)
+            else:
+                qkv = (q.weight.detach(), k.weight.detach(), v.weight.detach())
+                qkv_bias = tuple(biases)
+                gate_up = (mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach())
             self.layers.append(
                 _Layer(
                     norm_in=layer.input_layernorm,
-                    qkv=self._pack(torch.cat([q.weight, k.weight, v.weight]), rows),
+                    qkv=qkv,
                     qkv_bias=qkv_bias,
                     q_norm=getattr(attn, "q_norm", None),
                     k_norm=getattr(attn, "k_norm", None),
-                    o=self._pack(attn.o_proj.weight, rows),
+                    o=self._weight(attn.o_proj.weight, rows),
                     norm_post=layer.post_attention_layernorm,
-                    gate_up=self._pack(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), rows),
-                    down=self._pack(mlp.down_proj.weight, rows),
+                    gate_up=gate_up,
+                    down=self._weight(mlp.down_proj.weight, rows),
                     act=mlp.act_fn,
                     scaling=float(attn.scaling),
                 )
@@ -192,9 +282,92 @@ class FusedDecoder:
         self.kv_width = first.k_proj.out_features
         self.intermediate = backbone.layers[0].mlp.gate_proj.out_features
 
-    @staticmethod
-    def _pack(weight: torch.Tensor, rows: int) -> torch.Tensor:
-        return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), rows)
+    def _weight(self, weight: torch.Tensor, rows: int) -> torch.Tensor:
+        if self.backend == "onednn":
+            return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), rows)
+        return weight.detach()
+
+    def _linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if self.backend == "onednn":
+            return _onednn_linear(x, weight, bias)
+        return F.linear(x, weight, bias)
+
+    def _autocast(self, device: torch.device) -> contextlib.AbstractContextManager:
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        # no weight-cast cache: a CUDA graph may capture the step (the cache is not graph-safe)
+        return torch.autocast(device.type, dtype=self.autocast_dtype, cache_enabled=False)
+
+    def _qkv(self, x: torch.Tensor, layer: _Layer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Query [N, Q], key and value [N, K] of one position per row."""
+        if len(layer.qkv) == 1:  # one packed product
+            qkv = self._linear(x, layer.qkv[0], layer.qkv_bias[0])
+            q_end = self.q_width + self.kv_width
+            return qkv[:, : self.q_width], qkv[:, self.q_width : q_end], qkv[:, q_end:]
+        q, k, v = (self._linear(x, w, b) for w, b in zip(layer.qkv, layer.qkv_bias, strict=True))
+        return q, k, v
+
+    def _mlp(self, x: torch.Tensor, layer: _Layer) -> torch.Tensor:
+        if len(layer.gate_up) == 1:
+            gate_up = self._linear(x, layer.gate_up[0])
+            gate, up = gate_up[:, : self.intermediate], gate_up[:, self.intermediate :]
+        else:
+            gate, up = (self._linear(x, w) for w in layer.gate_up)
+        return self._linear(layer.act(gate) * up, layer.down)
+
+    def _rotated(
+        self, layer: _Layer, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Query [N, kv_heads, group, d] and key [N, kv_heads, 1, d], normed (Qwen3) and rotated.
+
+        ``cos``/``sin``: [N, 1, 1, d].
+        """
+        rows, d = q.shape[0], self.head_dim
+        kv_heads = self.kv_width // d
+        group = self.q_width // self.kv_width
+        if layer.q_norm is None and len(layer.qkv) == 1:
+            # the query and key heads are adjacent in the packed product: rotate them together
+            qk = q.as_strided((rows, (self.q_width + self.kv_width) // d, d), (q.stride(0), d, 1))
+            qk = _rotate(qk, cos[:, 0], sin[:, 0])
+            q = qk[:, : kv_heads * group].reshape(rows, kv_heads, group, d)
+            return q, qk[:, kv_heads * group :].view(rows, kv_heads, 1, d)
+        q, k = q.reshape(rows, kv_heads, group, d), k.reshape(rows, kv_heads, 1, d)
+        if layer.q_norm is not None:  # Qwen3: per-head norms with their own weights first
+            q, k = _rms_norm(q, layer.q_norm), _rms_norm(k, layer.k_norm)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+    def _attend(
+        self,
+        layer: _Layer,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        bias: torch.Tensor,
+    ) -> torch.Tensor:
+        """[N, Q] attention output; keys/values [N, kv_heads, L, d], bias [N * kv_heads, group, L]."""
+        rows, d = q.shape[0], self.head_dim
+        kv_heads, length = keys.shape[1], keys.shape[2]
+        group = self.q_width // self.kv_width
+        scores = torch.baddbmm(
+            bias,
+            q.reshape(rows * kv_heads, group, d).to(keys.dtype),
+            keys.reshape(rows * kv_heads, length, d).transpose(1, 2),
+            alpha=layer.scaling,
+        )
+        probs = torch.softmax(scores.float(), dim=-1).to(values.dtype)
+        attended = torch.bmm(probs, values.reshape(rows * kv_heads, length, d))
+        return attended.view(rows, self.q_width)
+
+    def _bias(self, key_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """0 where a row attends, -inf on its padding: [N * kv_heads, group, L] for every layer."""
+        rows, length = key_mask.shape
+        kv_heads = self.kv_width // self.head_dim
+        group = self.q_width // self.kv_width
+        bias = torch.zeros(rows, 1, 1, length, dtype=dtype, device=key_mask.device)
+        bias = bias.masked_fill(~key_mask.bool()[:, None, None, :], -math.inf)
+        return bias.expand(rows, kv_heads, group, length).reshape(rows * kv_heads, group, length)
 
     def step(
         self,
@@ -211,44 +384,67 @@ class FusedDecoder:
             key_mask: [N, L] which cached positions (the new one included, last) each row attends to.
             cache_layers: the ``PreallocatedLayer``s of the cache, one per decoder layer.
         """
-        rows, d = tokens.shape[0], self.head_dim
-        kv_heads = self.kv_width // d
+        with self._autocast(tokens.device):
+            h = self.embed[tokens]  # [N, H]
+            cos, sin = self.rotary(h[:, None], positions[:, None])  # [N, 1, d]
+            cos, sin = cos[:, None], sin[:, None]  # [N, 1, 1, d]
+            bias = None
+            for layer, cache in zip(self.layers, cache_layers, strict=True):
+                q, k, v = self._qkv(_rms_norm(h, layer.norm_in), layer)
+                q, k = self._rotated(layer, q, k, cos, sin)
+                v = v.reshape(v.shape[0], -1, 1, self.head_dim)
+                keys, values = cache.update(k, v)  # [N, kv_heads, L, d]
+                if bias is None:
+                    bias = self._bias(key_mask, torch.promote_types(keys.dtype, q.dtype))
+                h = h + self._linear(self._attend(layer, q, keys, values, bias), layer.o)
+                h = h + self._mlp(_rms_norm(h, layer.norm_post), layer)
+            return self._linear(_rms_norm(h, self.final_norm), self.head)
+
+    def rotary_table(self, capacity: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [capacity, d] of positions 0..capacity-1 (``rope_is_static`` models)."""
+        probe = self.embed[:1, None].expand(1, capacity, -1)
+        cos, sin = self.rotary(probe, torch.arange(capacity, device=device)[None])
+        return cos[0], sin[0]
+
+    def static_step(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        bias_rows: torch.Tensor,
+        index: torch.Tensor,
+        buffers: list[tuple[torch.Tensor, torch.Tensor]],
+        table: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        """``step`` with fixed shapes and no host reads, for CUDA graph capture.
+
+        Attends over the cache's whole capacity with ``bias_rows`` masking what a row does not
+        see (its padding and the positions not written yet), and writes the new keys and values
+        at ``index``.
+
+        Args:
+            tokens, positions: [N] as in ``step``.
+            bias_rows: [N, C] 0 where a row attends, -inf elsewhere (C: the cache's capacity).
+            index: [1] the cache position this step writes.
+            buffers: each layer's full key and value buffers [N, kv_heads, C, d].
+            table: ``rotary_table(C)``.
+        """
+        rows, capacity = bias_rows.shape
+        kv_heads = self.kv_width // self.head_dim
         group = self.q_width // self.kv_width
-        length = key_mask.shape[1]
-        h = self.embed[tokens]  # [N, H]
-        cos, sin = self.rotary(h[:, None], positions[:, None])  # [N, 1, d]
-        cos, sin = cos[:, None], sin[:, None]  # [N, 1, 1, d]
-        # 0 where a row attends, -inf on its padding; one [N * kv_heads, group, L] bias for all layers
-        bias = torch.zeros(rows, 1, 1, length, dtype=h.dtype, device=h.device)
-        bias = bias.masked_fill(~key_mask.bool()[:, None, None, :], -math.inf)
-        bias = bias.expand(rows, kv_heads, group, length).reshape(rows * kv_heads, group, length)
-        for layer, cache in zip(self.layers, cache_layers, strict=True):
-            x = _rms_norm(h, layer.norm_in)
-            qkv = _linear(x, layer.qkv, layer.qkv_bias)
-            v = qkv[:, self.q_width + self.kv_width :].view(rows, kv_heads, 1, d)
-            if layer.q_norm is None:  # rotate the query and key heads together: [N, heads + kv_heads, d]
-                qk = _rotate(qkv[:, : self.q_width + self.kv_width].view(rows, -1, d), cos[:, 0], sin[:, 0])
-                q = qk[:, : kv_heads * group].reshape(rows, kv_heads, group, d)
-                k = qk[:, kv_heads * group :].view(rows, kv_heads, 1, d)
-            else:  # Qwen3: per-head norms with their own weights first
-                q = _rms_norm(qkv[:, : self.q_width].view(rows, kv_heads, group, d), layer.q_norm)
-                k = _rms_norm(
-                    qkv[:, self.q_width : self.q_width + self.kv_width].view(rows, kv_heads, 1, d),
-                    layer.k_norm,
-                )
-                q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-            keys, values = cache.update(k, v)  # [N, kv_heads, L, d]
-            scores = torch.baddbmm(
-                bias,
-                q.reshape(rows * kv_heads, group, d),
-                keys.reshape(rows * kv_heads, length, d).transpose(1, 2),
-                alpha=layer.scaling,
-            )
-            attended = torch.bmm(torch.softmax(scores, dim=-1), values.reshape(rows * kv_heads, length, d))
-            h = h + _linear(attended.view(rows, self.q_width), layer.o)
-            x = _rms_norm(h, layer.norm_post)
-            gate_up = _linear(x, layer.gate_up)
-            h = h + _linear(
-                layer.act(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :], layer.down
-            )
-        return _linear(_rms_norm(h, self.final_norm), self.head)
+        with self._autocast(tokens.device):
+            h = self.embed[tokens]
+            cos, sin = (t[positions].to(h.dtype)[:, None, None] for t in table)  # [N, 1, 1, d]
+            bias = None
+            for layer, (key_buffer, value_buffer) in zip(self.layers, buffers, strict=True):
+                q, k, v = self._qkv(_rms_norm(h, layer.norm_in), layer)
+                q, k = self._rotated(layer, q, k, cos, sin)
+                key_buffer.index_copy_(2, index, k.to(key_buffer.dtype))
+                value_buffer.index_copy_(2, index, v.reshape(rows, kv_heads, 1, -1).to(value_buffer.dtype))
+                if bias is None:
+                    dtype = torch.promote_types(key_buffer.dtype, q.dtype)
+                    bias = bias_rows.to(dtype)[:, None, None, :].expand(rows, kv_heads, group, capacity)
+                    bias = bias.reshape(rows * kv_heads, group, capacity)
+                attended = self._attend(layer, q, key_buffer, value_buffer, bias)
+                h = h + self._linear(attended, layer.o)
+                h = h + self._mlp(_rms_norm(h, layer.norm_post), layer)
+            return self._linear(_rms_norm(h, self.final_norm), self.head)

@@ -33,6 +33,7 @@ from transformers.cache_utils import DynamicLayer
 from posttrain.generation.base import Samples
 
 if TYPE_CHECKING:
+    from posttrain.generation.cuda_graph import GraphedDecodeStep
     from posttrain.generation.fused_step import FusedDecoder
 
 
@@ -317,9 +318,16 @@ class TransformersGenerator:
         lean: sample with ``decode.lean_generate`` instead of ``generate`` when
             ``decode.lean_settings`` accepts the model and configuration.
         fused_step: in the lean loop, run the one-token decode steps with
-            ``fused_step.FusedDecoder`` (fused, prepacked products and no module tree) when
-            ``prepack_weights`` applies and ``fused_step.fused_decoder_blocker`` finds nothing
-            against the model; the packed weights of ``onednn_prepacked_linears`` are then not built.
+            ``fused_step.FusedDecoder`` (no module tree) when ``fused_step.fused_decoder_blocker``
+            finds nothing against the model: on the CPU with fused, prepacked products (where
+            ``prepack_weights`` applies; the packed weights of ``onednn_prepacked_linears`` are
+            then not built), on a GPU with the model's own weights.
+        cuda_graph: on a GPU, capture the fused step as a CUDA graph once per call and replay it
+            for every token (``cuda_graph.GraphedDecodeStep``), unless
+            ``cuda_graph.cuda_graph_blocker`` gives a reason.
+        autocast_dtype: the dtype of the mixed-precision autocast the model's forward is wrapped
+            in (the trainer's ``bf16``/``fp16``); the fused step on a GPU then runs under the same
+            autocast. None: no wrapper (the fused step refuses a wrapped forward).
     """
 
     def __init__(
@@ -331,6 +339,8 @@ class TransformersGenerator:
         prepack_weights: bool = True,
         lean: bool = True,
         fused_step: bool = True,
+        cuda_graph: bool = True,
+        autocast_dtype: torch.dtype | None = None,
     ) -> None:
         self.get_model = get_model
         self.config = config
@@ -339,12 +349,15 @@ class TransformersGenerator:
         self.prepack_weights = prepack_weights
         self.lean = lean
         self.fused_step = fused_step
+        self.cuda_graph = cuda_graph
+        self.autocast_dtype = autocast_dtype
         # What the latest call used: "plain" or "shared_prefix" (generate), "lean" or
         # "lean+shared_prefix" (decode.lean_generate).
         self.last_path = "plain"
         self.last_blocker: str | None = None  # why the latest call did not prefill the shared prefix
         self.last_lean_blocker: str | None = None  # why the latest call ran generate
         self.last_fused_blocker: str | None = None  # why the latest lean call ran the model's forward
+        self.last_cuda_graph_blocker: str | None = None  # why the latest lean call replayed no graph
 
     @torch.no_grad()
     def generate(
@@ -385,17 +398,31 @@ class TransformersGenerator:
 
     def _fused_decoder(
         self, model: torch.nn.Module, rows: int, config: GenerationConfig
-    ) -> FusedDecoder | None:
-        """A ``FusedDecoder`` for the lean loop, or None (the reason in ``last_fused_blocker``)."""
-        from posttrain.generation.fused_step import FusedDecoder, fused_decoder_blocker
+    ) -> FusedDecoder | GraphedDecodeStep | None:
+        """The lean loop's one-token step: fused (graphed on a GPU), or None for the model's forward.
 
+        The reasons for what did not apply go to ``last_fused_blocker`` and ``last_cuda_graph_blocker``.
+        """
+        from posttrain.generation.cuda_graph import GraphedDecodeStep, cuda_graph_blocker
+        from posttrain.generation.fused_step import FusedDecoder, default_backend, fused_decoder_blocker
+
+        self.last_cuda_graph_blocker = "no fused decode step"
+        backend = default_backend(model)
         if not self.fused_step:
             self.last_fused_blocker = "fused_step=False"
-        elif not self._packing_pays(config):
+        elif backend == "onednn" and not self._packing_pays(config):
             self.last_fused_blocker = "prepack_weights=False or too few new tokens to repay packing"
         else:
-            self.last_fused_blocker = fused_decoder_blocker(model)
-        return FusedDecoder(model, rows) if self.last_fused_blocker is None else None
+            self.last_fused_blocker = fused_decoder_blocker(model, backend, self.autocast_dtype)
+        if self.last_fused_blocker is not None:
+            return None
+        fused = FusedDecoder(model, rows, backend, self.autocast_dtype)
+        device = model.get_output_embeddings().weight.device
+        if not self.cuda_graph:
+            self.last_cuda_graph_blocker = "cuda_graph=False"
+        else:
+            self.last_cuda_graph_blocker = cuda_graph_blocker(fused, device)
+        return GraphedDecodeStep(fused) if self.last_cuda_graph_blocker is None else fused
 
     def _generate(
         self,

@@ -377,7 +377,11 @@ class GRPOTrainer(Trainer):
                 cb_config=a.transformers_continuous_batching_config,
                 full_parameters=full_parameters,
             )
-        return TransformersGenerator(get_model=get_model, config=config, full_parameters=full_parameters)
+        # accelerate wraps the forward in autocast for bf16/fp16; the fused decode step mirrors it
+        autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.accelerator.mixed_precision)
+        return TransformersGenerator(
+            get_model=get_model, config=config, full_parameters=full_parameters, autocast_dtype=autocast
+        )
 
     @property
     def _tokenizer(self) -> Any:
