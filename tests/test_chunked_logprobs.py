@@ -345,6 +345,27 @@ def test_bf16_logits_are_judged_at_bf16_precision(tok):
         )
 
 
+def test_the_trainers_bf16_autocast_keeps_the_chunked_path(tmp_path, tok):
+    """bf16=True: accelerate wraps the forward in autocast and casts the logits back to float32;
+    the check must still judge them at bf16 precision (it sent every such run to full logits)."""
+    from helpers import make_config, standard_dataset
+
+    from posttrain import GRPOTrainer
+
+    trainer = GRPOTrainer(
+        model=tiny(tok),
+        reward_funcs=lambda completion_ids, **kw: [float(sum(c) % 3) for c in completion_ids],
+        args=make_config(tmp_path, bf16=True, max_steps=1),
+        train_dataset=standard_dataset(),
+        processing_class=tok,
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train()
+    assert not [w for w in caught if "computes its logits differently" in str(w.message)]
+    assert chunked._VERIFIED[chunked.causal_lm(trainer.model)] is True
+
+
 # ---- PEFT, DDP, Mixture of Experts -----------------------------------------------------------
 
 

@@ -342,10 +342,16 @@ def run_with_hidden(model: nn.Module, **inputs: Any) -> tuple[Any, torch.Tensor]
         states [B, L, H] of every position.
     """
     captured: list[torch.Tensor] = []
+    lm = causal_lm(model)
 
     def keep(module: nn.Module, args: Any, output: Any) -> None:
         hidden = getattr(output, "last_hidden_state", None)
-        captured.append(hidden if hidden is not None else output[0])
+        hidden = hidden if hidden is not None else output[0]
+        captured.append(hidden)
+        # the head's product runs under the same autocast (accelerate wraps the whole forward
+        # and casts the logits back to float32, so their dtype does not tell)
+        device = hidden.device.type
+        _AUTOCAST_SEEN[lm] = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
 
     handle = causal_lm(model).get_decoder().register_forward_hook(keep)
     try:
@@ -358,6 +364,8 @@ def run_with_hidden(model: nn.Module, **inputs: Any) -> tuple[Any, torch.Tensor]
 
 
 _VERIFIED: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
+#: the autocast dtype the model's latest ``run_with_hidden`` forward ran under (None: none)
+_AUTOCAST_SEEN: weakref.WeakKeyDictionary[nn.Module, torch.dtype | None] = weakref.WeakKeyDictionary()
 
 
 def logits_match_head(model: nn.Module, out: Any, hidden: torch.Tensor) -> bool:
@@ -380,9 +388,10 @@ def logits_match_head(model: nn.Module, out: Any, hidden: torch.Tensor) -> bool:
             head_input(model, hidden[:, -1]), head.weight, head.bias
         ).float()  # [B, V]
         theirs = out.logits[:, -1].float()  # [B, V]
-        # bf16 logits (autocast) come from the model's own product, on a GPU often another kernel
-        # than ours: judge them at the precision they have, not the weights'
-        precision = max(torch.finfo(head.weight.dtype).eps, torch.finfo(out.logits.dtype).eps)
+        # bf16 logits (autocast) come from a bf16 product, ours from a float32 one (or another
+        # bf16 kernel): judge them at the precision they were computed in, not the weights'
+        dtypes = [head.weight.dtype, out.logits.dtype, _AUTOCAST_SEEN.get(lm) or head.weight.dtype]
+        precision = max(torch.finfo(d).eps for d in dtypes)
         tol = 8 * precision
         ok = bool(torch.allclose(ours, theirs, rtol=tol, atol=tol * float(theirs.abs().max())))
     _VERIFIED[lm] = ok
