@@ -1,4 +1,4 @@
-"""ops/memory.py: large blocks are mapped on their own and go back to the system when freed."""
+"""ops/memory.py: large blocks are mapped on their own, and backward returns freed heap pages."""
 
 from __future__ import annotations
 
@@ -73,5 +73,93 @@ def test_the_trainer_applies_it_on_the_cpu(tmp_path, monkeypatch):
     tok = build_tiny_tokenizer()
     calls = []
     monkeypatch.setattr(memory, "map_large_blocks", lambda: calls.append(1) or memory.MMAP_THRESHOLD)
-    make_trainer(tok, length_reward, make_config(tmp_path, max_steps=1))
+    trainer = make_trainer(tok, length_reward, make_config(tmp_path, max_steps=1))
     assert calls == [1]
+    if memory._libc() is not None:
+        assert len(trainer._trim_hooks) >= 1  # at least the last decoder layer's
+
+
+# ---- freed heap pages returned in backward ------------------------------------------------------
+
+# In a fresh process: 1 MB blocks (below the 4 MB threshold: heap) each followed by a small block
+# that stays, as activations sit between longer-lived tensors; free the large ones, then trim.
+HEAP_PATTERN = textwrap.dedent(
+    """
+    import torch
+    from posttrain.ops import memory
+
+    def rss_mb():
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) // 1024 for line in f if line.startswith("RssAnon"))
+
+    memory.map_large_blocks()
+    large, small = [], []
+    for _ in range(300):
+        large.append(torch.ones(2**18))  # 1 MB
+        small.append(torch.ones(256))  # 1 KB, kept
+    del large
+    before = rss_mb()
+    memory.trim_heap()
+    print(before - rss_mb())
+    """
+)
+
+
+@needs_glibc
+def test_trim_heap_returns_freed_heap_pages():
+    out = subprocess.run([sys.executable, "-c", HEAP_PATTERN], capture_output=True, text=True, check=True)
+    assert int(out.stdout.strip().splitlines()[-1]) > 200  # of the 300 MB freed inside the heap
+
+
+def _stack(layers: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=layers,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
+    )  # fmt: skip
+    return LlamaForCausalLM(config)
+
+
+@needs_glibc
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_backward_trims_at_every_nth_decoder_layer_from_the_last(monkeypatch, checkpointing):
+    import torch
+
+    model = _stack(8)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    fired: list[int] = []
+    memory.trim_heap_in_backward(model, every=3)
+    hooked = [
+        i
+        for i, layer in enumerate(model.model.layers)
+        if any(hook is memory._trim_at_backward for hook in layer._forward_hooks.values())
+    ]
+    assert hooked == [1, 4, 7]  # from the last layer, the first one backward reaches
+    monkeypatch.setattr(memory, "trim_heap", lambda: fired.append(len(fired)) or True)
+    ids = torch.randint(0, 64, (2, 5))
+    with torch.no_grad():
+        model(input_ids=ids)  # generation and reference forwards: nothing
+    assert fired == []
+    loss = model(input_ids=ids, labels=ids).loss
+    assert fired == []  # only once backward reaches those layers
+    loss.backward()
+    assert len(fired) == 3
+
+
+@needs_glibc
+def test_trim_layers_from_the_environment(monkeypatch):
+    model = _stack(8)
+    monkeypatch.setenv("POSTTRAIN_MALLOC_TRIM_LAYERS", "0")
+    assert memory.trim_heap_in_backward(model) == []
+    monkeypatch.setenv("POSTTRAIN_MALLOC_TRIM_LAYERS", "2")
+    assert len(memory.trim_heap_in_backward(model)) == 4  # layers 7, 5, 3, 1
+    monkeypatch.setenv("POSTTRAIN_MALLOC_TRIM_LAYERS", "every five")
+    with pytest.raises(
+        ValueError, match="POSTTRAIN_MALLOC_TRIM_LAYERS='every five' is not a non-negative integer"
+    ):
+        memory.trim_heap_in_backward(model)
+    monkeypatch.delenv("POSTTRAIN_MALLOC_TRIM_LAYERS")
+    assert len(memory.trim_heap_in_backward(model)) == 2  # default 5: layers 7 and 2

@@ -171,8 +171,10 @@ class GRPOTrainer(Trainer):
         for reward_model in reward_models(rewards.funcs):
             reward_model.to(self.accelerator.device)
         self.rollout_func = rollout_func
-        if self.accelerator.device.type == "cpu":
-            memory.map_large_blocks()  # large activations stay out of glibc's heap (ops/memory.py)
+        self._trim_hooks: list[Any] = []
+        if self.accelerator.device.type == "cpu":  # glibc's heap (ops/memory.py):
+            memory.map_large_blocks()  # large activations stay out of it,
+            self._trim_hooks = memory.trim_heap_in_backward(self.model)  # freed small ones leave it
         self.generator: Generator = self._setup_generator()
         self.agent = self._setup_agent(tools, environment_factory) if agent_mode else None
         self._reward_names = list(rewards.names) + (self.agent.reward_names if self.agent else [])

@@ -15,6 +15,13 @@ fragment the heap. The cost is the page faults of touching fresh pages, paid by 
 only. ``GRPOTrainer`` applies it once, on the CPU; where the environment already sets
 ``MALLOC_MMAP_THRESHOLD_`` (glibc's own variable), or ``POSTTRAIN_MALLOC_MMAP_THRESHOLD`` is set
 (bytes; 0 leaves glibc's default), that choice wins. Nothing is done on other C libraries.
+
+The blocks below the threshold still fragment the heap in backward: activations freed layer by
+layer leave holes that stay resident while the gradients are allocated elsewhere. At the anchor
+(64 tokens) glibc held 400 to 450 MB of free heap at the backward peak. ``trim_heap_in_backward``
+returns those pages to the system (``malloc_trim``) every few decoder layers of backward
+(``TRIM_EVERY_LAYERS``; ``POSTTRAIN_MALLOC_TRIM_LAYERS`` overrides it, 0 turns it off), which
+took 400 MB off the anchor's peak resident memory at no measurable cost in step time.
 """
 
 from __future__ import annotations
@@ -23,10 +30,16 @@ import ctypes
 import ctypes.util
 import functools
 import os
+from typing import Any
+
+from torch import nn
 
 #: Blocks of at least this many bytes are mapped on their own (4 MB: the SmolLM2 anchor's
 #: per-layer tensors stay in the heap, longer sequences' activations do not).
 MMAP_THRESHOLD = 4 * 1024 * 1024
+
+#: Backward returns the heap's free pages to the system every this many decoder layers.
+TRIM_EVERY_LAYERS = 5
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
@@ -74,3 +87,67 @@ def map_large_blocks(threshold: int | None = None) -> int:
         return 0
     libc.mallopt(_M_TRIM_THRESHOLD, 2 * int(threshold))
     return int(threshold)
+
+
+def _env_count(name: str, default: int, example: str) -> int:
+    """A non-negative integer from the environment variable ``name`` (``default`` when unset)."""
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return default
+    if not value.isdigit():
+        raise ValueError(f"{name}={value!r} is not a non-negative integer; set it to {example}.")
+    return int(value)
+
+
+def trim_heap() -> bool:
+    """Return the free pages of glibc's heap to the system now (``malloc_trim(0)``); False elsewhere."""
+    libc = _libc()
+    return bool(libc is not None and libc.malloc_trim(0))
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The model's transformer blocks, in order: its ``_no_split_modules`` classes, else ``*DecoderLayer``."""
+    names: set[str] = set()
+    for module in model.modules():
+        names.update(getattr(module, "_no_split_modules", None) or ())
+    return [
+        m
+        for m in model.modules()
+        if type(m).__name__ in names or (not names and type(m).__name__.endswith("DecoderLayer"))
+    ]
+
+
+def trim_heap_in_backward(model: nn.Module, every: int | None = None) -> list[Any]:
+    """Trim glibc's heap at the start of the backward of every ``every``-th decoder layer.
+
+    A forward hook on those layers puts a gradient hook on their output when gradients are on;
+    the gradient hook calls ``trim_heap`` as that layer's backward begins. The first trim comes
+    at the last layer (the first one backward reaches), then one every ``every`` layers.
+    Forwards without gradients (generation, the reference model) are untouched.
+
+    Args:
+        model: the model being trained (a wrapper such as a PEFT model is searched through).
+        every: layers between trims; None reads ``POSTTRAIN_MALLOC_TRIM_LAYERS``, else
+            ``TRIM_EVERY_LAYERS``; 0 installs nothing.
+
+    Returns:
+        The hook handles (empty when nothing was installed: not glibc, ``every`` of 0, or no
+        decoder layers found).
+    """
+    if every is None:
+        every = _env_count("POSTTRAIN_MALLOC_TRIM_LAYERS", TRIM_EVERY_LAYERS, "5, or 0 to turn trimming off")
+    if every <= 0 or _libc() is None:
+        return []
+    layers = decoder_layers(model)
+    chosen = layers[len(layers) - 1 :: -every][::-1]
+    return [layer.register_forward_hook(_trim_at_backward) for layer in chosen]
+
+
+def _trim_at_backward(module: nn.Module, args: Any, output: Any) -> None:
+    hidden = output[0] if isinstance(output, (tuple, list)) else output
+    if getattr(hidden, "requires_grad", False) and hidden.grad_fn is not None:
+        hidden.register_hook(_trim_hook)
+
+
+def _trim_hook(grad: Any) -> None:
+    trim_heap()
