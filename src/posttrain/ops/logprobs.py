@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from posttrain.ops import chunked, shared_prefix
+from posttrain.ops import checkpointing, chunked, shared_prefix
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -106,7 +106,16 @@ def completion_logps(
         groups = None
         if share_prompts and shared_prefix.supported(model):
             groups = shared_prefix.prompt_groups(prompt_ids, prompt_mask)
-        with sparse_tied_embedding_grad(model):
+        rows, width = completion_ids.shape
+        if groups is not None:  # each distinct prompt once, then the completions after it
+            prompt_width = groups.ids.shape[1]
+            forwards = [
+                (groups.ids.shape[0], prompt_width, prompt_width),
+                (rows, width, prompt_width + width),
+            ]
+        else:
+            forwards = [(rows, input_ids.shape[1], input_ids.shape[1])]
+        with sparse_tied_embedding_grad(model), checkpointing.within_gradient_budget(model, forwards):
             if groups is not None:
                 out, hidden, predicting = shared_prefix.hidden_states(
                     model, groups, completion_ids, completion_mask
