@@ -7,6 +7,8 @@ uncheckpointed where gradients already exist or where the switch is off; the fla
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from conftest import TINY_DECODER
@@ -190,3 +192,40 @@ def test_the_activation_estimate_covers_what_a_layer_saves(name):
     measured = saved_bytes(model.model.layers[1], model, inputs)
     estimate = checkpointing.activation_bytes(model.model.layers[1], forwards_of(inputs), 4)
     assert measured <= estimate <= 1.3 * measured, (measured, estimate)
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_a_bad_switch_fails_when_the_trainer_is_built(tmp_path, monkeypatch):
+    from conftest import build_tiny_tokenizer
+    from helpers import length_reward, make_config, make_trainer
+
+    monkeypatch.setenv("POSTTRAIN_SELECTIVE_CHECKPOINTING", "yes")
+    with pytest.raises(ValueError, match="POSTTRAIN_SELECTIVE_CHECKPOINTING='yes' is not 0 or 1"):
+        make_trainer(build_tiny_tokenizer(), length_reward, make_config(tmp_path, max_steps=1))
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_the_trainer_trains_with_it_and_restores_the_flags(tmp_path, monkeypatch):
+    from conftest import build_tiny_tokenizer
+    from helpers import length_reward, make_config, make_trainer
+
+    kept = []
+    original = checkpointing.within_gradient_budget
+
+    @contextlib.contextmanager
+    def spy(model, forwards):
+        with original(model, forwards) as count:
+            layers = checkpointing.decoder_layers(model)
+            kept.append((count, [layer.gradient_checkpointing for layer in layers]))
+            yield count
+
+    monkeypatch.setattr(checkpointing, "within_gradient_budget", spy)
+    monkeypatch.setattr(checkpointing, "BUDGET_SHARE", 1e6)  # every layer fits
+    config = make_config(tmp_path, max_steps=2, gradient_checkpointing=True)
+    trainer = make_trainer(build_tiny_tokenizer(), length_reward, config)
+    trainer.train()
+    layers = trainer.model.model.layers
+    # inside each training forward every layer kept its activations (none of them was checkpointed)
+    assert kept and all(count == len(layers) and not any(flags) for count, flags in kept)
+    assert all(layer.gradient_checkpointing for layer in layers)
+    assert trainer.state.global_step == 2

@@ -45,7 +45,7 @@ from posttrain.models import peft as peft_utils
 from posttrain.models import reference as model_options
 from posttrain.observe.completions import COMPLETIONS_FILE, CompletionLog
 from posttrain.observe.metrics import MetricStore
-from posttrain.ops import memory
+from posttrain.ops import checkpointing, memory
 from posttrain.ops.logprobs import completion_logps
 from posttrain.ops.padding import left_pad
 from posttrain.rewards.models import resolve_reward_funcs, reward_models
@@ -175,6 +175,7 @@ class GRPOTrainer(Trainer):
         if self.accelerator.device.type == "cpu":  # glibc's heap (ops/memory.py):
             memory.map_large_blocks()  # large activations stay out of it,
             self._trim_hooks = memory.trim_heap_in_backward(self.model)  # freed small ones leave it
+            checkpointing.enabled()  # a bad POSTTRAIN_SELECTIVE_CHECKPOINTING fails here, not mid-step
         self.generator: Generator = self._setup_generator()
         self.agent = self._setup_agent(tools, environment_factory) if agent_mode else None
         self._reward_names = list(rewards.names) + (self.agent.reward_names if self.agent else [])

@@ -89,7 +89,12 @@ def gradient_budget(layers: Sequence[nn.Module]) -> int:
     )
 
 
-def _enabled() -> bool:
+def enabled() -> bool:
+    """Whether ``POSTTRAIN_SELECTIVE_CHECKPOINTING`` allows it (unset or 1; 0 turns it off).
+
+    Raises:
+        ValueError: the variable holds something else.
+    """
     value = os.environ.get("POSTTRAIN_SELECTIVE_CHECKPOINTING", "").strip()
     if value not in ("", "0", "1"):
         raise ValueError(
@@ -100,7 +105,7 @@ def _enabled() -> bool:
 
 
 def _layers_to_keep(model: nn.Module, forwards: Sequence[Forward]) -> list[nn.Module]:
-    if not torch.is_grad_enabled() or not _enabled():
+    if not torch.is_grad_enabled() or not enabled():
         return []
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return []
