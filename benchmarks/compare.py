@@ -35,6 +35,21 @@ def model_folder() -> str:
     return resolve_embedded("smollm2-135m-instruct")
 
 
+def host() -> dict:
+    """The CPU the ratios were measured on: they move with it (vector width, memory, BLAS paths)."""
+    import platform
+
+    import torch
+
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
+    except OSError:
+        pass
+    return {"cpu": name, "cores": os.cpu_count(), "isa": torch.backends.cpu.get_cpu_capability()}
+
+
 def run(
     library: str, model: str, steps: int, length: int, checkpointing: int, device: str, bf16: int
 ) -> dict:
@@ -99,6 +114,7 @@ def main() -> None:
                 )
         summary = {lib: summarise(r) for lib, r in runs.items()}
         row = {
+            "host": host(),
             "completion_length": length,
             "device": opts.device,
             "bf16": bool(opts.bf16),
@@ -109,6 +125,9 @@ def main() -> None:
             row["ratio"] = {key: p[key] / t[key] for key in p if key != "steps_measured"}
         table.append(row)
         print(json.dumps(row), flush=True)
+    print()
+    machine = host()
+    print(f"Host: {machine['cpu']}, {machine['cores']} cores, PyTorch CPU capability {machine['isa']}")
     print()
     print("| length | metric | posttrain | TRL | posttrain / TRL |")
     print("|---|---|---|---|---|")
