@@ -97,6 +97,7 @@ def main() -> None:
     opts = parser.parse_args()
     model = opts.model or model_folder()
     table = []
+    machine = host()  # the CPU the ratios belong to
     for length in opts.lengths:
         runs: dict[str, list[dict]] = {lib: [] for lib in opts.libraries}
         for _ in range(opts.rounds):
@@ -114,7 +115,7 @@ def main() -> None:
                 )
         summary = {lib: summarise(r) for lib, r in runs.items()}
         row = {
-            "host": host(),
+            "host": machine,
             "completion_length": length,
             "device": opts.device,
             "bf16": bool(opts.bf16),
@@ -126,7 +127,6 @@ def main() -> None:
         table.append(row)
         print(json.dumps(row), flush=True)
     print()
-    machine = host()
     print(f"Host: {machine['cpu']}, {machine['cores']} cores, PyTorch CPU capability {machine['isa']}")
     print()
     print("| length | metric | posttrain | TRL | posttrain / TRL |")
