@@ -135,6 +135,42 @@ def test_resume_from_checkpoint_true_means_the_latest(tmp_path, recorder):
     assert recorder["resume"] is True
 
 
+@pytest.fixture
+def process_group(tmp_path):
+    """A live one-process gloo group, as under a launcher; destroyed afterwards if still alive."""
+    import torch.distributed as dist
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield dist
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_grpo_ends_the_process_group_after_saving(tmp_path, recorder, process_group, monkeypatch):
+    """A gloo group left alive can abort the process at exit and fail the launch (docs/distributed.md)."""
+    seen_at_save = []
+    monkeypatch.setattr(
+        "posttrain.GRPOTrainer.save_model",
+        lambda self, path: seen_at_save.append(process_group.is_initialized()),
+    )
+    main(["grpo", "--output_dir", str(tmp_path), "--use_cpu"])
+    assert seen_at_save == [True]  # the group is still there for the final save
+    assert not process_group.is_initialized()
+
+
+def test_grpo_keeps_the_process_group_when_training_fails(tmp_path, recorder, process_group, monkeypatch):
+    """After a failure the other ranks may never reach a barrier, so the group is left alone."""
+
+    def fail(self, resume_from_checkpoint=None):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr("posttrain.GRPOTrainer.train", fail)
+    with pytest.raises(RuntimeError, match="boom"):
+        main(["grpo", "--output_dir", str(tmp_path), "--use_cpu"])
+    assert process_group.is_initialized()
+
+
 def test_yaml_config_sets_defaults_and_flags_win(tmp_path, tiny_model_dir, recorder):
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text("epsilon: 0.1\nepsilon_high: 0.28\nscale_rewards: batch\nmax_steps: 7\n")

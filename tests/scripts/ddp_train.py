@@ -18,6 +18,7 @@ from conftest import build_tiny_model, build_tiny_tokenizer  # noqa: E402
 from helpers import make_config, standard_dataset  # noqa: E402
 
 from posttrain import GRPOTrainer  # noqa: E402
+from posttrain.models.distributed import end_process_group  # noqa: E402
 
 
 def main() -> None:
@@ -45,6 +46,7 @@ def main() -> None:
     logs = [h for h in trainer.state.log_history if "reward" in h]
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump({"seen": seen, "params": digest.hexdigest(), "logs": logs}, f)
+    end_process_group()
 
 
 if __name__ == "__main__":

@@ -148,6 +148,7 @@ def main() -> None:
     }
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
+    distributed.end_process_group()
 
 
 def _free_port() -> int:

@@ -632,6 +632,9 @@ def grpo(argv: list[str]) -> Any:
     trainer.save_state()  # trainer_state.json in output_dir, for `posttrain plot` / `report`
     if trainer.is_world_process_zero():
         print(f"posttrain grpo: saved the trained model to {config.output_dir}")
+    from posttrain.models.distributed import end_process_group
+
+    end_process_group()  # a live gloo group can abort the process at exit
     return trainer
 
 

@@ -205,3 +205,24 @@ def use_fsdp_on_cpu(trainer: Any) -> bool:
     state.fsdp_plugin = plugin
     trainer.is_fsdp_enabled = True
     return True
+
+
+def end_process_group() -> bool:
+    """Wait for every process, then destroy the default process group; call once at the end of a run.
+
+    A process that exits with its gloo process group alive can abort (SIGABRT, ``terminate
+    called without an active exception``) while Python shuts down: gloo's worker threads still
+    hold tensors that can no longer be freed. The launcher then sees a failed rank and kills the
+    others, possibly in the middle of rank 0's final save. The barrier first lets every rank
+    finish its last collective (rank 0's save included), so none is left waiting on a peer that
+    is gone. Call it only after a successful run: after a failure the other ranks may never reach
+    the barrier.
+
+    Returns:
+        Whether there was a process group to end.
+    """
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return False
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    return True
