@@ -67,19 +67,26 @@ def test_scores_shape_dtype_and_column_order():
 
 
 def test_async_functions_run_concurrently():
+    """Each function waits until the other one has started: run one after the other, neither finishes."""
+    started: set[str] = set()
+
+    async def meet(name: str) -> None:
+        started.add(name)
+        deadline = time.monotonic() + 5
+        while len(started) < 2:
+            assert time.monotonic() < deadline, f"{name} ran alone: the async rewards ran one after the other"
+            await asyncio.sleep(0.005)
+
     async def slow_a(completions, **kwargs):
-        await asyncio.sleep(0.3)
+        await meet("a")
         return [1.0] * len(completions)
 
     async def slow_b(completions, **kwargs):
-        await asyncio.sleep(0.3)
+        await meet("b")
         return [2.0] * len(completions)
 
     runner = RewardRunner([slow_a, slow_b])
-    start = time.perf_counter()
     out = runner.score(4, make_kwargs())
-    elapsed = time.perf_counter() - start
-    assert elapsed < 0.55, f"two 0.3 s async rewards took {elapsed:.2f} s: not concurrent"
     torch.testing.assert_close(out, torch.tensor([[1.0, 2.0]] * 4))
 
 
