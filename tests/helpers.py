@@ -22,11 +22,7 @@ class ScriptedGenerator:
             self.completions[(self.calls + i) % len(self.completions)] for i in range(prompt_ids.shape[0])
         ]
         self.calls += prompt_ids.shape[0]
-        width = max(len(r) for r in rows)
-        out = torch.full((len(rows), width), self.pad, dtype=torch.long)
-        for i, r in enumerate(rows):
-            out[i, : len(r)] = torch.tensor(r)
-        return Samples(completion_ids=out)
+        return Samples.from_lists(rows, self.pad, prompt_ids.device)
 
 
 class TurnScriptedGenerator:
@@ -56,11 +52,7 @@ class TurnScriptedGenerator:
             script = self.scripts[key]
             reply = script[min(turn, len(script) - 1)]
             rows.append(self.tokenizer(reply, add_special_tokens=False)["input_ids"] + [eos])
-        width = max(len(r) for r in rows)
-        out = torch.full((len(rows), width), self.tokenizer.pad_token_id or eos, dtype=torch.long)
-        for i, r in enumerate(rows):
-            out[i, : len(r)] = torch.tensor(r)
-        return Samples(completion_ids=out)
+        return Samples.from_lists(rows, self.tokenizer.pad_token_id or eos, prompt_ids.device)
 
 
 def make_config(tmp_path: Any, **overrides: Any):

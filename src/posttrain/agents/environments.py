@@ -429,11 +429,18 @@ def check_environment_dataset(
     """Check, before training, that the environments can get their episodes.
 
     Raises:
-        ValueError: no dataset and no positive ``max_steps``; or a dict factory and a dataset
-            without an ``environment`` column, or with names the dict does not have.
+        ValueError: no dataset and no positive ``max_steps``; a dict factory and no dataset to
+            route its rows; or a dict factory and a dataset without an ``environment`` column, or
+            with names the dict does not have.
     """
     _check_factories(factory)
     if train_dataset is None:
+        if isinstance(factory, Mapping):
+            raise routing_error(
+                list(factory),
+                "Without a train_dataset no row says which environment it belongs to: pass a train_dataset "
+                f"with an '{ROUTING_COLUMN}' column, or a single environment class.",
+            )
         if max_steps is None or max_steps <= 0:
             raise ValueError(
                 "environment_factory without train_dataset: the environment owns the data, so set max_steps "

@@ -174,8 +174,11 @@ class ToolLoop:
         kwargs = {"max_new_tokens": max(budgets)} if _accepts_budget(generator) else {}
         samples = generator.generate(ids.to(device), mask.to(device), **kwargs)
         eos = set(self.settings.eos_token_ids)
+        rows = samples.completion_ids.tolist()
+        if samples.lengths is not None:  # the source's own lengths: its padding may be the EOS token
+            rows = [row[:n] for row, n in zip(rows, samples.lengths.tolist(), strict=True)]
         turns = []
-        for row, budget in zip(samples.completion_ids.tolist(), budgets, strict=True):
+        for row, budget in zip(rows, budgets, strict=True):
             end = next((i for i, t in enumerate(row) if t in eos), None)
             if end is not None and end < budget:
                 turns.append((row[: end + 1], True))

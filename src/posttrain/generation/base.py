@@ -7,6 +7,7 @@ tests can plug in a scripted generator.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -19,13 +20,43 @@ from posttrain.grpo.rollout import Rollout
 class Samples:
     """Raw backend output.
 
+    Termination and length come from the source of the tokens, never from padding: a source
+    that right-pads rows of different lengths (a list per row from ``rollout_func``, continuous
+    batching, a scripted generator) must give ``lengths``, because its padding token may be the
+    EOS token, and a row cut at the length limit would then read as one that ended with EOS.
+
     Attributes:
         completion_ids: [N, T] sampled tokens; anything after the first EOS is ignored.
         logps: [N, T] the sampler's log-probs of those tokens, if it reports them.
+        lengths: [N] how many tokens of each row the source produced; the rest is padding.
+            ``None``: every row runs to its first EOS or, without one, to the full width (the
+            convention of ``model.generate``, which samples until every row has ended).
     """
 
     completion_ids: torch.Tensor
     logps: torch.Tensor | None = None
+    lengths: torch.Tensor | None = None
+
+    @classmethod
+    def from_lists(
+        cls,
+        rows: Sequence[Sequence[int]],
+        pad_token_id: int,
+        device: torch.device | str = "cpu",
+        logps: Sequence[Sequence[float]] | None = None,
+    ) -> Samples:
+        """Right-pad token lists into ``Samples``, keeping each row's own length.
+
+        Args:
+            rows: the tokens of each completion, as the source produced them.
+            pad_token_id: fills the columns past a row's end.
+            device: where the tensors go.
+            logps: the sampler's log-prob of each token, same lengths as ``rows``.
+        """
+        ids = right_pad([list(r) for r in rows], pad_token_id, torch.long)
+        values = None if logps is None else right_pad([list(r) for r in logps], 0.0, torch.float32).to(device)
+        lengths = torch.tensor([len(r) for r in rows], dtype=torch.long)
+        return cls(completion_ids=ids.to(device), logps=values, lengths=lengths.to(device))
 
 
 @runtime_checkable
@@ -37,26 +68,39 @@ class Generator(Protocol):
         ...
 
 
+def right_pad(rows: Sequence[Sequence[float]], value: float, dtype: torch.dtype) -> torch.Tensor:
+    """Rows of different lengths as one ``[N, max length]`` tensor filled with ``value`` past each end."""
+    width = max((len(r) for r in rows), default=0)
+    out = torch.full((len(rows), width), value, dtype=dtype)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = torch.tensor(list(r), dtype=dtype)
+    return out
+
+
 def mask_after_eos(
-    completion_ids: torch.Tensor, eos_token_ids: list[int]
+    completion_ids: torch.Tensor, eos_token_ids: list[int], lengths: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mask every token after the first EOS.
+    """Mask every token after the first EOS, and every padding column past a row's length.
 
     Args:
         completion_ids: [N, T] sampled tokens.
         eos_token_ids: ids that end a completion.
+        lengths: [N] tokens the source produced per row (``Samples.lengths``); ``None``: all ``T``.
 
     Returns:
-        ``mask`` [N, T] (1 up to and including the first EOS) and ``is_terminated`` [N].
+        ``mask`` [N, T] (1 up to and including the first EOS within the row's length) and
+        ``is_terminated`` [N] (an EOS was produced within that length).
     """
-    is_eos = torch.isin(completion_ids, torch.tensor(eos_token_ids, device=completion_ids.device))  # [N, T]
-    is_terminated = is_eos.any(dim=1)
     T = completion_ids.shape[1]
-    first_eos = torch.where(
-        is_terminated, is_eos.int().argmax(dim=1), torch.full_like(is_terminated, T, dtype=torch.long)
-    )
-    positions = torch.arange(T, device=completion_ids.device).unsqueeze(0)
-    mask = (positions <= first_eos.unsqueeze(1)).long()
+    positions = torch.arange(T, device=completion_ids.device).unsqueeze(0)  # [1, T]
+    if lengths is None:
+        lengths = torch.full((completion_ids.shape[0],), T, dtype=torch.long, device=completion_ids.device)
+    produced = positions < lengths.to(completion_ids.device).unsqueeze(1)  # [N, T]
+    eos = torch.tensor(eos_token_ids, device=completion_ids.device)
+    is_eos = torch.isin(completion_ids, eos) & produced  # [N, T]
+    is_terminated = is_eos.any(dim=1)
+    first_eos = torch.where(is_terminated, is_eos.int().argmax(dim=1), torch.full_like(lengths, T))
+    mask = ((positions <= first_eos.unsqueeze(1)) & produced).long()
     return mask, is_terminated
 
 
@@ -76,7 +120,7 @@ def build_rollout(
         terminated = torch.zeros(n, dtype=torch.bool, device=prompt_ids.device)
         logps = torch.zeros((n, 1), device=prompt_ids.device) if logps is not None else None
     else:
-        mask, terminated = mask_after_eos(completion_ids, eos_token_ids)
+        mask, terminated = mask_after_eos(completion_ids, eos_token_ids, samples.lengths)
     completion_ids = torch.where(mask.bool(), completion_ids, torch.full_like(completion_ids, pad_token_id))
     return Rollout(
         prompt_ids=prompt_ids,

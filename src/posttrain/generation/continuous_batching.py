@@ -152,7 +152,7 @@ class ContinuousBatchingGenerator:
                 completions = self._run(model, prompts)
         finally:
             model.train(was_training)
-        return Samples(completion_ids=self._right_pad(completions, prompt_ids.device))
+        return Samples.from_lists(completions, self.config.pad_token_id, prompt_ids.device)
 
     def _run(self, model: torch.nn.Module, prompts: list[list[int]]) -> list[list[int]]:
         """``generate_batch`` on the prompts, under a seed drawn from the global generator."""
@@ -169,13 +169,6 @@ class ContinuousBatchingGenerator:
                 progress_bar=False,
             )
         return _completions_in_order(list(outputs.values()), prompts)
-
-    def _right_pad(self, completions: list[list[int]], device: torch.device) -> torch.Tensor:
-        width = max((len(c) for c in completions), default=0)
-        out = torch.full((len(completions), width), self.config.pad_token_id, dtype=torch.long)
-        for i, tokens in enumerate(completions):
-            out[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-        return out.to(device)
 
 
 def _completions_in_order(outputs: list[Any], prompts: list[list[int]]) -> list[list[int]]:

@@ -79,14 +79,6 @@ def _check(result: Any, n: int, num_prompts: int, group_size: int) -> None:
         )
 
 
-def _right_pad(rows: Sequence[Sequence[float]], value: float, dtype: torch.dtype) -> torch.Tensor:
-    width = max((len(r) for r in rows), default=0)
-    out = torch.full((len(rows), width), value, dtype=dtype)
-    for i, r in enumerate(rows):
-        out[i, : len(r)] = torch.tensor(list(r), dtype=dtype)
-    return out
-
-
 def call_rollout_func(
     func: Callable[[list[Any], Any], dict[str, Any]],
     prompts: Sequence[Any],
@@ -117,10 +109,7 @@ def call_rollout_func(
     result = func(unique, trainer)
     _check(result, n, len(unique), group_size)
     prompt_ids, prompt_mask = left_pad([list(p) for p in result["prompt_ids"]], pad_token_id)
-    samples = Samples(
-        completion_ids=_right_pad(result["completion_ids"], pad_token_id, torch.long).to(device),
-        logps=_right_pad(result["logprobs"], 0.0, torch.float32).to(device),
-    )
+    samples = Samples.from_lists(result["completion_ids"], pad_token_id, device, logps=result["logprobs"])
     rollout = build_rollout(
         prompt_ids.to(device), prompt_mask.to(device), samples, eos_token_ids, pad_token_id
     )

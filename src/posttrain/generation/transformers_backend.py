@@ -304,6 +304,10 @@ def _prepacked_forward(
 class TransformersGenerator:
     """Samples with ``model.generate`` on the training model (in eval mode, without gradients).
 
+    The speed paths below (shared prefill, the lean loop, the fused step) stand in for
+    ``generate``; when ``generate`` has been replaced on the model instance (a wrapper, a test
+    double), that replacement is called instead, with the prompts and the generation config.
+
     Args:
         get_model: returns the unwrapped model to sample from (it changes under DDP wrapping).
         config: the sampling configuration.
@@ -440,6 +444,10 @@ class TransformersGenerator:
 
         kwargs: dict[str, Any] = {}
         self.last_path, self.last_blocker = "plain", "share_prefix=False"
+        if "generate" in vars(model):  # a wrapper or a test double set on the instance: honour it
+            self.last_blocker = self.last_lean_blocker = "model.generate is replaced on the instance"
+            self.last_fused_blocker = "the lean loop did not run"
+            return model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config)
         settings, self.last_lean_blocker = lean_settings(model, config) if self.lean else (None, "lean=False")
         if self.share_prefix:
             groups = group_prompts(prompt_ids, prompt_mask)

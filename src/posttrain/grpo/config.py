@@ -20,6 +20,8 @@ from typing import Any
 from transformers import TrainingArguments
 from transformers.utils import is_torch_bf16_gpu_available, is_torch_xla_available
 
+from posttrain.grpo import objectives
+
 __all__ = ["GRPOConfig", "POSTTRAIN_EXTENSIONS", "UNBUILT_OPTIONS", "UnbuiltOption"]
 
 #: Fields posttrain adds to the reference's GRPOConfig (features the reference lacks).
@@ -72,8 +74,9 @@ UNBUILT_OPTIONS: dict[str, UnbuiltOption] = {
 # Validation tables
 # --------------------------------------------------------------------------------------------
 
-# The reference's loss types, plus "gmpo" (Geometric-Mean Policy Optimization), a posttrain extension.
-LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo", "luspo", "vespo", "gmpo")
+# The reference's loss types, plus "gmpo" (Geometric-Mean Policy Optimization), a posttrain
+# extension: the keys of the one table of objectives (no second list here).
+LOSS_TYPES = tuple(objectives.LOSS_TYPES)
 
 #: Allowed values of the string-valued choice parameters.
 CHOICES: dict[str, tuple[str, ...]] = {
@@ -956,6 +959,18 @@ class GRPOConfig(TrainingArguments):
                 f"loss_type={self.loss_type!r} builds its own sequence-level weight from token ratios, so "
                 f"importance_sampling_level={self.importance_sampling_level!r} does not apply; set "
                 "importance_sampling_level='token'."
+            )
+        if (
+            self.importance_sampling_level == "sequence"
+            and objectives.LOSS_TYPES[self.loss_type].reduction in objectives.TOKEN_SUMMED_REDUCTIONS
+        ):
+            warnings.warn(
+                f"importance_sampling_level='sequence' (GSPO) with loss_type={self.loss_type!r}: every token of a "
+                "completion carries the same sequence ratio, but this loss sums over tokens, so a completion "
+                "weighs in proportion to its length, which GSPO's per-sequence objective does not. GSPO uses "
+                "loss_type='grpo' (a mean per sequence); keep this pairing only if you mean it.",
+                UserWarning,
+                stacklevel=4,
             )
 
     def _reject_unbuilt_options(self) -> None:

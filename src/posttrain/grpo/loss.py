@@ -18,6 +18,7 @@ Order of the per-token pieces (as in the reference):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -124,13 +125,21 @@ class LossResult:
 
 
 def _token_weights(
-    s: LossSettings, out: PolicyOutput, batch: ScoredRollout, old: torch.Tensor, mask: torch.Tensor
+    s: LossSettings,
+    out: PolicyOutput,
+    batch: ScoredRollout,
+    old: torch.Tensor,
+    mask: torch.Tensor,
+    gather_entropies: Callable[[torch.Tensor], torch.Tensor] | None,
 ) -> tuple[torch.Tensor | None, torch.Tensor, dict[str, float]]:
     """Weights on the policy term, the tokens the entropy bonus is measured on, sampling metrics."""
     weights, bonus_mask, sampling = None, mask, {}
     if s.top_entropy_quantile < 1.0:
-        # the entropy threshold is taken over this micro-batch's tokens on this process
-        keep = regularizers.high_entropy_mask(out.entropy.detach(), mask, s.top_entropy_quantile)
+        # the threshold is taken over the micro-batch's valid tokens of every process
+        entropy = out.entropy.detach()
+        local = entropy[mask.bool()].float()  # [n]
+        population = gather_entropies(local) if gather_entropies is not None else None
+        keep = regularizers.high_entropy_mask(entropy, mask, s.top_entropy_quantile, population)
         weights = keep.to(mask.dtype)
         bonus_mask = mask * weights
     sampler = batch.rollout.sampler_logps
@@ -164,7 +173,12 @@ def _kl(
 
 
 def grpo_loss(
-    out: PolicyOutput, batch: ScoredRollout, mask: torch.Tensor, s: LossSettings, entropy_coef: float
+    out: PolicyOutput,
+    batch: ScoredRollout,
+    mask: torch.Tensor,
+    s: LossSettings,
+    entropy_coef: float,
+    gather_entropies: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> LossResult:
     """The loss of one micro-batch.
 
@@ -174,6 +188,8 @@ def grpo_loss(
         mask: [B, T] completion tokens that count in the loss.
         s: the settings.
         entropy_coef: the entropy coefficient in force (it moves when adaptive).
+        gather_entropies: maps this process's valid token entropies ``[n]`` to those of every
+            process, for the ``top_entropy_quantile`` threshold; ``None``: this process's only.
 
     Returns:
         A ``LossResult``.
@@ -182,7 +198,7 @@ def grpo_loss(
     mask = mask.to(logps.dtype)
     old = batch.old_logps if batch.old_logps is not None else logps.detach()
     adv = batch.advantages.to(logps.device)
-    weights, bonus_mask, sampling = _token_weights(s, out, batch, old, mask)
+    weights, bonus_mask, sampling = _token_weights(s, out, batch, old, mask, gather_entropies)
     policy, stats = objectives.policy_loss(logps, old, adv, mask, s.objective, batch.norms, weights)
     loss, per_completion = policy, dict(stats)
     scalars = {"policy_loss": policy.item()}

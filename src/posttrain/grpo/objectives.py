@@ -400,6 +400,10 @@ REDUCTIONS: dict[str, Callable[[torch.Tensor, torch.Tensor, Normalizers], torch.
 }
 
 
+#: Reductions that sum the loss over tokens: a completion weighs in proportion to its length.
+TOKEN_SUMMED_REDUCTIONS = frozenset({"token", "token_local", "fixed_length"})
+
+
 def reduce_loss(
     per_token: torch.Tensor, mask: torch.Tensor, reduction: str, norms: Normalizers
 ) -> torch.Tensor:

@@ -125,6 +125,36 @@ def _quantile(values: torch.Tensor, q: float) -> torch.Tensor:
     return ordered[lo] + (position - lo) * (ordered[hi] - ordered[lo])
 
 
+def entropy_quantile_mask(
+    entropy: torch.Tensor, mask: torch.Tensor, level: float, population: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Keep the valid tokens whose entropy is at or above the ``level`` quantile of the population.
+
+    ``tau = torch.quantile(population, level)`` with linear interpolation; ties with ``tau`` are
+    kept, so ``level = 0`` keeps every valid token and ``level = 1`` only those equal to the
+    maximum. An empty population, or one holding NaN, keeps nothing.
+
+    Args:
+        entropy: [B, T] per-token entropies (only their values are used).
+        mask: [B, T] valid tokens; padding is never kept.
+        level: the quantile in [0, 1] (``1 - top_entropy_quantile``).
+        population: 1-D valid entropies the threshold is taken over, e.g. gathered from every
+            process so that all ranks share one threshold; defaults to this batch's valid ones.
+
+    Returns:
+        [B, T] bool mask.
+    """
+    if not 0.0 <= level <= 1.0:
+        raise ValueError(f"The entropy quantile level {level} must lie in [0, 1].")
+    valid = mask.bool()  # [B, T]
+    values = entropy.detach()
+    pool = values[valid] if population is None else population.detach().flatten()  # [N]
+    if pool.numel() == 0 or bool(torch.isnan(pool).any()):
+        return torch.zeros_like(valid)
+    threshold = _quantile(pool.float(), level)  # scalar
+    return (values.float() >= threshold) & valid
+
+
 def high_entropy_mask(
     entropy: torch.Tensor,
     mask: torch.Tensor,
@@ -138,7 +168,8 @@ def high_entropy_mask(
     in the paper). Here ``tau = torch.quantile(valid_entropies, 1 - rho)`` with linear
     interpolation, and ties with ``tau`` are kept: ``rho = 1`` keeps every valid token
     (``tau`` is the minimum), ``rho = 0`` keeps only the maximum (and any token equal to it).
-    With interpolation the fraction kept is ``rho`` up to rounding.
+    With interpolation the fraction kept is ``rho`` up to rounding. (The authors' code keeps
+    exactly ``ceil(rho * N)`` tokens by top-k; the quantile is the reference's rule.)
 
     Args:
         entropy: [B, T] per-token entropies (only their values are used).
@@ -153,13 +184,7 @@ def high_entropy_mask(
     """
     if not 0.0 <= quantile <= 1.0:
         raise ValueError(f"top_entropy_quantile={quantile} must lie in [0, 1].")
-    valid = mask.bool()  # [B, T]
-    values = entropy.detach()
-    pool = values[valid] if population is None else population.detach().flatten()  # [N]
-    if pool.numel() == 0:
-        return torch.zeros_like(valid)
-    threshold = _quantile(pool.float(), 1.0 - quantile)  # scalar
-    return (values.float() >= threshold) & valid
+    return entropy_quantile_mask(entropy, mask, 1.0 - quantile, population)
 
 
 def next_entropy_coef(
@@ -213,14 +238,17 @@ def off_policy_sequence_mask(
             sampler's when available, else the old policy's).
         logps_current: [B, T] log-probs under the current policy.
         advantages: [B] advantages (or [B, 1]).
-        mask: [B, T] valid tokens; a sequence with none has divergence 0.
+        mask: [B, T] valid tokens; a sequence with none has divergence 0. A NaN log-prob on a
+            valid token (one the sampler could not score) counts as 0, as in the reference.
         threshold: ``delta`` (``off_policy_mask_threshold``), positive.
 
     Returns:
         [B] bool: True for the sequences kept in the policy term.
     """
     m = mask.to(logps_current.dtype)
-    log_ratio = (logps_old_sampler - logps_current).detach() * m  # [B, T]
+    # a token the sampler could not score (NaN) gives no evidence: 0; padding never contributes
+    log_ratio = torch.nan_to_num((logps_old_sampler - logps_current).detach(), nan=0.0)  # [B, T]
+    log_ratio = torch.where(mask.bool(), log_ratio, torch.zeros_like(log_ratio))
     divergence = log_ratio.sum(dim=1) / m.sum(dim=1).clamp(min=1.0)  # [B]
     dropped = (advantages.reshape(-1) < 0) & (divergence > threshold)  # [B]
     return ~dropped

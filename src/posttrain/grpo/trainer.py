@@ -48,7 +48,7 @@ from posttrain.observe.metrics import MetricStore
 from posttrain.ops import checkpointing, memory
 from posttrain.ops.logprobs import completion_logps
 from posttrain.ops.padding import left_pad
-from posttrain.rewards.models import resolve_reward_funcs, reward_models
+from posttrain.rewards.models import RewardModel, resolve_reward_funcs, reward_models
 from posttrain.rewards.runner import RewardRunner
 
 if TYPE_CHECKING:
@@ -153,6 +153,7 @@ class GRPOTrainer(Trainer):
         )
         if rollout_func is not None:
             _check_rollout_func_batches(args, eval_dataset is not None)
+        _settle_streaming_options(args, train_dataset, eval_dataset)
         loss_settings = LossSettings.from_config(args)
         model, source = self._setup_model(model, args, peft_config, quantization_config)
         processing_class = self._setup_tokenizer(processing_class, source, args)
@@ -385,6 +386,22 @@ class GRPOTrainer(Trainer):
         return TransformersGenerator(
             get_model=get_model, config=config, full_parameters=full_parameters, autocast_dtype=autocast
         )
+
+    @property
+    def reward_funcs(self) -> list[Any]:
+        """The reward functions in order: callables as given, reward models as ``PreTrainedModel`` s."""
+        return [f.model if isinstance(f, RewardModel) else f for f in self.rewards.funcs]
+
+    @property
+    def reward_func_names(self) -> list[str]:
+        """The name of each reward function (a callable's ``__name__``, a reward model's last path
+        component), as in the ``rewards/<name>/mean`` metrics."""
+        return list(self.rewards.names)
+
+    @property
+    def reward_processing_classes(self) -> list[Any]:
+        """Aligned with ``reward_funcs``: each reward model's tokenizer, ``None`` for a callable."""
+        return [f.tokenizer if isinstance(f, RewardModel) else None for f in self.rewards.funcs]
 
     @property
     def _tokenizer(self) -> Any:
@@ -740,13 +757,70 @@ class GRPOTrainer(Trainer):
             with_entropy=True,
             entropy_grad=self.loss_settings.entropy_regularized,
         )
-        result = grpo_loss(out, inputs, self._loss_mask(r), self.loss_settings, self.entropy_coef)
+        result = grpo_loss(
+            out, inputs, self._loss_mask(r), self.loss_settings, self.entropy_coef, self._gather_values
+        )
         if mode == "train" and "entropy_bonus" in result.scalars:
             self._step_entropy.append(result.scalars["entropy_bonus"])
         self._record_loss_metrics(mode, result.per_completion, result.scalars)
         if result.sampling:
             self._record_sampling_metrics(mode, result.sampling)
         return result.loss
+
+    def _gather_values(self, local: torch.Tensor) -> torch.Tensor:
+        """Every process's 1-D ``local`` values, concatenated (lengths may differ between processes)."""
+        if self.accelerator.num_processes == 1:
+            return local
+        device = self.accelerator.device
+        counts = gather(torch.tensor([local.numel()], device=device)).tolist()
+        padded = torch.zeros(max(counts), dtype=local.dtype, device=device)
+        padded[: local.numel()] = local.to(device)
+        rows = gather(padded.unsqueeze(0))  # [processes, max count]
+        return torch.cat([row[:n] for row, n in zip(rows, counts, strict=True)])
+
+    def get_high_entropy_mask(
+        self, entropies: torch.Tensor, mask: torch.Tensor, threshold: float
+    ) -> torch.Tensor:
+        """The reference's helper: tokens whose entropy is at or above the ``threshold`` quantile.
+
+        Args:
+            entropies: [B, T] per-token entropies.
+            mask: [B, T] 1 on valid tokens.
+            threshold: the quantile level in [0, 1], taken over the valid entropies of every
+                process (``top_entropy_quantile=rho`` uses ``1 - rho``).
+
+        Returns:
+            [B, T] bool: ``True`` on the valid tokens at or above the threshold; all ``False``
+            when no process has a valid token.
+        """
+        population = self._gather_values(entropies.detach()[mask.bool()].float())
+        return regularizers.entropy_quantile_mask(entropies, mask, threshold, population)
+
+    @staticmethod
+    def get_off_policy_mask(
+        advantages: torch.Tensor,
+        per_token_logps: torch.Tensor,
+        sampling_per_token_logps: torch.Tensor,
+        mask: torch.Tensor,
+        off_policy_threshold: float,
+    ) -> torch.Tensor:
+        """The reference's helper: DeepSeek-V3.2's off-policy sequence mask.
+
+        Args:
+            advantages: [B, 1] (or [B]) advantages.
+            per_token_logps: [B, T] log-probs under the current policy.
+            sampling_per_token_logps: [B, T] log-probs under the sampling policy.
+            mask: [B, T] valid tokens.
+            off_policy_threshold: ``delta``: a sequence with a negative advantage whose mean
+                ``log pi_sampler - log pi`` exceeds it is dropped.
+
+        Returns:
+            [B, 1] in ``mask``'s dtype: 1 to keep a sequence, 0 to drop it.
+        """
+        keep = regularizers.off_policy_sequence_mask(
+            sampling_per_token_logps, per_token_logps, advantages, mask, off_policy_threshold
+        )
+        return keep.unsqueeze(1).to(mask.dtype)
 
     def training_step(
         self, model: torch.nn.Module, inputs: Any, num_items_in_batch: Any = None
@@ -1104,6 +1178,40 @@ def _check_chat_template(dataset: Any, processing_class: Any) -> None:
             "train_dataset is conversational (its prompts are lists of messages) but the tokenizer has no chat "
             "template. Set tokenizer.chat_template (and pass it as processing_class), or use plain-text prompts."
         )
+
+
+def _is_stream(dataset: Any) -> bool:
+    return isinstance(dataset, torch.utils.data.IterableDataset) or (
+        dataset is not None and not isinstance(dataset, Mapping) and not hasattr(dataset, "__len__")
+    )
+
+
+def _settle_streaming_options(args: GRPOConfig, train_dataset: Any, eval_dataset: Any) -> None:
+    """With a streamed (iterable) dataset, the options a stream needs, set as the reference sets them.
+
+    A stream is read in order and sliced per process (``data/sampling.py``): accelerate must not
+    dispatch its batches from the main process, and the train stream is read by one worker, so
+    ``dataloader_num_workers`` becomes 0 (with a warning); a map-style eval set keeps its workers.
+
+    Raises:
+        ValueError: ``accelerator_config.dispatch_batches=True`` was asked for with a stream.
+    """
+    evals = eval_dataset.values() if isinstance(eval_dataset, Mapping) else [eval_dataset]
+    if _is_stream(train_dataset) or any(_is_stream(ds) for ds in evals):
+        if args.accelerator_config.dispatch_batches:
+            raise ValueError(
+                "An IterableDataset is read in order by every process, so accelerate must not dispatch its batches, "
+                "but accelerator_config.dispatch_batches=True; set it to False (or leave it unset)."
+            )
+        args.accelerator_config.dispatch_batches = False
+    if _is_stream(train_dataset) and args.dataloader_num_workers != 0:
+        warnings.warn(
+            f"dataloader_num_workers={args.dataloader_num_workers} with an IterableDataset: workers would split "
+            "the stream and break the groups of num_generations completions; using 0.",
+            UserWarning,
+            stacklevel=3,
+        )
+        args.dataloader_num_workers = 0
 
 
 def _check_dataset(
