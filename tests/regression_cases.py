@@ -145,7 +145,10 @@ def _HalfCallScripted(tok: Any, scripts: dict[str, list[str]]) -> Any:
             samples = super().generate(prompt_ids, prompt_mask, **kwargs)
             first_turn = [text.count(self.marker) == 1 for text in self.inputs[-prompt_ids.shape[0] :]]
             answer = self.tokenizer("The answer is 2.", add_special_tokens=False)["input_ids"]
-            rows = [ids[:n] for ids, n in zip(samples.completion_ids.tolist(), samples.lengths.tolist())]
+            rows = [
+                ids[:n]
+                for ids, n in zip(samples.completion_ids.tolist(), samples.lengths.tolist(), strict=True)
+            ]
             for i in range(0, len(rows), 2):
                 if first_turn[i]:
                     rows[i] = answer + [self.tokenizer.eos_token_id]

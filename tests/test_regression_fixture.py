@@ -26,7 +26,7 @@ def _close(actual, expected, where: str, problems: list[str]) -> None:
     elif isinstance(expected, list):
         if len(actual) != len(expected):
             problems.append(f"{where}: {len(actual)} entries, recorded {len(expected)}")
-        for i, (a, e) in enumerate(zip(actual, expected)):
+        for i, (a, e) in enumerate(zip(actual, expected, strict=False)):
             _close(a, e, f"{where}[{i}]", problems)
     elif isinstance(expected, float) and not isinstance(expected, bool):
         if not (
