@@ -15,7 +15,7 @@ import pytest
 from transformers import HfArgumentParser, TrainingArguments
 
 import posttrain
-from posttrain.grpo import config as config_module
+from posttrain.core import config as core_config
 from posttrain.grpo.config import CHOICES, JSON_DICT_FIELDS, POSTTRAIN_EXTENSIONS, UNBUILT_OPTIONS, GRPOConfig
 
 # Transcribed from the `trl.GRPOConfig` signature in spec/grpo-trainer.pt.txt: every parameter
@@ -307,6 +307,23 @@ GRPO_ONLY = [name for name in SPEC_DEFAULTS if name not in TA_FIELDS]
 OVERRIDDEN = {"learning_rate", "gradient_checkpointing", "logging_steps", "bf16", "remove_unused_columns"}
 
 
+def declared_annotations(cls: type) -> dict[str, Any]:
+    """The fields posttrain's classes declare (GRPOConfig and the shared BaseConfig), not ClassVars.
+
+    The classes' own annotations, not Field.type: HfArgumentParser rewrites Field.type in place.
+    """
+    out: dict[str, Any] = {}
+    for klass in reversed(cls.__mro__):
+        if issubclass(klass, TrainingArguments) and klass is not TrainingArguments:
+            out.update(
+                {k: v for k, v in vars(klass).get("__annotations__", {}).items() if not k.startswith("_")}
+            )
+    return out
+
+
+DECLARED = declared_annotations(GRPOConfig)
+
+
 def make(tmp_path, **kwargs: Any) -> GRPOConfig:
     """Build a config for a CPU test run: output in tmp_path, bf16 off unless the test sets it."""
     kwargs.setdefault("bf16", False)
@@ -348,12 +365,11 @@ def test_default_matches_spec(name: str) -> None:
 
 @pytest.mark.parametrize("name", list(SPEC_ANNOTATIONS))
 def test_annotation_matches_spec(name: str) -> None:
-    # The class's own annotations, not Field.type: HfArgumentParser rewrites Field.type in place.
-    assert render(GRPOConfig.__annotations__[name]) == SPEC_ANNOTATIONS[name]
+    assert render(DECLARED[name]) == SPEC_ANNOTATIONS[name]
 
 
 def test_declares_only_grpo_fields_and_changed_defaults() -> None:
-    declared = set(GRPOConfig.__annotations__)
+    declared = set(DECLARED)
     assert declared == set(SPEC_ANNOTATIONS) | set(POSTTRAIN_EXTENSIONS)
     assert declared & set(TA_FIELDS) == OVERRIDDEN
     for name in OVERRIDDEN:  # each override really changes the transformers default
@@ -410,7 +426,7 @@ def test_bf16_explicit_value_is_kept(tmp_path) -> None:
 
 
 def test_bf16_falls_back_when_machine_lacks_it(tmp_path, monkeypatch) -> None:
-    monkeypatch.setattr(config_module, "_bf16_supported", lambda use_cpu: False)
+    monkeypatch.setattr(core_config, "bf16_supported", lambda use_cpu: False)
     assert make(tmp_path, bf16=None).bf16 is False
 
 

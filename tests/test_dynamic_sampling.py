@@ -8,8 +8,8 @@ from conftest import build_tiny_model, build_tiny_tokenizer
 from helpers import make_config, standard_dataset
 
 from posttrain import GRPOConfig, GRPOTrainer
-from posttrain.grpo.dynamic_sampling import groups_with_spread, select_groups, take_groups
-from posttrain.grpo.rollout import Rollout
+from posttrain.core.batch import Rollout
+from posttrain.sampling.dynamic_sampling import groups_with_spread, select_groups, take_groups
 
 
 def test_groups_with_spread_uses_the_weighted_sum():

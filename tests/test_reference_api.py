@@ -12,9 +12,10 @@ from helpers import make_config, make_trainer, standard_dataset
 from test_reward_models import build_reward_model
 
 from posttrain import GRPOConfig, GRPOTrainer
+from posttrain.core.batch import Rollout
 from posttrain.grpo.loss import LossSettings, grpo_loss
 from posttrain.grpo.objectives import Normalizers
-from posttrain.grpo.rollout import Rollout, ScoredRollout
+from posttrain.grpo.rollout import ScoredRollout
 from posttrain.ops.logprobs import PolicyOutput
 
 

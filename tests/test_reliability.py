@@ -17,7 +17,7 @@ from conftest import build_tiny_model, build_tiny_tokenizer
 from helpers import make_config, standard_dataset
 
 from posttrain import GRPOTrainer
-from posttrain.grpo.checkpoints import STATE_FILE, is_complete, latest_complete_checkpoint
+from posttrain.core.checkpoints import STATE_FILE, is_complete, latest_complete_checkpoint
 from posttrain.rewards.runner import RewardFunctionError
 
 

@@ -30,8 +30,8 @@ from posttrain.agents.templates import (
 )
 from posttrain.agents.tools import Tool, run_tool_calls
 from posttrain.agents.types import ToolCall, ToolResult
+from posttrain.core.batch import Rollout
 from posttrain.generation.base import Generator
-from posttrain.grpo.rollout import Rollout
 from posttrain.ops.padding import left_pad
 
 

@@ -175,3 +175,34 @@ def grouped_dataloader(
         len(dataset), group_size, per_process, num_processes, process_index, repeat, shuffle, seed
     )
     return GroupedDataLoader(dataset, batch_sampler=sampler, collate_fn=_identity)
+
+
+def online_dataloader(
+    dataset: Dataset | Any,
+    args: Any,
+    per_process: int,
+    group_size: int,
+    repeat: int,
+    shuffle: bool,
+    seed: int | None = None,
+) -> DataLoader:
+    """The grouped dataloader of an online trainer, from its config.
+
+    Args:
+        dataset: the prompts (map-style or a stream).
+        args: the config (``remove_unused_columns`` keeps only the prompt column; ``seed`` or
+            ``data_seed``; the world size and process index).
+        per_process: rows per process per yielded batch.
+        group_size: completions per prompt.
+        repeat: how many times each batch is yielded in a row.
+        shuffle: shuffle (a stream through a buffer of 1000 rows).
+        seed: the shuffling seed; ``None``: ``data_seed`` or ``seed``.
+    """
+    seed = (args.data_seed or args.seed) if seed is None else seed
+    if args.remove_unused_columns and hasattr(dataset, "select_columns"):
+        dataset = dataset.select_columns(["prompt"])
+    if shuffle and not hasattr(dataset, "__len__") and hasattr(dataset, "shuffle"):
+        dataset = dataset.shuffle(seed=seed, buffer_size=1000)
+    return grouped_dataloader(
+        dataset, group_size, per_process, args.world_size, args.process_index, repeat, shuffle, seed
+    )

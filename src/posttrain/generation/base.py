@@ -13,7 +13,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from posttrain.grpo.rollout import Rollout
+from posttrain.core.batch import Rollout
+from posttrain.ops.padding import right_pad
 
 
 @dataclass
@@ -66,15 +67,6 @@ class Generator(Protocol):
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> Samples:
         """Args: prompt_ids [N, P], prompt_mask [N, P]. Returns one completion per row."""
         ...
-
-
-def right_pad(rows: Sequence[Sequence[float]], value: float, dtype: torch.dtype) -> torch.Tensor:
-    """Rows of different lengths as one ``[N, max length]`` tensor filled with ``value`` past each end."""
-    width = max((len(r) for r in rows), default=0)
-    out = torch.full((len(rows), width), value, dtype=dtype)
-    for i, r in enumerate(rows):
-        out[i, : len(r)] = torch.tensor(list(r), dtype=dtype)
-    return out
 
 
 def mask_after_eos(

@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
+from posttrain.core.batch import Rollout
 from posttrain.generation.base import Samples, build_rollout
-from posttrain.grpo.rollout import Rollout
 from posttrain.ops.padding import left_pad
 
 REQUIRED = ("prompt_ids", "completion_ids", "logprobs")

@@ -13,9 +13,9 @@ Conventions (shared with the reference implementation so numbers are comparable)
 
 from __future__ import annotations
 
-import warnings
-
 import torch
+
+from posttrain.rewards.runner import weighted_sum  # noqa: F401  (the advantages start from it)
 
 EPS = 1e-4
 
@@ -31,30 +31,6 @@ def _grouped(x: torch.Tensor, group_size: int) -> torch.Tensor:
             "every prompt's completions must sit in the same batch."
         )
     return x.view(x.shape[0] // group_size, group_size, *x.shape[1:])
-
-
-def weighted_sum(rewards: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Sum the reward functions with their weights, skipping missing (NaN) entries.
-
-    ``r_i = sum_f w_f * R[i, f]`` over the functions that scored sample ``i``. A sample that no
-    function scored gets 0 and a warning, since it cannot carry a learning signal.
-
-    Args:
-        rewards: [N, F] rewards, NaN where a function returned ``None``.
-        weights: [F] weight of each function.
-
-    Returns:
-        [N] combined rewards.
-    """
-    all_missing = torch.isnan(rewards).all(dim=1)  # [N]
-    if all_missing.any():
-        idx = all_missing.nonzero().flatten().tolist()
-        warnings.warn(
-            f"All reward functions returned None for samples {idx[:10]}; their reward is set to 0. "
-            "Make sure at least one reward function applies to every sample.",
-            stacklevel=2,
-        )
-    return torch.nansum(rewards * weights.unsqueeze(0), dim=1)  # [N]
 
 
 def group_std(values: torch.Tensor, group_size: int) -> torch.Tensor:

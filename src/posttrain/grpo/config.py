@@ -10,16 +10,21 @@ accepts but posttrain does not build yet are listed in :data:`UNBUILT_OPTIONS` a
 ``NotImplementedError`` when set away from their default.
 """
 
-import json
 import math
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import ClassVar
 
-from transformers import TrainingArguments
-from transformers.utils import is_torch_bf16_gpu_available, is_torch_xla_available
-
+from posttrain.core.config import (
+    BaseConfig,
+    Rule,
+    UnbuiltOption,
+    choice_rules,
+    is_int,
+    is_num,
+    optional,
+    positive_int,
+)
 from posttrain.grpo import objectives
 
 __all__ = ["GRPOConfig", "POSTTRAIN_EXTENSIONS", "UNBUILT_OPTIONS", "UnbuiltOption"]
@@ -36,29 +41,6 @@ POSTTRAIN_EXTENSIONS = (
 # --------------------------------------------------------------------------------------------
 # Options accepted by the API but not built yet. Building a feature means deleting its row.
 # --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class UnbuiltOption:
-    """One option that ``GRPOConfig`` accepts but posttrain does not implement yet.
-
-    Attributes:
-        default: The value that works today (the spec default).
-        feature: Name of the planned feature, quoted in the error message.
-        fix: One sentence telling the user how to get a working config now.
-        example: A value that needs the missing feature (the tests set it).
-        unbuilt_if: Predicate on the value; when omitted, any value other than ``default``.
-    """
-
-    default: Any
-    feature: str
-    fix: str
-    example: Any
-    unbuilt_if: Callable[[Any], bool] | None = None
-
-    def is_unbuilt(self, value: Any) -> bool:
-        """Whether ``value`` needs the missing feature."""
-        return self.unbuilt_if(value) if self.unbuilt_if is not None else value != self.default
 
 
 # One row per option; when a feature is built, delete its row (and its line in docs/config.md).
@@ -99,76 +81,38 @@ JSON_DICT_FIELDS = (
 )
 
 
-def _is_num(v: Any) -> bool:
-    """Whether ``v`` is an int or a float that is neither a bool nor NaN."""
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v)
-
-
-def _is_int(v: Any) -> bool:
-    """Whether ``v`` is an integer that is not a bool."""
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _optional(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
-    """Wrap ``check`` so that ``None`` also passes."""
-    return lambda v: v is None or check(v)
-
-
-@dataclass(frozen=True)
-class _Rule:
-    """A constraint on one parameter: ``name`` must satisfy ``ok``; otherwise say ``must``/``fix``."""
-
-    name: str
-    ok: Callable[[Any], bool]
-    must: str
-    fix: str
-
-
-def _positive_int(v: Any) -> bool:
-    """Whether ``v`` is an integer >= 1."""
-    return _is_int(v) and v >= 1
-
-
 # One row per parameter: name, is the value ok?, what it must be, how to fix it.
 # fmt: off
-_RULES: tuple[_Rule, ...] = (
-    _Rule("num_generations", lambda v: _is_int(v) and v >= 2, "an integer >= 2, because GRPO needs at least two completions per prompt to compute a group baseline", "set num_generations=2 or more (the default is 8)"),
-    _Rule("num_generations_eval", _optional(_positive_int), "None or an integer >= 1", "set num_generations_eval to a positive integer, or to None to reuse num_generations"),
-    _Rule("max_completion_length", _positive_int, "a positive integer (the most tokens a completion may have)", "set max_completion_length to a positive integer such as 512 (the default)"),
-    _Rule("per_device_train_batch_size", _positive_int, "a positive integer", "set per_device_train_batch_size to 1 or more"),
-    _Rule("gradient_accumulation_steps", _positive_int, "a positive integer", "set gradient_accumulation_steps to 1 or more"),
-    _Rule("pad_to_multiple_of", _optional(lambda v: v == "auto" or _positive_int(v)), "None, 'auto' or a positive integer", "set pad_to_multiple_of to a positive integer such as 64, to 'auto' (the default) or to None"),
-    _Rule("generation_batch_size", _optional(_positive_int), "None or a positive integer", "set generation_batch_size to a positive multiple of num_generations, or leave it None"),
-    _Rule("steps_per_generation", _optional(_positive_int), "None or a positive integer", "set steps_per_generation to 1 or more, or leave it None to use gradient_accumulation_steps"),
-    _Rule("temperature", lambda v: _is_num(v) and v > 0, "a number > 0", "set temperature to a positive value such as 1.0 (the default)"),
-    _Rule("top_p", lambda v: _is_num(v) and 0 < v <= 1, "a number in (0, 1]", "set top_p to a value in (0, 1], or to 1.0 to keep all tokens"),
-    _Rule("top_k", lambda v: _is_int(v) and v >= 0, "an integer >= 0", "set top_k to a non-negative integer, or to 0 to disable top-k filtering"),
-    _Rule("min_p", _optional(lambda v: _is_num(v) and 0 <= v <= 1), "None or a number in [0, 1]", "set min_p to a value in [0, 1] such as 0.05, or leave it None"),
-    _Rule("epsilon", lambda v: _is_num(v) and v >= 0, "a number >= 0", "set epsilon to a non-negative clipping range such as 0.2 (the default)"),
-    _Rule("epsilon_high", _optional(lambda v: _is_num(v) and v >= 0), "None or a number >= 0", "set epsilon_high to a non-negative value such as 0.28, or leave it None to reuse epsilon"),
-    _Rule("beta", lambda v: _is_num(v) and v >= 0, "a number >= 0", "set beta to 0.0 (no KL term) or to a positive KL coefficient"),
-    _Rule("num_iterations", _positive_int, "an integer >= 1", "set num_iterations to 1 (the default) or more"),
-    _Rule("delta", _optional(lambda v: _is_num(v) and v > 1), "None or a number > 1 (a cap on the ratio for negative advantages; INTELLECT-2 uses 4)", "set delta above 1 + epsilon, e.g. 4.0, or leave it None"),
-    _Rule("ref_model_mixup_alpha", lambda v: _is_num(v) and 0 <= v <= 1, "a number in [0, 1]", "set ref_model_mixup_alpha in [0, 1] (the default is 0.6)"),
-    _Rule("ref_model_sync_steps", _positive_int, "an integer >= 1", "set ref_model_sync_steps to 1 or more (the default is 512)"),
-    _Rule("entropy_coef_delta", lambda v: _is_num(v) and v >= 0, "a number >= 0", "set entropy_coef_delta to a non-negative step such as 0.005"),
-    _Rule("off_policy_mask_threshold", _optional(lambda v: _is_num(v) and v >= 0), "None or a number >= 0", "set off_policy_mask_threshold to a positive value such as 0.5, or leave it None"),
-    _Rule("vllm_importance_sampling_clip_min", _optional(lambda v: _is_num(v) and v >= 0), "None or a number >= 0", "set vllm_importance_sampling_clip_min to a non-negative value, or leave it None"),
-    _Rule("vllm_importance_sampling_clip_max", _optional(lambda v: _is_num(v) and v > 0), "None or a number > 0", "set vllm_importance_sampling_clip_max to a positive value such as 3.0, or None for no upper bound"),
-    _Rule("reward_timeout", _optional(lambda v: _is_num(v) and v > 0), "None or a number of seconds > 0", "set reward_timeout to a positive number of seconds, or None for no limit"),
-    _Rule("dynamic_sampling_max_rounds", _positive_int, "an integer >= 1", "set dynamic_sampling_max_rounds to 1 or more (the default is 3)"),
-    _Rule("top_entropy_quantile", lambda v: _is_num(v) and 0 <= v <= 1, "a number in [0, 1]", "set top_entropy_quantile to a value in [0, 1], or to 1.0 to keep every token"),
-    _Rule("reward_weights", _optional(lambda v: isinstance(v, (list, tuple)) and all(_is_num(w) for w in v)), "None or a list of numbers, one per reward function", "pass a list of floats such as [1.0, 0.5], or None to weight every reward function 1.0"),
-) + tuple(
-    _Rule(name, lambda v, allowed=allowed: v in allowed, "one of " + ", ".join(repr(a) for a in allowed), "use one of the listed values")
-    for name, allowed in CHOICES.items()
-)
+_RULES: tuple[Rule, ...] = (
+    Rule("num_generations", lambda v: is_int(v) and v >= 2, "an integer >= 2, because GRPO needs at least two completions per prompt to compute a group baseline", "set num_generations=2 or more (the default is 8)"),
+    Rule("num_generations_eval", optional(positive_int), "None or an integer >= 1", "set num_generations_eval to a positive integer, or to None to reuse num_generations"),
+    Rule("max_completion_length", positive_int, "a positive integer (the most tokens a completion may have)", "set max_completion_length to a positive integer such as 512 (the default)"),
+    Rule("per_device_train_batch_size", positive_int, "a positive integer", "set per_device_train_batch_size to 1 or more"),
+    Rule("gradient_accumulation_steps", positive_int, "a positive integer", "set gradient_accumulation_steps to 1 or more"),
+    Rule("pad_to_multiple_of", optional(lambda v: v == "auto" or positive_int(v)), "None, 'auto' or a positive integer", "set pad_to_multiple_of to a positive integer such as 64, to 'auto' (the default) or to None"),
+    Rule("generation_batch_size", optional(positive_int), "None or a positive integer", "set generation_batch_size to a positive multiple of num_generations, or leave it None"),
+    Rule("steps_per_generation", optional(positive_int), "None or a positive integer", "set steps_per_generation to 1 or more, or leave it None to use gradient_accumulation_steps"),
+    Rule("temperature", lambda v: is_num(v) and v > 0, "a number > 0", "set temperature to a positive value such as 1.0 (the default)"),
+    Rule("top_p", lambda v: is_num(v) and 0 < v <= 1, "a number in (0, 1]", "set top_p to a value in (0, 1], or to 1.0 to keep all tokens"),
+    Rule("top_k", lambda v: is_int(v) and v >= 0, "an integer >= 0", "set top_k to a non-negative integer, or to 0 to disable top-k filtering"),
+    Rule("min_p", optional(lambda v: is_num(v) and 0 <= v <= 1), "None or a number in [0, 1]", "set min_p to a value in [0, 1] such as 0.05, or leave it None"),
+    Rule("epsilon", lambda v: is_num(v) and v >= 0, "a number >= 0", "set epsilon to a non-negative clipping range such as 0.2 (the default)"),
+    Rule("epsilon_high", optional(lambda v: is_num(v) and v >= 0), "None or a number >= 0", "set epsilon_high to a non-negative value such as 0.28, or leave it None to reuse epsilon"),
+    Rule("beta", lambda v: is_num(v) and v >= 0, "a number >= 0", "set beta to 0.0 (no KL term) or to a positive KL coefficient"),
+    Rule("num_iterations", positive_int, "an integer >= 1", "set num_iterations to 1 (the default) or more"),
+    Rule("delta", optional(lambda v: is_num(v) and v > 1), "None or a number > 1 (a cap on the ratio for negative advantages; INTELLECT-2 uses 4)", "set delta above 1 + epsilon, e.g. 4.0, or leave it None"),
+    Rule("ref_model_mixup_alpha", lambda v: is_num(v) and 0 <= v <= 1, "a number in [0, 1]", "set ref_model_mixup_alpha in [0, 1] (the default is 0.6)"),
+    Rule("ref_model_sync_steps", positive_int, "an integer >= 1", "set ref_model_sync_steps to 1 or more (the default is 512)"),
+    Rule("entropy_coef_delta", lambda v: is_num(v) and v >= 0, "a number >= 0", "set entropy_coef_delta to a non-negative step such as 0.005"),
+    Rule("off_policy_mask_threshold", optional(lambda v: is_num(v) and v >= 0), "None or a number >= 0", "set off_policy_mask_threshold to a positive value such as 0.5, or leave it None"),
+    Rule("vllm_importance_sampling_clip_min", optional(lambda v: is_num(v) and v >= 0), "None or a number >= 0", "set vllm_importance_sampling_clip_min to a non-negative value, or leave it None"),
+    Rule("vllm_importance_sampling_clip_max", optional(lambda v: is_num(v) and v > 0), "None or a number > 0", "set vllm_importance_sampling_clip_max to a positive value such as 3.0, or None for no upper bound"),
+    Rule("reward_timeout", optional(lambda v: is_num(v) and v > 0), "None or a number of seconds > 0", "set reward_timeout to a positive number of seconds, or None for no limit"),
+    Rule("dynamic_sampling_max_rounds", positive_int, "an integer >= 1", "set dynamic_sampling_max_rounds to 1 or more (the default is 3)"),
+    Rule("top_entropy_quantile", lambda v: is_num(v) and 0 <= v <= 1, "a number in [0, 1]", "set top_entropy_quantile to a value in [0, 1], or to 1.0 to keep every token"),
+    Rule("reward_weights", optional(lambda v: isinstance(v, (list, tuple)) and all(is_num(w) for w in v)), "None or a list of numbers, one per reward function", "pass a list of floats such as [1.0, 0.5], or None to weight every reward function 1.0"),
+) + choice_rules(CHOICES)
 # fmt: on
-
-
-def _bf16_supported(use_cpu: bool) -> bool:
-    """Whether ``TrainingArguments`` will accept ``bf16=True`` on this machine."""
-    return use_cpu or is_torch_bf16_gpu_available() or is_torch_xla_available()
 
 
 def _divisors_near(n: int, target: int, count: int = 6) -> list[int]:
@@ -183,7 +127,7 @@ def _divisors_near(n: int, target: int, count: int = 6) -> list[int]:
 
 
 @dataclass
-class GRPOConfig(TrainingArguments):
+class GRPOConfig(BaseConfig):
     r"""Configuration of :class:`~posttrain.GRPOTrainer`, a drop-in for ``trl.GRPOConfig``.
 
     It holds every :class:`transformers.TrainingArguments` parameter plus the GRPO-specific ones
@@ -419,18 +363,6 @@ class GRPOConfig(TrainingArguments):
     learning_rate: float = field(
         default=1e-6, metadata={"help": "Initial learning rate of the optimizer (AdamW by default)."}
     )
-    gradient_checkpointing: bool = field(
-        default=True,
-        metadata={"help": "Recompute activations in the backward pass to save memory (slower steps)."},
-    )
-    logging_steps: float = field(
-        default=10,
-        metadata={"help": "Log every this many steps; a value below 1 is a fraction of the total steps."},
-    )
-    bf16: bool | None = field(
-        default=None,
-        metadata={"help": "Train in bfloat16 mixed precision. None means True unless fp16 is set."},
-    )
     remove_unused_columns: bool | None = field(
         default=False,
         metadata={
@@ -440,17 +372,6 @@ class GRPOConfig(TrainingArguments):
     )
 
     # ---- Model and reference model ---------------------------------------------------------
-    model_init_kwargs: dict[str, Any] | str | None = field(
-        default=None,
-        metadata={
-            "help": "Keyword arguments (a dict or a JSON object string) for from_pretrained when the "
-            "model is given by name; its revision also selects the processing class."
-        },
-    )
-    trust_remote_code: bool = field(
-        default=False,
-        metadata={"help": "Allow loading models, reward models and tokenizers that ship custom Python code."},
-    )
     router_aux_loss_coef: float | None = field(
         default=None,
         metadata={
@@ -877,30 +798,14 @@ class GRPOConfig(TrainingArguments):
         metadata={"help": "Seconds an async reward function may take per call; None: no limit."},
     )
 
-    def __post_init__(self) -> None:
-        """Normalise, validate and derive the GRPO values around ``TrainingArguments``'s own setup.
+    _rules: ClassVar[tuple[Rule, ...]] = _RULES
+    _unbuilt: ClassVar[dict[str, UnbuiltOption]] = UNBUILT_OPTIONS
+    _json_dict_fields: ClassVar[tuple[str, ...]] = JSON_DICT_FIELDS
 
-        Order: cheap normalisation and checks first, then the ``TrainingArguments`` setup (which
-        initialises the distributed state), then the values that depend on the world size.
+    # ---- hooks of BaseConfig.__post_init__ ----------------------------------------------------
 
-        Raises:
-            ValueError: A parameter has an invalid value or an invalid combination.
-            NotImplementedError: An option that posttrain does not build yet is set.
-        """
-        self._normalise_inputs()
-        self._validate_values()
-        self._reject_unbuilt_options()
-        self._resolve_changed_defaults()
-        super().__post_init__()
-        self._derive_generation_batch()
-
-    # ---- steps of __post_init__ --------------------------------------------------------------
-
-    def _normalise_inputs(self) -> None:
-        """Parse JSON dict strings, map ``scale_rewards`` aliases and deprecated parameters."""
-        for name in JSON_DICT_FIELDS:
-            setattr(self, name, _parse_json_dict(name, getattr(self, name)))
-
+    def _normalise_family(self) -> None:
+        """Map ``scale_rewards`` aliases, a digit string ``pad_to_multiple_of``, deprecated parameters."""
         if isinstance(self.pad_to_multiple_of, str) and self.pad_to_multiple_of.isdigit():
             self.pad_to_multiple_of = int(self.pad_to_multiple_of)  # "64" from the command line
 
@@ -927,12 +832,8 @@ class GRPOConfig(TrainingArguments):
             )
             self.vllm_importance_sampling_clip_max = self.vllm_importance_sampling_cap
 
-    def _validate_values(self) -> None:
-        """Check each parameter against its rule and the combinations that cannot work."""
-        for rule in _RULES:
-            value = getattr(self, rule.name)
-            if not rule.ok(value):
-                raise ValueError(f"{rule.name}={value!r} is invalid: it must be {rule.must}; {rule.fix}.")
+    def _check_combinations(self) -> None:
+        """The combinations that cannot work (each parameter passed its rule already)."""
         if self.loss_type == "luspo" and self.importance_sampling_level != "sequence":
             raise ValueError(
                 f"loss_type='luspo' is a sequence-level loss but importance_sampling_level="
@@ -973,34 +874,9 @@ class GRPOConfig(TrainingArguments):
                 stacklevel=4,
             )
 
-    def _reject_unbuilt_options(self) -> None:
-        """Raise ``NotImplementedError`` listing every option of :data:`UNBUILT_OPTIONS` in use."""
-        problems = [
-            f"{name}={getattr(self, name)!r} is not implemented yet in posttrain "
-            f"(planned: {row.feature}). {row.fix}"
-            for name, row in UNBUILT_OPTIONS.items()
-            if row.is_unbuilt(getattr(self, name))
-        ]
-        if problems:
-            raise NotImplementedError("\n".join(problems))
-
-    def _resolve_changed_defaults(self) -> None:
-        """Resolve ``bf16=None`` and route ``gradient_checkpointing`` without a deprecation warning."""
-        if self.bf16 is None:
-            self.bf16 = not self.fp16 and _bf16_supported(self.use_cpu)
-            if self.bf16 and self.use_cpu:
-                warnings.warn(
-                    "bf16=None resolved to True with use_cpu=True, so the model runs under CPU bfloat16 "
-                    "autocast. A GRPO step measured 20x slower that way than in float32 on an avx512_bf16 "
-                    "CPU (BENCHMARKS.md, 'bf16 on this CPU'). Pass bf16=False to train in float32.",
-                    UserWarning,
-                    stacklevel=3,
-                )
-        # transformers 5 treats `gradient_checkpointing` as a deprecated alias of
-        # `activation_checkpointing` and warns whenever it is set; GRPO sets it by default, so
-        # hand the value over to the new name unless the user chose that one explicitly.
-        if self.activation_checkpointing is None:
-            self.activation_checkpointing = self.gradient_checkpointing
+    def _derive(self) -> None:
+        """The generation batch values, which depend on the world size."""
+        self._derive_generation_batch()
 
     def _derive_generation_batch(self) -> None:
         """Fill ``num_generations_eval``, ``steps_per_generation`` and ``generation_batch_size``.
@@ -1056,25 +932,6 @@ class GRPOConfig(TrainingArguments):
                 f"multiple of num_generations={self.num_generations}; raise per_device_train_batch_size "
                 "or steps_per_generation, or set dynamic_sampling=False."
             )
-
-
-def _parse_json_dict(name: str, value: Any) -> Any:
-    """Turn a JSON object string (as given on the command line) into a dict; pass others through."""
-    if not isinstance(value, str):
-        return value
-    try:
-        parsed = json.loads(value)
-    except json.JSONDecodeError as err:
-        raise ValueError(
-            f"{name}={value!r} is not valid JSON ({err.msg}); pass a dict or a JSON object string "
-            "such as '{\"key\": 1}'."
-        ) from None
-    if not isinstance(parsed, dict):
-        raise ValueError(
-            f"{name}={value!r} is JSON but not an object; pass a dict or a JSON object string "
-            "such as '{\"key\": 1}'."
-        )
-    return parsed
 
 
 def _group_split_message(gbs: int, how: str, per_step: int, spg: int, num_generations: int) -> str:

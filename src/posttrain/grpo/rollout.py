@@ -12,66 +12,8 @@ from typing import Any
 
 import torch
 
+from posttrain.core.batch import Rollout
 from posttrain.grpo.objectives import Normalizers
-
-
-@dataclass
-class Rollout:
-    """What the generator produced for a batch of prompts.
-
-    Attributes:
-        prompt_ids: [N, P] prompt tokens, left padded.
-        prompt_mask: [N, P] 1 on real prompt tokens.
-        completion_ids: [N, T] sampled tokens, right padded.
-        completion_mask: [N, T] 1 up to and including the first EOS, 0 after it.
-        is_terminated: [N] whether the completion ended with EOS (False: cut at the length limit).
-        sampler_logps: [N, T] log-probabilities the sampler assigned, when it reports them.
-        tool_mask: [N, T] in agent rollouts, 1 on the tokens the model sampled and 0 on those the
-            tool loop inserted (tool results, template text); ``None`` when every completion
-            token was sampled.
-    """
-
-    prompt_ids: torch.Tensor
-    prompt_mask: torch.Tensor
-    completion_ids: torch.Tensor
-    completion_mask: torch.Tensor
-    is_terminated: torch.Tensor
-    sampler_logps: torch.Tensor | None = None
-    tool_mask: torch.Tensor | None = None
-
-    @property
-    def completion_lengths(self) -> torch.Tensor:
-        """[N] number of completion tokens (EOS included), inserted tool tokens included."""
-        return self.completion_mask.sum(dim=1)
-
-    @property
-    def model_token_mask(self) -> torch.Tensor:
-        """[N, T] 1 on the completion tokens the model sampled (tool results excluded)."""
-        if self.tool_mask is None:
-            return self.completion_mask
-        return self.completion_mask * self.tool_mask
-
-    @property
-    def generated_lengths(self) -> torch.Tensor:
-        """[N] number of completion tokens the model sampled (what ``completions/*`` count)."""
-        return self.model_token_mask.sum(dim=1)
-
-    def rows(self, rows: slice) -> Rollout:
-        """The given rows, without the prompt columns that are padding in all of them and the
-        completion columns past their longest completion."""
-        keep_p = int(self.prompt_mask[rows].sum(dim=1).max().item())
-        keep_t = max(int(self.completion_mask[rows].sum(dim=1).max().item()), 1)
-        start_p = self.prompt_ids.shape[1] - keep_p
-        return Rollout(
-            prompt_ids=self.prompt_ids[rows, start_p:],
-            prompt_mask=self.prompt_mask[rows, start_p:],
-            completion_ids=self.completion_ids[rows, :keep_t],
-            completion_mask=self.completion_mask[rows, :keep_t],
-            is_terminated=self.is_terminated[rows],
-            sampler_logps=self.sampler_logps[rows, :keep_t] if self.sampler_logps is not None else None,
-            tool_mask=self.tool_mask[rows, :keep_t] if self.tool_mask is not None else None,
-        )
-
 
 # Per-token tensors of a ScoredRollout, [N, T] like the completions, sliced and trimmed with them.
 TOKEN_FIELDS = ("old_logps", "ref_logps")

@@ -67,7 +67,7 @@ def check_peft_arguments(model: Any, peft_config: Any, args: Any, quantization_c
                 "model is already a PeftModel and peft_config is given as well; pass the PeftModel with "
                 "peft_config=None, or pass the base model with peft_config to add the adapter."
             )
-    if args.sync_ref_model:
+    if getattr(args, "sync_ref_model", False):
         raise ValueError(
             "sync_ref_model=True cannot be used with a PEFT adapter: the KL reference is the base model "
             "(the policy with its adapters disabled), which never changes, so there is no reference to mix "

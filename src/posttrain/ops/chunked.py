@@ -73,16 +73,18 @@ def _chunk_stats(
     targets: torch.Tensor,
     temperature: float,
     with_entropy: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Log-prob of each target, log-partition and entropy of one chunk: [c, H] -> 3 x [c]."""
+    with_top: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Log-prob of each target, log-partition, entropy and top log-prob of one chunk: [c, H] -> 4 x [c]."""
     z = _scaled_logits(h, weight, bias, temperature)  # [c, V]
     lse = torch.logsumexp(z, dim=-1)  # [c]
     logps = z.gather(1, targets.unsqueeze(1)).squeeze(1) - lse  # [c]
+    top = z.max(dim=-1).values - lse if with_top else None  # [c]; == logps where the target is the argmax
     entropy = None
     if with_entropy:
         logp_all = z.sub_(lse.unsqueeze(1))  # [c, V], in place: z is no longer needed
         entropy = -(logp_all.exp().mul_(logp_all)).sum(dim=-1)  # [c]
-    return logps, lse, entropy
+    return logps, lse, entropy, top
 
 
 def _chunk_grad_logits(
@@ -121,9 +123,11 @@ class TokenStats(torch.autograd.Function):
     """Chosen-token log-probs and entropy of ``softmax((h @ W^T + b) / temperature)``, chunked.
 
     Inputs: hidden [N, H], weight [V, H], bias [V] or ``None``, targets [N] (long), then the
-    Python values temperature, chunk_size, with_entropy, entropy_grad. Outputs: logps [N] and
-    entropy [N] (float32, or float64 for a float64 head; an empty tensor when ``with_entropy`` is off; not differentiable
-    unless ``entropy_grad``). Saved for backward: hidden, weight and three [N] vectors.
+    Python values temperature, chunk_size, with_entropy, entropy_grad, with_top. Outputs: logps
+    [N], entropy [N] (float32, or float64 for a float64 head; an empty tensor when
+    ``with_entropy`` is off; not differentiable unless ``entropy_grad``) and the top log-prob
+    [N] (empty unless ``with_top``; never differentiable; equal to ``logps`` where the target is
+    the argmax). Saved for backward: hidden, weight and three [N] vectors.
     """
 
     @staticmethod
@@ -137,26 +141,34 @@ class TokenStats(torch.autograd.Function):
         chunk_size: int,
         with_entropy: bool,
         entropy_grad: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        with_top: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         n, dtype = hidden.shape[0], _stats_dtype(weight.dtype)
         logps = hidden.new_empty(n, dtype=dtype)  # [N]
         lse = hidden.new_empty(n, dtype=dtype)  # [N]
         entropy = hidden.new_empty(n if with_entropy else 0, dtype=dtype)  # [N] or [0]
+        top = hidden.new_empty(n if with_top else 0, dtype=dtype)  # [N] or [0]
         for start in range(0, n, chunk_size):
             rows = slice(start, start + chunk_size)
-            lp, ls, ent = _chunk_stats(hidden[rows], weight, bias, targets[rows], temperature, with_entropy)
+            lp, ls, ent, tp = _chunk_stats(
+                hidden[rows], weight, bias, targets[rows], temperature, with_entropy, with_top
+            )
             logps[rows], lse[rows] = lp, ls
             if ent is not None:
                 entropy[rows] = ent
+            if tp is not None:
+                top[rows] = tp
         ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
         ctx.temperature, ctx.chunk_size = temperature, chunk_size
         ctx.set_materialize_grads(False)
-        if not (with_entropy and entropy_grad):
-            ctx.mark_non_differentiable(entropy)
-        return logps, entropy
+        # one call: each call replaces the set of non-differentiable outputs
+        ctx.mark_non_differentiable(top, *([] if with_entropy and entropy_grad else [entropy]))
+        return logps, entropy, top
 
     @staticmethod
-    def backward(ctx: Any, grad_logps: torch.Tensor | None, grad_entropy: torch.Tensor | None):
+    def backward(
+        ctx: Any, grad_logps: torch.Tensor | None, grad_entropy: torch.Tensor | None, grad_top: Any = None
+    ):
         hidden, weight, bias, targets, lse, entropy = ctx.saved_tensors
         if entropy.numel() == 0:
             grad_entropy = None
@@ -223,7 +235,7 @@ def _finish(
     """Backward's return value: the buffers in their inputs' dtypes, ``None`` for the rest."""
     grad_w = grad_w.to(weight.dtype) if grad_w is not None else None
     grad_b = grad_b.to(bias.dtype) if grad_b is not None else None
-    return grad_h, grad_w, grad_b, None, None, None, None, None
+    return grad_h, grad_w, grad_b, None, None, None, None, None, None
 
 
 def token_stats(
@@ -235,7 +247,8 @@ def token_stats(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     with_entropy: bool = False,
     entropy_grad: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    with_top: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None] | tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Log-probs and entropy of ``targets`` under ``softmax((hidden @ W^T + b) / temperature)``.
 
     Args:
@@ -246,18 +259,30 @@ def token_stats(
         chunk_size: token rows projected onto the vocabulary at once.
         with_entropy: also return the entropy.
         entropy_grad: let the entropy carry a gradient (otherwise it is detached).
+        with_top: also return the top log-prob of each position (no gradient); the target is the
+            argmax exactly where it equals the target's log-prob (``mean_token_accuracy``).
 
     Returns:
-        ``(logps, entropy)``, float32 with ``targets``' shape; ``entropy`` is ``None`` unless asked for.
+        ``(logps, entropy)``, float32 with ``targets``' shape; ``entropy`` is ``None`` unless asked
+        for; with ``with_top``, ``(logps, entropy, top)``.
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive number of token rows, got {chunk_size}.")
     shape = targets.shape
     flat_h = hidden.reshape(-1, hidden.shape[-1])  # [N, H]
-    logps, entropy = TokenStats.apply(
-        flat_h, weight, bias, targets.reshape(-1), temperature, chunk_size, with_entropy, entropy_grad
+    logps, entropy, top = TokenStats.apply(
+        flat_h,
+        weight,
+        bias,
+        targets.reshape(-1),
+        temperature,
+        chunk_size,
+        with_entropy,
+        entropy_grad,
+        with_top,
     )
-    return logps.view(shape), (entropy.view(shape) if with_entropy else None)
+    out = logps.view(shape), (entropy.view(shape) if with_entropy else None)
+    return (*out, top.view(shape)) if with_top else out
 
 
 # ---- which models, and their hidden states --------------------------------------------------

@@ -1,4 +1,4 @@
-"""Log-probabilities and entropy of completion tokens.
+"""Log-probabilities and entropy of completion tokens (online methods) and of whole rows (SFT).
 
 The model is run on ``[prompt | completion]``; log-probs are taken of
 ``softmax(logits / temperature)``, the distribution the sampler drew from. Two paths compute them:
@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -128,6 +129,72 @@ def completion_logps(
                 model, out, predicting, completion_ids, temperature, with_entropy, entropy_grad, chunk_size
             )
     return _naive_output(model, inputs, completion_ids, temperature, with_entropy, entropy_grad)
+
+
+@dataclass
+class SequenceStats:
+    """Per-token statistics of teacher-forced rows: position ``t`` scores token ``t + 1``.
+
+    Attributes:
+        logps: [N, L - 1] log-prob of each next token.
+        entropy: [N, L - 1] entropy of each next-token distribution (no gradient), if asked for.
+        top: [N, L - 1] the largest log-prob of each position (no gradient), if asked for; the
+            next token is the argmax exactly where ``logps == top``.
+        aux_loss: the router load-balancing loss of a Mixture-of-Experts model, if it reports one.
+    """
+
+    logps: torch.Tensor
+    entropy: torch.Tensor | None = None
+    top: torch.Tensor | None = None
+    aux_loss: torch.Tensor | None = None
+
+
+def sequence_token_stats(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    position_ids: torch.Tensor,
+    with_entropy: bool = False,
+    with_top: bool = False,
+    chunk_size: int | None = chunked.DEFAULT_CHUNK_SIZE,
+) -> SequenceStats:
+    """Next-token log-probs of whole rows under ``model`` (SFT, and the log-probs of a reference).
+
+    The logits are taken from the hidden states in chunks (``ops/chunked.py``): no ``[N, L, V]``
+    float32 tensor is kept for backward. Models the chunked path does not support fall back to
+    their own full logits.
+
+    Args:
+        model: a causal LM accepting ``logits_to_keep`` (possibly a ``PeftModel`` or DDP-wrapped).
+        input_ids: [N, L] tokens.
+        attention_mask: [N, L] 1 on real tokens, or a 4-D additive mask (packed rows), or ``None``.
+        position_ids: [N, L] positions (restarting at every packed sequence).
+        with_entropy: also the entropy of each position (no gradient).
+        with_top: also the top log-prob of each position, for the accuracy.
+        chunk_size: token rows projected onto the vocabulary at once; ``None`` forces full logits.
+    """
+    inputs: dict[str, Any] = {"input_ids": input_ids, "position_ids": position_ids, "use_cache": False}
+    if attention_mask is not None:
+        inputs["attention_mask"] = attention_mask
+    targets = input_ids[:, 1:]  # [N, L - 1]
+    if chunk_size is not None and chunked.supports_chunked(model):
+        forwards = [(input_ids.shape[0], input_ids.shape[1], input_ids.shape[1])]
+        with sparse_tied_embedding_grad(model), checkpointing.within_gradient_budget(model, forwards):
+            out, hidden = chunked.run_with_hidden(model, **inputs)  # [N, L, H]
+        if chunked.logits_match_head(model, out, hidden):  # checked once per model
+            head = chunked.causal_lm(model).get_output_embeddings()
+            stats = chunked.token_stats(
+                chunked.head_input(model, hidden[:, :-1]), head.weight, head.bias, targets, 1.0, chunk_size,
+                with_entropy, False, with_top=with_top,
+            )  # fmt: skip
+            top = stats[2] if with_top else None
+            return SequenceStats(stats[0], stats[1], top, getattr(out, "aux_loss", None))
+    out = model(**inputs)
+    logits = out.logits[:, :-1, :].float()  # [N, L - 1, V]
+    logps = selective_log_softmax(logits, targets)
+    entropy = entropy_from_logits(logits.detach()) if with_entropy else None
+    top = torch.log_softmax(logits.detach(), dim=-1).max(dim=-1).values if with_top else None
+    return SequenceStats(logps, entropy, top, getattr(out, "aux_loss", None))
 
 
 @contextlib.contextmanager

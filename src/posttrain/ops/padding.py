@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 
@@ -23,3 +25,12 @@ def left_pad(
             ids[i, longest - len(seq) :] = torch.tensor(seq, dtype=torch.long)
             mask[i, longest - len(seq) :] = 1
     return ids, mask
+
+
+def right_pad(rows: Sequence[Sequence[float]], value: float, dtype: torch.dtype) -> torch.Tensor:
+    """Rows of different lengths as one ``[N, max length]`` tensor filled with ``value`` past each end."""
+    width = max((len(r) for r in rows), default=0)
+    out = torch.full((len(rows), width), value, dtype=dtype)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = torch.tensor(list(r), dtype=dtype)
+    return out

@@ -12,6 +12,7 @@ import asyncio
 import inspect
 import math
 import numbers
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -197,3 +198,27 @@ async def _gather_all(awaitables: list[Any], timeout: float | None = None) -> li
     if timeout is not None:
         awaitables = [asyncio.wait_for(a, timeout) for a in awaitables]
     return await asyncio.gather(*awaitables, return_exceptions=True)
+
+
+def weighted_sum(rewards: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Sum the reward functions with their weights, skipping missing (NaN) entries.
+
+    ``r_i = sum_f w_f * R[i, f]`` over the functions that scored sample ``i``. A sample that no
+    function scored gets 0 and a warning, since it cannot carry a learning signal.
+
+    Args:
+        rewards: [N, F] rewards, NaN where a function returned ``None``.
+        weights: [F] weight of each function.
+
+    Returns:
+        [N] combined rewards.
+    """
+    all_missing = torch.isnan(rewards).all(dim=1)  # [N]
+    if all_missing.any():
+        idx = all_missing.nonzero().flatten().tolist()
+        warnings.warn(
+            f"All reward functions returned None for samples {idx[:10]}; their reward is set to 0. "
+            "Make sure at least one reward function applies to every sample.",
+            stacklevel=2,
+        )
+    return torch.nansum(rewards * weights.unsqueeze(0), dim=1)  # [N]

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from posttrain.grpo import advantages
-from posttrain.grpo.rollout import Rollout
+from posttrain.core.batch import Rollout
 from posttrain.ops.padding import left_pad
+from posttrain.rewards.runner import weighted_sum
 
 
 def groups_with_spread(rewards: torch.Tensor, weights: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -33,7 +33,7 @@ def groups_with_spread(rewards: torch.Tensor, weights: torch.Tensor, group_size:
     Returns:
         [N / G] booleans.
     """
-    total = advantages.weighted_sum(rewards, weights).view(-1, group_size)  # [P, G]
+    total = weighted_sum(rewards, weights).view(-1, group_size)  # [P, G]
     return (total.max(dim=1).values - total.min(dim=1).values) > 0
 
 

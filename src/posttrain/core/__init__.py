@@ -1,0 +1,1 @@
+"""What every trainer shares: the base config, the base trainer, the batch containers."""

@@ -1,0 +1,248 @@
+"""The base configuration every trainer's config extends: ``BaseConfig``.
+
+It holds what the reference's configs share (the changed ``TrainingArguments`` defaults, model
+loading options) and the validation machinery: a table of rules, one row per parameter
+(``Rule``); a table of options that are accepted but not built yet (``UnbuiltOption``), which
+raise ``NotImplementedError`` naming the option; JSON-object strings from the command line
+parsed into dicts; and ``bf16=None`` resolved for the machine. A family's config declares only
+its own fields, its rules and its unbuilt options, and, where it needs them, the hooks
+``_normalise_family``, ``_check_combinations`` and ``_derive``.
+
+Order of ``__post_init__``: cheap normalisation and checks first (so a bad value fails before
+``TrainingArguments`` sets up the distributed state), then ``TrainingArguments``'s own setup,
+then the values that depend on the world size.
+"""
+
+import json
+import math
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from transformers import TrainingArguments
+from transformers.utils import is_torch_bf16_gpu_available, is_torch_xla_available
+
+__all__ = [
+    "BaseConfig",
+    "Rule",
+    "UnbuiltOption",
+    "choice_rules",
+    "is_int",
+    "is_num",
+    "optional",
+    "positive_int",
+]
+
+
+@dataclass(frozen=True)
+class UnbuiltOption:
+    """One option that a config accepts but posttrain does not implement yet.
+
+    Attributes:
+        default: The value that works today (the spec default).
+        feature: Name of the planned feature, quoted in the error message.
+        fix: One sentence telling the user how to get a working config now.
+        example: A value that needs the missing feature (the tests set it).
+        unbuilt_if: Predicate on the value; when omitted, any value other than ``default``.
+    """
+
+    default: Any
+    feature: str
+    fix: str
+    example: Any
+    unbuilt_if: Callable[[Any], bool] | None = None
+
+    def is_unbuilt(self, value: Any) -> bool:
+        """Whether ``value`` needs the missing feature."""
+        if self.unbuilt_if is not None:
+            return self.unbuilt_if(value)
+        return value != self.default
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A constraint on one parameter: ``name`` must satisfy ``ok``; otherwise say ``must``/``fix``."""
+
+    name: str
+    ok: Callable[[Any], bool]
+    must: str
+    fix: str
+
+
+def is_num(v: Any) -> bool:
+    """Whether ``v`` is an int or a float that is neither a bool nor NaN."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v)
+
+
+def is_int(v: Any) -> bool:
+    """Whether ``v`` is an integer that is not a bool."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def optional(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    """Wrap ``check`` so that ``None`` also passes."""
+    return lambda v: v is None or check(v)
+
+
+def positive_int(v: Any) -> bool:
+    """Whether ``v`` is an integer >= 1."""
+    return is_int(v) and v >= 1
+
+
+def choice_rules(choices: dict[str, tuple[str, ...]]) -> tuple[Rule, ...]:
+    """One rule per string-valued choice parameter: its value must be one of the allowed ones."""
+    return tuple(
+        Rule(
+            name,
+            lambda v, allowed=allowed: v in allowed,
+            "one of " + ", ".join(repr(a) for a in allowed),
+            "use one of the listed values",
+        )
+        for name, allowed in choices.items()
+    )
+
+
+def parse_json_dict(name: str, value: Any) -> Any:
+    """Turn a JSON object string (as given on the command line) into a dict; pass others through."""
+    if not isinstance(value, str):
+        return value
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as err:
+        raise ValueError(
+            f"{name}={value!r} is not valid JSON ({err.msg}); pass a dict or a JSON object string "
+            "such as '{\"key\": 1}'."
+        ) from None
+    if not isinstance(parsed, dict):
+        raise ValueError(
+            f"{name}={value!r} is JSON but not an object; pass a dict or a JSON object string "
+            "such as '{\"key\": 1}'."
+        )
+    return parsed
+
+
+def bf16_supported(use_cpu: bool) -> bool:
+    """Whether ``TrainingArguments`` will accept ``bf16=True`` on this machine."""
+    return use_cpu or is_torch_bf16_gpu_available() or is_torch_xla_available()
+
+
+@dataclass
+class BaseConfig(TrainingArguments):
+    """What every posttrain config shares; a family's config subclasses it.
+
+    TrainingArguments defaults changed, as in every config of the reference:
+        logging_steps (`float`, defaults to `10` instead of `500`).
+        gradient_checkpointing (`bool`, defaults to `True` instead of off), handed to
+            `activation_checkpointing`, its transformers 5 name, unless that one is set.
+        bf16 (`bool | None`, defaults to `None` instead of `False`): `None` resolves to `True`
+            unless `fp16=True`; on a machine that cannot run bfloat16 without `use_cpu=True` it
+            resolves to `False` instead.
+
+    Shared fields:
+        model_init_kwargs (`dict[str, Any] | str | None`, defaults to `None`): Keyword arguments
+            for `from_pretrained` when the trainer's `model` is given as a string (a dict, or a
+            JSON object string from the command line).
+        trust_remote_code (`bool`, defaults to `False`): Allow models and tokenizers that ship
+            custom Python code.
+    """
+
+    #: Rules checked first, one row per parameter.
+    _rules: ClassVar[tuple[Rule, ...]] = ()
+    #: Options accepted but not built yet; building a feature deletes its row.
+    _unbuilt: ClassVar[dict[str, UnbuiltOption]] = {}
+    #: Parameters that take a dict and may arrive as a JSON object string.
+    _json_dict_fields: ClassVar[tuple[str, ...]] = ("model_init_kwargs",)
+
+    gradient_checkpointing: bool = field(
+        default=True,
+        metadata={"help": "Recompute activations in the backward pass to save memory (slower steps)."},
+    )
+    logging_steps: float = field(
+        default=10,
+        metadata={"help": "Log every this many steps; a value below 1 is a fraction of the total steps."},
+    )
+    bf16: bool | None = field(
+        default=None,
+        metadata={"help": "Train in bfloat16 mixed precision. None means True unless fp16 is set."},
+    )
+    model_init_kwargs: dict[str, Any] | str | None = field(
+        default=None,
+        metadata={
+            "help": "Keyword arguments (a dict or a JSON object string) for from_pretrained when the "
+            "model is given by name; its revision also selects the processing class."
+        },
+    )
+    trust_remote_code: bool = field(
+        default=False,
+        metadata={"help": "Allow loading models, reward models and tokenizers that ship custom Python code."},
+    )
+
+    def __post_init__(self) -> None:
+        """Normalise, validate, set up ``TrainingArguments``, then derive the family's values.
+
+        Raises:
+            ValueError: A parameter has an invalid value or an invalid combination.
+            NotImplementedError: An option that posttrain does not build yet is set.
+        """
+        for name in self._json_dict_fields:
+            setattr(self, name, parse_json_dict(name, getattr(self, name)))
+        self._normalise_family()
+        for rule in self._rules:
+            value = getattr(self, rule.name)
+            if not rule.ok(value):
+                raise ValueError(f"{rule.name}={value!r} is invalid: it must be {rule.must}; {rule.fix}.")
+        self._check_combinations()
+        kwargs = self.gradient_checkpointing_kwargs
+        if isinstance(kwargs, dict) and kwargs.get("selective"):
+            raise NotImplementedError(
+                "gradient_checkpointing_kwargs={'selective': True} (selective activation checkpointing) is not "
+                "implemented yet in posttrain. Remove 'selective'; on the CPU posttrain already keeps the top "
+                "layers' activations when memory allows (docs/performance.md)."
+            )
+        self._reject_unbuilt_options()
+        self._resolve_changed_defaults()
+        super().__post_init__()
+        self._derive()
+
+    # ---- hooks of a family's config ------------------------------------------------------------
+
+    def _normalise_family(self) -> None:
+        """Map aliases and deprecated parameters to their current form (before any check)."""
+
+    def _check_combinations(self) -> None:
+        """Raise on combinations of values that cannot work (after the per-parameter rules)."""
+
+    def _derive(self) -> None:
+        """Fill the values that depend on the world size (after ``TrainingArguments``'s setup)."""
+
+    # ---- the shared steps ------------------------------------------------------------------------
+
+    def _reject_unbuilt_options(self) -> None:
+        """Raise ``NotImplementedError`` listing every unbuilt option in use."""
+        problems = [
+            f"{name}={getattr(self, name)!r} is not implemented yet in posttrain "
+            f"(planned: {row.feature}). {row.fix}"
+            for name, row in self._unbuilt.items()
+            if row.is_unbuilt(getattr(self, name))
+        ]
+        if problems:
+            raise NotImplementedError("\n".join(problems))
+
+    def _resolve_changed_defaults(self) -> None:
+        """Resolve ``bf16=None`` and route ``gradient_checkpointing`` without a deprecation warning."""
+        if self.bf16 is None:
+            self.bf16 = not self.fp16 and bf16_supported(self.use_cpu)
+            if self.bf16 and self.use_cpu:
+                warnings.warn(
+                    "bf16=None resolved to True with use_cpu=True, so the model runs under CPU bfloat16 "
+                    "autocast. A GRPO step measured 20x slower that way than in float32 on an avx512_bf16 "
+                    "CPU (BENCHMARKS.md, 'bf16 on this CPU'). Pass bf16=False to train in float32.",
+                    UserWarning,
+                    stacklevel=4,
+                )
+        # transformers 5 treats `gradient_checkpointing` as a deprecated alias of
+        # `activation_checkpointing` and warns whenever it is set; the reference sets it by
+        # default, so hand the value over to the new name unless the user chose that one.
+        if self.activation_checkpointing is None:
+            self.activation_checkpointing = self.gradient_checkpointing

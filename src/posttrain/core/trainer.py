@@ -1,0 +1,330 @@
+"""The base trainer every posttrain trainer extends: ``BaseTrainer`` (a ``transformers.Trainer``).
+
+What every trainer needs and no family should write again:
+
+- the policy and its tokenizer from a hub id, a path, an embedded name, a ``PreTrainedModel``
+  or a ``PeftModel`` (``model_init_kwargs``, quantized loading, the pad token), PEFT wrapping,
+  and a frozen reference copy where a family needs one (ZeRO-3 and FSDP2 included);
+- guards: a non-finite loss or gradient stops training before the update is applied, naming
+  the step and the last logged metrics;
+- crash-safe checkpoints: posttrain's state file is written last as the completion mark, old
+  checkpoints are rotated only after the new one is complete, and each family adds its own
+  state through ``_save_extra_state`` / ``_load_extra_state``, so every trainer resumes exactly;
+- the metrics store (``self._metrics``) whose means are merged into each ``log`` call, the
+  ``step_time`` metric, and the end-of-run plots;
+- on the CPU, glibc's heap kept small and selective gradient checkpointing (``ops/``).
+
+A family's ``__init__`` checks its data and arguments first (cheap), then calls
+``super().__init__``, which loads the model (expensive).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+import warnings
+from typing import Any
+
+import torch
+from accelerate.utils import gather
+from transformers import PreTrainedModel, Trainer, TrainerCallback
+from transformers.trainer_utils import TrainOutput, rotate_checkpoints
+
+from posttrain.core import checkpoints
+from posttrain.models import distributed, loading
+from posttrain.models import peft as peft_utils
+from posttrain.models import reference as model_options
+from posttrain.observe.metrics import MetricStore
+from posttrain.ops import checkpointing, memory
+
+REFERENCE_STATE = "reference_model.pt"
+
+
+class BaseTrainer(Trainer):
+    """A ``transformers.Trainer`` with posttrain's model loading, guards, checkpoints and metrics.
+
+    Args:
+        model: hub id, local path, embedded name (``"smollm2-135m-instruct"``), a
+            ``PreTrainedModel`` or a ``peft.PeftModel``. Strings are loaded with
+            ``args.model_init_kwargs``, in float32 unless a ``dtype`` is given there.
+        args: the family's config (a ``BaseConfig``).
+        processing_class: the tokenizer; loaded from the model when ``None``. Left padding is set
+            and the pad token falls back to EOS.
+        peft_config: a ``peft.PeftConfig``: the policy is wrapped and only the adapter trains.
+        quantization_config: a transformers quantization config to load ``model`` by name
+            (QLoRA, with ``peft_config``).
+        **trainer_kwargs: the rest of ``transformers.Trainer``'s arguments.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        args: Any,
+        processing_class: Any = None,
+        peft_config: Any = None,
+        quantization_config: Any = None,
+        **trainer_kwargs: Any,
+    ) -> None:
+        model, source = self._setup_model(model, args, peft_config, quantization_config)
+        processing_class = self._setup_tokenizer(processing_class, source, args)
+        super().__init__(model=model, args=args, processing_class=processing_class, **trainer_kwargs)
+        self._trim_hooks: list[Any] = []
+        if self.accelerator.device.type == "cpu":  # glibc's heap (ops/memory.py):
+            memory.map_large_blocks()  # large activations stay out of it,
+            self._trim_hooks = memory.trim_heap_in_backward(self.model)  # freed small ones leave it
+            checkpointing.enabled()  # a bad POSTTRAIN_SELECTIVE_CHECKPOINTING fails here, not mid-step
+        self.add_callback(_Guards(self))
+        self._metrics = MetricStore()
+        self._last_logs: dict[str, float] = {}
+        self._step_time = 0.0
+        self._micro_in_step = 0
+
+    # ---- model and tokenizer ---------------------------------------------------------------------
+
+    @staticmethod
+    def _setup_model(
+        model: Any, args: Any, peft_config: Any = None, quantization_config: Any = None
+    ) -> tuple[Any, str]:
+        """The policy to train and the name or path its tokenizer loads from."""
+        peft_utils.check_peft_arguments(model, peft_config, args, quantization_config)
+        if isinstance(model, str):
+            source = loading.resolve_model_path(model)
+            policy = loading.load_policy(
+                source, args.model_init_kwargs, args.trust_remote_code, quantization_config, args.device
+            )
+        elif isinstance(model, PreTrainedModel):
+            policy, source = model, model.config._name_or_path  # model_init_kwargs then unused
+        elif peft_utils.is_peft_model(model):
+            policy, source = model, model.get_base_model().config._name_or_path
+        else:
+            raise TypeError(
+                f"model must be a hub id, a local path, an embedded name, a PreTrainedModel or a PeftModel; "
+                f"got {type(model).__name__}."
+            )
+        if not hasattr(policy, "generate"):
+            raise TypeError("model must be a causal language model (it has no generate method).")
+        if peft_config is not None or peft_utils.is_peft_model(policy):
+            policy = peft_utils.wrap_policy(policy, peft_config, bool(args.activation_checkpointing))
+        if getattr(args, "disable_dropout", False):
+            loading.disable_dropout(policy)
+        if getattr(args, "cast_lm_head_to_fp32", False):
+            model_options.cast_lm_head_to_fp32(policy)
+        coef = getattr(args, "router_aux_loss_coef", None)
+        if coef is not None and not model_options.is_moe(policy):
+            model_options.set_router_aux_loss_coef(policy, coef)  # raises, before training
+        return policy, source
+
+    @staticmethod
+    def _setup_tokenizer(processing_class: Any, source: str, args: Any) -> Any:
+        if processing_class is None:
+            revision = (args.model_init_kwargs or {}).get("revision")
+            processing_class = loading.load_tokenizer(source, revision, args.trust_remote_code)
+        return loading.prepare_tokenizer(processing_class)
+
+    @property
+    def _tokenizer(self) -> Any:
+        """The text tokenizer (a processor's ``tokenizer``, or the processing class itself)."""
+        return getattr(self.processing_class, "tokenizer", self.processing_class)
+
+    def _create_reference(self) -> torch.nn.Module:
+        """A frozen copy of the initial policy for a KL or a preference reference.
+
+        Under ZeRO-3 and FSDP2 the copy is sharded like the policy (``models.distributed``).
+        """
+        a = self.args
+        return distributed.create_reference(
+            self.model,
+            self.accelerator,
+            reload=lambda: loading.load_policy(
+                self.model.config._name_or_path, a.model_init_kwargs, a.trust_remote_code
+            ),
+        )
+
+    def create_accelerator_and_postprocess(self) -> None:
+        """transformers' Accelerator; on CPU processes switched to the FSDP2 that ``fsdp`` asks for."""
+        super().create_accelerator_and_postprocess()
+        distributed.use_fsdp_on_cpu(self)
+
+    # ---- guards and timing -----------------------------------------------------------------------
+
+    def training_step(
+        self, model: torch.nn.Module, inputs: Any, num_items_in_batch: Any = None
+    ) -> torch.Tensor:
+        """One micro-step; stops on a non-finite loss and times whole optimizer steps (``step_time``)."""
+        start = time.perf_counter()
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        if not torch.isfinite(loss):
+            raise FloatingPointError(
+                f"The loss became {loss.item()} at optimizer step {self.state.global_step + 1}, before any update "
+                f"was applied (the parameters and the checkpoints are intact). Last logged metrics: "
+                f"{self._last_logs}. Lower the learning rate, check the rewards, or use bf16/fp32."
+            )
+        self._step_time += time.perf_counter() - start
+        self._micro_in_step += 1
+        if self._micro_in_step >= self.current_gradient_accumulation_steps:
+            self._metrics.add("train", "step_time", self._step_time)
+            self._step_time, self._micro_in_step = 0.0, 0
+        return loss
+
+    def _check_gradients(self) -> None:
+        """Stop before the optimizer applies a NaN or inf gradient."""
+        named = [(n, p.grad) for n, p in self.model.named_parameters() if p.grad is not None]
+        if not named:
+            return
+        # One norm per gradient: no gradient-sized temporaries (isfinite on a 28M-entry embedding
+        # gradient allocates ~150 MB). A norm is non-finite if an entry is, or if it overflows; the
+        # suspects are then checked entry by entry.
+        norms = torch._foreach_norm([g for _, g in named])
+        norms = torch.stack([n.full_tensor() if hasattr(n, "full_tensor") else n for n in norms])  # FSDP2
+        suspects = torch.nonzero(~torch.isfinite(norms)).flatten().tolist()
+        bad = [named[i][0] for i in suspects if not torch.isfinite(named[i][1]).all()]
+        if bad:
+            raise FloatingPointError(
+                f"Non-finite gradients in {bad[:3]}{' ...' if len(bad) > 3 else ''} at optimizer step "
+                f"{self.state.global_step + 1}; the update was not applied (the parameters and the checkpoints "
+                f"are intact). Last logged metrics: {self._last_logs}. Lower the learning rate or check the inputs."
+            )
+
+    def _after_optimizer_step(self) -> None:
+        """A family's once-per-optimizer-step updates (after the step's last micro-batch)."""
+
+    def gather_values(self, local: torch.Tensor) -> torch.Tensor:
+        """Every process's 1-D ``local`` values, concatenated in rank order (lengths may differ)."""
+        if self.accelerator.num_processes == 1:
+            return local
+        device = self.accelerator.device
+        counts = gather(torch.tensor([local.numel()], device=device)).tolist()
+        padded = torch.zeros(max(counts), dtype=local.dtype, device=device)
+        padded[: local.numel()] = local.to(device)
+        rows = gather(padded.unsqueeze(0))  # [processes, max count]
+        return torch.cat([row[:n] for row, n in zip(rows, counts, strict=True)])
+
+    # ---- logging ---------------------------------------------------------------------------------
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """Add the metrics averaged since the last log (``eval_``-prefixed during evaluation)."""
+        eval_loss = next((k for k in logs if k.startswith("eval") and k.endswith("_loss")), None)
+        mode = "eval" if eval_loss is not None else "train"
+        self._before_log(mode)
+        if eval_loss is not None:
+            prefix = eval_loss[: -len("loss")]
+            metrics = {prefix + k: v for k, v in self._metrics.pop_means("eval").items()}
+        else:
+            metrics = self._metrics.pop_means("train")
+        merged = {**logs, **metrics}
+        if all(isinstance(v, (int, float)) and v == v for v in merged.values()):
+            self._last_logs = {"step": self.state.global_step, **merged}
+        super().log(merged, start_time)
+
+    def _before_log(self, mode: str) -> None:
+        """A family's work before its metrics are logged (e.g. flushing a completions table)."""
+
+    def _on_train_end(self) -> None:
+        """A family's work when training ends, before the plots are written."""
+
+    def _write_plots(self) -> None:
+        """The run's curves as PNGs in ``output_dir/plots`` (needs matplotlib: the ``plot`` extra)."""
+        from posttrain.observe.plots import write_plots_from_log_history
+
+        try:
+            write_plots_from_log_history(self.state.log_history, os.path.join(self.args.output_dir, "plots"))
+        except ImportError as exc:
+            warnings.warn(f"No plots written at the end of training: {exc}", stacklevel=2)
+
+    # ---- checkpoints -----------------------------------------------------------------------------
+
+    def _save_extra_state(self, folder: str) -> dict[str, Any]:
+        """Save what this process's family state needs beyond ``transformers.Trainer``'s.
+
+        Called on every process after the checkpoint's files are written. Returns the small
+        values (JSON) that the main process writes into the completion mark.
+        """
+        return {}
+
+    def _load_extra_state(self, folder: str, state: dict[str, Any] | None) -> None:
+        """Restore what ``_save_extra_state`` saved (``state``: the completion mark's values)."""
+
+    def train(
+        self, resume_from_checkpoint: str | bool | None = None, trial: Any = None, **kwargs: Any
+    ) -> Any:
+        """Train; ``resume_from_checkpoint=True`` resumes from the newest *complete* checkpoint."""
+        if resume_from_checkpoint is True:  # None when only an interrupted first save is there
+            resume_from_checkpoint = checkpoints.latest_complete_checkpoint(self.args.output_dir)
+        if isinstance(resume_from_checkpoint, str):
+            done = checkpoints.finished_output(resume_from_checkpoint, self.args.max_steps)
+            if done is not None:  # transformers would train one more step
+                self.state = done
+                self._load_from_checkpoint(resume_from_checkpoint)
+                return TrainOutput(done.global_step, 0.0, {})
+        return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
+
+    def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
+        """Save as transformers does, then the family's state, then posttrain's state last, as the
+        completion mark.
+
+        Old checkpoints are rotated only after the new one is complete, so a kill while saving
+        always leaves a complete checkpoint behind.
+        """
+        run_dir = self._get_output_dir(trial=trial)
+        folder = os.path.join(run_dir, f"checkpoint-{self.state.global_step}")
+        if self.args.should_save and os.path.isdir(folder) and not checkpoints.is_complete(folder):
+            shutil.rmtree(folder)  # left by a run killed while saving: no stale file may survive
+        self.accelerator.wait_for_everyone()
+        limit = self.args.save_total_limit
+        self.args.save_total_limit = None
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self.args.save_total_limit = limit
+        os.makedirs(folder, exist_ok=True)
+        values = self._save_extra_state(folder)
+        self.accelerator.wait_for_everyone()
+        if self.args.should_save:
+            checkpoints.write_state(folder, values)
+            rotate_checkpoints(
+                output_dir=run_dir,
+                save_total_limit=limit,
+                best_model_checkpoint=self.state.best_model_checkpoint,
+                use_mtime=True,
+            )
+
+    @property
+    def _load_location(self) -> Any:
+        """Where checkpoint tensors load: "cpu" on CPU processes (torch cannot restore "cpu:0")."""
+        return "cpu" if self.accelerator.device.type == "cpu" else self.accelerator.device
+
+    def _load_from_checkpoint(
+        self, resume_from_checkpoint: str, model: torch.nn.Module | None = None
+    ) -> None:
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
+        self._load_extra_state(resume_from_checkpoint, checkpoints.read_state(resume_from_checkpoint))
+
+    def _save_reference(self, folder: str, reference: torch.nn.Module) -> None:
+        """Save a reference model that moved during training (TR-DPO sync), on the main process."""
+        if self.args.should_save:
+            torch.save(reference.state_dict(), os.path.join(folder, REFERENCE_STATE))
+
+    def _load_reference(self, folder: str, reference: torch.nn.Module) -> None:
+        """Restore a reference saved by ``_save_reference``, if the checkpoint has one."""
+        path = os.path.join(folder, REFERENCE_STATE)
+        if os.path.isfile(path):
+            reference.load_state_dict(torch.load(path, map_location=self._load_location))
+
+
+class _Guards(TrainerCallback):
+    """Calls the trainer's guards and per-step hooks at the right moments of the loop."""
+
+    def __init__(self, trainer: BaseTrainer) -> None:
+        self.trainer = trainer
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.trainer._check_gradients()
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.trainer._after_optimizer_step()
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.trainer._on_train_end()
+        if state.is_world_process_zero and state.log_history:
+            self.trainer._write_plots()

@@ -1,0 +1,288 @@
+"""The online sampling pipeline: prompts -> generator -> rewards -> a scored batch.
+
+Every trainer that samples from the policy while it trains (GRPO today; RLOO, online DPO,
+on-policy distillation and asynchronous GRPO next) hands its batch of dataset rows to one
+``OnlineSampler`` and gets back a ``Rollout`` and the per-function rewards. The sampler owns
+the generation backend, the user's ``rollout_func``, the tool loop, the reward runner, DAPO's
+dynamic sampling and the texts a completions table shows; it records the ``tools/*`` and
+``dynamic_sampling/*`` metrics. It never computes advantages or losses: those are the family's.
+
+Several processes: each process samples its own rows; the counts behind the metrics are
+summed across processes, and dynamic sampling continues while any process still misses a group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from accelerate.utils import gather, gather_object
+
+from posttrain.core.batch import Rollout
+from posttrain.data import formats
+from posttrain.generation.base import Generator, build_rollout
+from posttrain.generation.rollout_func import call_rollout_func
+from posttrain.observe.metrics import MetricStore
+from posttrain.ops.padding import left_pad
+from posttrain.rewards.runner import RewardRunner
+from posttrain.sampling import dynamic_sampling
+
+# The column of the dataset made when the environment owns the data; never forwarded to ``reset``.
+EPISODE_COLUMN = "posttrain_episode"
+
+#: What a completions table shows of one sampled batch: prompts, completions, log_extra columns.
+Texts = tuple[list[Any], list[Any], dict[str, list[Any]]]
+
+
+@dataclass
+class SamplerSettings:
+    """What the sampler needs to know besides its parts.
+
+    Attributes:
+        eos_token_ids: ids that end a completion.
+        pad_token_id: padding.
+        chat_template_kwargs: extra arguments of the chat template for conversational prompts.
+        pad_to_multiple_of: pad prompt batches to a multiple of this many tokens (``None``: no).
+    """
+
+    eos_token_ids: list[int]
+    pad_token_id: int
+    chat_template_kwargs: dict[str, Any] | None = None
+    pad_to_multiple_of: int | None = None
+
+
+@dataclass
+class OnlineSampler:
+    """Samples completions for dataset rows and scores them.
+
+    Attributes:
+        tokenizer: the policy's tokenizer.
+        generator: the generation backend (tests swap in a scripted one).
+        rewards: the reward functions and models.
+        settings: special tokens and rendering options.
+        metrics: where ``tools/*`` and ``dynamic_sampling/*`` metrics go.
+        device: where the batch tensors go.
+        trainer: handed to ``rollout_func(prompts, trainer)``; its ``state`` reaches the reward
+            functions as ``trainer_state``.
+        agent: the tool loop (``agents.runner.AgentRunner``), when tools or environments are set.
+        rollout_func: the user's own sampler, replacing ``generator``.
+        log_extra_columns: the columns reward functions added with ``log_extra`` in the last call.
+        sampled_text: prompts, completions and extra columns of the last call.
+    """
+
+    tokenizer: Any
+    generator: Generator
+    rewards: RewardRunner
+    settings: SamplerSettings
+    metrics: MetricStore
+    device: torch.device
+    trainer: Any = None
+    agent: Any = None
+    rollout_func: Callable | None = None
+    log_extra_columns: dict[str, list[Any]] = field(default_factory=dict)
+    sampled_text: Texts = field(default_factory=lambda: ([], [], {}))
+
+    @property
+    def reward_names(self) -> list[str]:
+        """One name per reward column: the reward functions', then the environments' ``get_reward``."""
+        return list(self.rewards.names) + (self.agent.reward_names if self.agent is not None else [])
+
+    def sample(self, batch: list[dict[str, Any]], mode: str, group: int) -> tuple[Rollout, torch.Tensor]:
+        """One completion per row, scored: the rollout and [n, F] local rewards.
+
+        Args:
+            batch: this process's dataset rows, each prompt repeated ``group`` times in a row.
+            mode: "train" or "eval" (the metrics' namespace).
+            group: completions per prompt.
+        """
+        prompts = [row.get(formats.PROMPT_COLUMN) for row in batch]
+        if self.agent is not None:
+            return self._sample_episodes(batch, prompts, mode)
+        for i, p in enumerate(prompts):
+            formats.check_prompt(p, f"{i} of this batch")
+        extra: dict[str, Any] = {}
+        if self.rollout_func is not None:
+            s = self.settings
+            result = call_rollout_func(
+                self.rollout_func, prompts, group, self.trainer, s.eos_token_ids, s.pad_token_id, self.device
+            )
+            rollout, extra = result.rollout, result.extra
+        else:
+            rollout = self.generate(prompts)
+        completions, completion_ids = self._decode(rollout, prompts)
+        kwargs = {**self._reward_kwargs(batch, prompts, completions, completion_ids, mode), **extra}
+        rewards = self.rewards.score(len(batch), kwargs)
+        self.sampled_text = (prompts, completions, dict(self.log_extra_columns))
+        return rollout, rewards
+
+    def generate(self, prompts: list[Any]) -> Rollout:
+        """Render and tokenise the prompts, left-pad them, and sample one completion each."""
+        tok, s = self.tokenizer, self.settings
+        ids = [
+            tok(formats.render_prompt(p, tok, s.chat_template_kwargs), add_special_tokens=isinstance(p, str))[
+                "input_ids"
+            ]
+            for p in prompts
+        ]
+        prompt_ids, prompt_mask = left_pad(ids, tok.pad_token_id, s.pad_to_multiple_of)
+        prompt_ids, prompt_mask = prompt_ids.to(self.device), prompt_mask.to(self.device)
+        samples = self.generator.generate(prompt_ids, prompt_mask)
+        return build_rollout(prompt_ids, prompt_mask, samples, s.eos_token_ids, tok.pad_token_id)
+
+    def _decode(self, rollout: Rollout, prompts: list[Any]) -> tuple[list[Any], list[list[int]]]:
+        lengths = rollout.completion_lengths.tolist()
+        completion_ids = [row[:n] for row, n in zip(rollout.completion_ids.tolist(), lengths, strict=True)]
+        texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        return [formats.as_completion(t, p) for t, p in zip(texts, prompts, strict=True)], completion_ids
+
+    def _reward_kwargs(
+        self,
+        batch: list[dict[str, Any]],
+        prompts: list[Any],
+        completions: list[Any],
+        ids: list[list[int]],
+        mode: str,
+    ) -> dict[str, Any]:
+        columns = {k: [row.get(k) for row in batch] for k in batch[0] if k != formats.PROMPT_COLUMN}
+        self.log_extra_columns = {}
+        return {
+            **columns,
+            "prompts": prompts,
+            "completions": completions,
+            "completion_ids": ids,
+            "trainer_state": getattr(self.trainer, "state", None),
+            "log_metric": lambda name, value: self.metrics.add(mode, name, value),
+            "log_extra": lambda column, values: self.log_extra_columns.__setitem__(column, list(values)),
+        }
+
+    def gathered_texts(self) -> Texts:
+        """The last batch's prompts, completions and log_extra columns of every process, in rank
+        order (as ``gather`` orders the rewards); every process must call this together."""
+        per_process = gather_object([self.sampled_text])
+        prompts = [p for ps, _, _ in per_process for p in ps]
+        completions = [c for _, cs, _ in per_process for c in cs]
+        names = dict.fromkeys(n for _, _, e in per_process for n in e)
+        extra = {  # padded / cut per process: a wrong-length column must not break the log
+            n: [v for ps, _, e in per_process for v in (list(e.get(n, [])) + [None] * len(ps))[: len(ps)]]
+            for n in names
+        }
+        return prompts, completions, extra
+
+    # ---- agents ----------------------------------------------------------------------------------
+
+    def _sample_episodes(
+        self, batch: list[dict[str, Any]], prompts: list[Any], mode: str
+    ) -> tuple[Rollout, torch.Tensor]:
+        """Agent rollouts (``agents/``): tool-calling episodes, scored by the reward functions and
+        the environments' ``get_reward``."""
+        rows = [{k: v for k, v in row.items() if k != EPISODE_COLUMN} for row in batch]
+        out = self.agent.rollout(self.generator, rows, prompts, self.device)
+        rollout, completions = out.result.rollout, out.result.completions
+        ids = [
+            row[mask.bool()].tolist()
+            for row, mask in zip(rollout.completion_ids, rollout.completion_mask, strict=True)
+        ]
+        kwargs = self._reward_kwargs(rows, out.prompts, completions, ids, mode)
+        if out.environments is not None:
+            kwargs["environments"] = out.environments
+        rewards = torch.cat([self.rewards.score(len(batch), kwargs), out.environment_rewards], dim=1)
+        for name, count in out.faults.items():  # reported with the reward functions' faults
+            self.rewards.faults[name] = self.rewards.faults.get(name, 0) + count
+        self._record_tool_metrics(mode, out.result.tool_calls, out.result.tool_failures)
+        self.sampled_text = (out.prompts, completions, dict(self.log_extra_columns))
+        return rollout, rewards
+
+    def _record_tool_metrics(self, mode: str, calls: list[int], failures: list[int]) -> None:
+        """``tools/call_frequency`` (calls per completion) and ``tools/failure_frequency`` (failed calls
+        per call), from counts summed over processes."""
+        local = torch.tensor([float(len(calls)), float(sum(calls)), float(sum(failures))], device=self.device)
+        completions, total_calls, total_failures = gather(local.unsqueeze(0)).sum(dim=0).tolist()
+        self.metrics.add_all(
+            mode,
+            {
+                "tools/call_frequency": total_calls / max(completions, 1.0),
+                "tools/failure_frequency": total_failures / total_calls if total_calls else 0.0,
+            },
+        )
+
+    # ---- DAPO dynamic sampling -------------------------------------------------------------------
+
+    def refill(
+        self,
+        rollout: Rollout,
+        rewards: torch.Tensor,
+        group: int,
+        weights: torch.Tensor,
+        max_rounds: int,
+        more: Iterator[list[dict[str, Any]]],
+    ) -> tuple[Rollout, torch.Tensor]:
+        """Replace this process's zero-spread groups by groups with spread sampled from ``more``.
+
+        Args:
+            rollout, rewards: the batch as sampled, [n] rows and [n, F] rewards.
+            group: completions per prompt.
+            weights: [F] reward weights (the spread is that of the weighted sum).
+            max_rounds: most extra sampling rounds (``dynamic_sampling_max_rounds``).
+            more: endless further batches of rows of this process.
+        """
+        rollouts, scores, texts = [rollout], [rewards], [self.sampled_text]
+        spread = [dynamic_sampling.groups_with_spread(rewards, weights, group)]
+        missing = int((~spread[0]).sum())
+        rounds = 0
+        while rounds < max_rounds and self._on_any_process(missing > 0):
+            rounds += 1
+            extra, extra_rewards = self.sample(next(more), "train", group)
+            ok = dynamic_sampling.groups_with_spread(extra_rewards, weights, group)
+            rollouts.append(extra)
+            texts.append(self.sampled_text)
+            scores.append(extra_rewards)
+            spread.append(ok)
+            missing = max(0, missing - int(ok.sum()))
+        chosen = dynamic_sampling.select_groups(spread, len(spread[0]))
+        self._record_refill(spread, chosen, missing, rounds)
+        if rounds == 0:
+            return rollout, rewards
+        merged = dynamic_sampling.take_groups(rollouts, chosen, group, self.tokenizer.pad_token_id)
+        merged_rewards = torch.cat([scores[r][g * group : (g + 1) * group] for r, g in chosen])
+        self.sampled_text = _take_texts(texts, chosen, group)
+        return merged, merged_rewards
+
+    def _record_refill(
+        self, spread: list[torch.Tensor], chosen: list[tuple[int, int]], missing: int, rounds: int
+    ) -> None:
+        counts = torch.tensor(
+            [float((~spread[0]).sum()), float(sum(r > 0 for r, _ in chosen)), float(missing)],
+            device=self.device,
+        )
+        dropped, refilled, unfilled = gather(counts.unsqueeze(0)).sum(dim=0).tolist()
+        self.metrics.add_all(
+            "train",
+            {
+                "dynamic_sampling/dropped_groups": dropped,
+                "dynamic_sampling/refilled_groups": refilled,
+                "dynamic_sampling/unfilled_groups": unfilled,
+                "dynamic_sampling/rounds": float(rounds),
+            },
+        )
+
+    def _on_any_process(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on any process (every process must call this together)."""
+        return bool(gather(torch.tensor([float(flag)], device=self.device)).max().item() > 0)
+
+
+def _take_texts(texts: list[Texts], chosen: list[tuple[int, int]], group: int) -> Texts:
+    """Prompts, completions and log_extra columns of the chosen groups, in ``take_groups``' order."""
+    rows = [(r, g * group + k) for r, g in chosen for k in range(group)]
+    names = dict.fromkeys(n for _, _, extra in texts for n in extra)
+
+    def cell(r: int, i: int, name: str) -> Any:
+        values = texts[r][2].get(name)
+        return values[i] if values is not None and i < len(values) else None
+
+    return (
+        [texts[r][0][i] for r, i in rows],
+        [texts[r][1][i] for r, i in rows],
+        {n: [cell(r, i, n) for r, i in rows] for n in names},
+    )

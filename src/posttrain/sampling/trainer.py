@@ -1,0 +1,297 @@
+"""The base of every trainer that samples from the policy while it trains: ``OnlineTrainer``.
+
+GRPO today, and RLOO, online DPO, on-policy distillation and asynchronous GRPO next, share
+everything here on top of ``core.BaseTrainer``: the checks of their prompt datasets, the reward
+runner and weights, the tool loop, the ``OnlineSampler`` (generation, ``rollout_func``, rewards,
+dynamic sampling), the grouped data plan (each prompt's ``num_generations`` completions kept in
+one generation batch, also across processes), the rollout metrics, the completions table, and
+the reference's public attributes (``reward_funcs``, ``reward_func_names``,
+``reward_processing_classes``). A family adds what it does with a scored batch: its advantages
+and its loss.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from posttrain.agents.environments import check_environment_dataset
+from posttrain.core.batch import Rollout
+from posttrain.core.trainer import BaseTrainer
+from posttrain.data import formats
+from posttrain.data.sampling import online_dataloader
+from posttrain.generation.base import Generator
+from posttrain.observe.completions import COMPLETIONS_FILE, CompletionLog
+from posttrain.rewards.models import RewardModel, reward_models
+from posttrain.sampling import checks, setup
+from posttrain.sampling.metrics import batch_tokens, rollout_metrics
+from posttrain.sampling.pipeline import OnlineSampler, SamplerSettings
+
+
+class OnlineTrainer(BaseTrainer):
+    """The shared base of the online trainers (see the module docstring).
+
+    Args:
+        model, args, processing_class, peft_config, quantization_config: as ``BaseTrainer``.
+        reward_funcs, reward_processing_classes: the rewards (``sampling.setup.build_rewards``).
+        train_dataset, eval_dataset: prompt datasets (``sampling.checks``).
+        tools, rollout_func, environment_factory: agent training or the user's own sampler.
+        callbacks, optimizers: as ``transformers.Trainer``.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        args: Any,
+        reward_funcs: Any = None,
+        train_dataset: Any = None,
+        eval_dataset: Any = None,
+        processing_class: Any = None,
+        reward_processing_classes: Any = None,
+        callbacks: Any = None,
+        optimizers: Any = (None, None),
+        quantization_config: Any = None,
+        peft_config: Any = None,
+        tools: list[Callable] | None = None,
+        rollout_func: Callable | None = None,
+        environment_factory: Any = None,
+    ) -> None:
+        name = type(self).__name__
+        train_dataset = self._check_inputs(
+            args, train_dataset, eval_dataset, tools, rollout_func, environment_factory
+        )
+        optional = environment_factory is not None  # environments may own the reward (get_reward)
+        rewards = setup.build_rewards(reward_funcs, reward_processing_classes, args, optional, name)
+        super().__init__(
+            model,
+            args,
+            processing_class,
+            peft_config,
+            quantization_config,
+            data_collator=_identity,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            callbacks=callbacks,
+            optimizers=optimizers,
+        )
+        checks.check_chat_template(train_dataset, self.processing_class)
+        for reward_model in reward_models(rewards.funcs):
+            reward_model.to(self.accelerator.device)
+        self.rewards = rewards
+        self.rollout_func = rollout_func
+        self.agent = None
+        if tools or environment_factory is not None:
+            max_length = getattr(self.model.config, "max_position_embeddings", None)
+            self.agent = setup.build_agent(
+                tools, environment_factory, self._tokenizer, args, max_length, self._eos_token_ids
+            )
+        self.sampler = self._setup_sampler()
+        self.reward_weights = setup.build_reward_weights(
+            args, len(rewards.funcs), self.sampler.reward_names, name
+        )
+        self._completion_logs = (
+            {
+                m: CompletionLog(self.accelerator.is_main_process, args.generation_batch_size)
+                for m in ("train", "eval")
+            }
+            if args.log_completions
+            else {}
+        )
+
+    @staticmethod
+    def _check_inputs(
+        args: Any, train_dataset: Any, eval_dataset: Any, tools: Any, rollout_func: Any, factory: Any
+    ) -> Any:
+        """The cheap checks, before any model loads; returns the train dataset (made for environments)."""
+        if (bool(tools) or factory is not None) and rollout_func is not None:
+            raise ValueError(
+                "rollout_func replaces generation, so it cannot be combined with tools or environment_factory, "
+                "which need posttrain's tool-calling loop; call the tools inside your rollout_func instead."
+            )
+        if factory is not None:
+            check_environment_dataset(factory, train_dataset, args.max_steps)
+            if train_dataset is None:
+                train_dataset = checks.episode_dataset(args)
+        checks.check_datasets(train_dataset, eval_dataset, args, prompt_optional=factory is not None)
+        if rollout_func is not None:
+            checks.check_rollout_func_batches(args, eval_dataset is not None)
+        checks.settle_streaming_options(args, train_dataset, eval_dataset)
+        return train_dataset
+
+    def _setup_sampler(self) -> OnlineSampler:
+        a = self.args
+        settings = SamplerSettings(
+            eos_token_ids=self._eos_token_ids,
+            pad_token_id=self._tokenizer.pad_token_id,
+            chat_template_kwargs=a.chat_template_kwargs,
+            pad_to_multiple_of=a.pad_to_multiple_of if isinstance(a.pad_to_multiple_of, int) else None,
+        )
+        generator = setup.build_generator(
+            a, self.accelerator, lambda: self.model, self._tokenizer, self._eos_token_ids
+        )
+        return OnlineSampler(
+            tokenizer=self._tokenizer,
+            generator=generator,
+            rewards=self.rewards,
+            settings=settings,
+            metrics=self._metrics,
+            device=self.accelerator.device,
+            trainer=self,
+            agent=self.agent,
+            rollout_func=self.rollout_func,
+        )
+
+    @property
+    def generator(self) -> Generator:
+        """The generation backend (assign a scripted one in tests)."""
+        return self.sampler.generator
+
+    @generator.setter
+    def generator(self, value: Generator) -> None:
+        self.sampler.generator = value
+
+    @property
+    def log_extra_columns(self) -> dict[str, list[Any]]:
+        """The columns reward functions added with ``log_extra`` in the last sampled batch."""
+        return self.sampler.log_extra_columns
+
+    @property
+    def reward_funcs(self) -> list[Any]:
+        """The reward functions in order: callables as given, reward models as ``PreTrainedModel`` s."""
+        return [f.model if isinstance(f, RewardModel) else f for f in self.rewards.funcs]
+
+    @property
+    def reward_func_names(self) -> list[str]:
+        """The name of each reward function (a callable's ``__name__``, a reward model's last path
+        component), as in the ``rewards/<name>/mean`` metrics."""
+        return list(self.rewards.names)
+
+    @property
+    def reward_processing_classes(self) -> list[Any]:
+        """Aligned with ``reward_funcs``: each reward model's tokenizer, ``None`` for a callable."""
+        return [f.tokenizer if isinstance(f, RewardModel) else None for f in self.rewards.funcs]
+
+    @property
+    def _reward_names(self) -> list[str]:
+        return self.sampler.reward_names
+
+    @property
+    def _eos_token_ids(self) -> list[int]:
+        ids = {self._tokenizer.eos_token_id}
+        gen_eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
+        ids.update(gen_eos if isinstance(gen_eos, list) else [gen_eos])
+        return sorted(i for i in ids if i is not None)
+
+    # ---- data --------------------------------------------------------------------------------
+
+    def _dataloader(
+        self, dataset: Any, per_process: int, group: int, repeat: int, shuffle: bool, seed: int | None = None
+    ) -> Any:
+        return online_dataloader(dataset, self.args, per_process, group, repeat, shuffle, seed)
+
+    def get_train_dataloader(self) -> Any:
+        """Per-process generation batches, each yielded ``steps_per_generation * num_iterations`` times."""
+        a = self.args
+        return self._dataloader(
+            self.train_dataset,
+            per_process=a.per_device_train_batch_size * a.steps_per_generation,
+            group=a.num_generations,
+            repeat=a.steps_per_generation * a.num_iterations,
+            shuffle=a.shuffle_dataset,
+        )
+
+    def get_eval_dataloader(self, eval_dataset: Any = None) -> Any:
+        """Evaluation batches with ``num_generations_eval`` completions per prompt, in order."""
+        if isinstance(eval_dataset, str):
+            eval_dataset = self.eval_dataset[eval_dataset]
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        a = self.args
+        return self._dataloader(dataset, a.per_device_eval_batch_size, a.num_generations_eval, 1, False)
+
+    def _set_signature_columns_if_needed(self) -> None:
+        self._signature_columns = [formats.PROMPT_COLUMN]
+
+    def _endless_batches(self) -> Any:
+        """Endless per-process generation batches of fresh prompts, for dynamic sampling."""
+        a = self.args
+        epoch = 0
+        while True:
+            loader = self._dataloader(
+                self.train_dataset,
+                per_process=a.per_device_train_batch_size * a.steps_per_generation,
+                group=a.num_generations,
+                repeat=1,
+                shuffle=True,
+                seed=(a.data_seed or a.seed) + 7919,  # another order than the main sampler's
+            )
+            loader.set_epoch(epoch)
+            yield from loader
+            epoch += 1
+
+    # ---- sampling and its metrics ---------------------------------------------------------------
+
+    def _sample(self, batch: list[dict[str, Any]], mode: str) -> tuple[Rollout, torch.Tensor]:
+        """One completion per row, scored (``sampling.OnlineSampler``): the rollout and [n, F] rewards."""
+        group = self.args.num_generations if mode == "train" else self.args.num_generations_eval
+        return self.sampler.sample(batch, mode, group)
+
+    def _record_rollout_metrics(
+        self, mode: str, rollout: Rollout, rewards: torch.Tensor, adv_metrics: dict[str, float]
+    ) -> None:
+        tokens = batch_tokens(rollout, self.accelerator.device)
+        if mode == "train":
+            self.state.num_input_tokens_seen += tokens
+        faults = self.rewards.pop_faults()
+        m = {"num_tokens": float(self.state.num_input_tokens_seen)}
+        m.update(
+            rollout_metrics(
+                rollout,
+                rewards,
+                self._reward_names,
+                self.reward_weights,
+                faults if self.args.reward_fault_policy == "skip" else None,
+                self.accelerator.device,
+            )
+        )
+        m.update(adv_metrics)
+        self._metrics.add_all(mode, m)
+
+    def _add_completions(self, mode: str, rewards: torch.Tensor, adv: torch.Tensor) -> None:
+        """Gather every process's prompts, completions and log_extra columns for the completion log."""
+        prompts, completions, extra = self.sampler.gathered_texts()
+        columns: dict[str, list[float]] = {}
+        for j, name in enumerate(self._reward_names):
+            columns[name if name not in columns else f"{name}_{j}"] = rewards[:, j].tolist()
+        self._completion_logs[mode].add(
+            self.state.global_step, prompts, completions, columns, adv.tolist(), extra
+        )
+
+    def _flush_completions(self, mode: str) -> None:
+        """Print the completions table and append the rows to the completions file."""
+        log = self._completion_logs.get(mode)
+        if log is None:
+            return
+        log.print_table(self.args.num_completions_to_print, self.args.log_unique_prompts)
+        name = COMPLETIONS_FILE if mode == "train" else "eval_completions.jsonl"
+        log.flush_to_file(os.path.join(self.args.output_dir, name))
+
+    def _before_log(self, mode: str) -> None:
+        self._flush_completions(mode)
+
+    def _on_train_end(self) -> None:
+        for mode in ("train", "eval"):
+            self._flush_completions(mode)
+
+    def _track_num_input_tokens(self, inputs: Any) -> None:
+        """Token counting happens at generation (``num_tokens``); nothing to do per micro-batch."""
+
+    def floating_point_ops(self, inputs: Any) -> int:
+        """FLOPs are not estimated for online steps (generation dominates and varies)."""
+        return 0
+
+
+def _identity(batch: list[Any]) -> list[Any]:
+    return batch

@@ -1,0 +1,100 @@
+"""The layering rules of docs/architecture.md, checked on the source.
+
+- No shared folder imports a family folder (a folder holding one family of trainers).
+- No import cycle between the top-level packages of ``posttrain``.
+- Nothing but ``cli`` imports ``cli``.
+- ``grpo/trainer.py`` stays under 500 lines, and no function of the trainers' modules over 60.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parent.parent / "src" / "posttrain"
+FAMILIES = {"grpo", "sft", "dpo", "kto", "orpo", "cpo", "reward", "rloo", "online_dpo", "distill", "a2po"}
+
+
+def _packages() -> list[str]:
+    return sorted(p.name for p in SRC.iterdir() if p.is_dir() and (p / "__init__.py").exists())
+
+
+def _imports(path: Path) -> set[str]:
+    """The top-level posttrain packages a module imports (function-level imports included)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        for name in names:
+            parts = name.split(".")
+            if parts[0] == "posttrain" and len(parts) > 1 and (SRC / parts[1]).is_dir():
+                out.add(parts[1])
+    return out
+
+
+def _graph() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {p: set() for p in _packages()}
+    for package in graph:
+        for path in (SRC / package).rglob("*.py"):
+            graph[package] |= _imports(path) - {package}
+    return graph
+
+
+def test_the_families_are_known_folders():
+    assert "grpo" in _packages() and "core" in _packages() and "sampling" in _packages()
+
+
+@pytest.mark.parametrize("package", [p for p in _packages() if p not in FAMILIES and p != "cli"])
+def test_no_shared_folder_imports_a_family_folder(package):
+    offending = _graph()[package] & FAMILIES
+    assert not offending, f"posttrain.{package} imports the family folder(s) {sorted(offending)}"
+
+
+def test_nothing_but_cli_imports_cli():
+    users = [p for p, deps in _graph().items() if "cli" in deps and p != "cli"]
+    assert not users, f"{users} import posttrain.cli"
+
+
+def test_no_import_cycle_between_top_level_packages():
+    graph = _graph()
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for dep in sorted(graph[node]):
+            if state.get(dep) == 1:
+                cycle = stack[stack.index(dep) :] + [dep]
+                raise AssertionError("import cycle: " + " -> ".join(cycle))
+            if dep not in state:
+                visit(dep)
+        stack.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+
+
+def test_the_grpo_trainer_stays_thin():
+    source = (SRC / "grpo" / "trainer.py").read_text()
+    assert len(source.splitlines()) < 500
+
+
+@pytest.mark.parametrize(
+    "module", ["core/trainer.py", "sampling/trainer.py", "sampling/pipeline.py", "grpo/trainer.py"]
+)
+def test_no_method_over_60_lines(module):
+    tree = ast.parse((SRC / module).read_text())
+    long = [
+        f"{n.name} ({n.end_lineno - n.lineno + 1} lines)"
+        for n in ast.walk(tree)
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno - n.lineno + 1 > 60
+    ]
+    assert not long, f"{module}: {long}"
