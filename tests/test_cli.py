@@ -7,10 +7,14 @@ import os
 import re
 import subprocess
 import sys
+from dataclasses import dataclass
 
 import pytest
 
-from posttrain.cli.main import COMMANDS, LAPTOP_DEFAULTS, CLIError, grpo, main
+from posttrain.cli.datasets import load_dataset_split
+from posttrain.cli.grpo import LAPTOP_DEFAULTS, grpo
+from posttrain.cli.main import COMMANDS, main
+from posttrain.cli.options import CLIError, parse_config
 
 # Flags of a 1-step CPU run of the tiny model.
 TINY_RUN = [
@@ -301,6 +305,49 @@ def test_reward_model_one_training_step(tmp_path, tiny_model_dir):
     assert "rewards/length_reward/mean" in logged and "rewards/tiny-rm/mean" in logged
 
 
+# ---- the shared pieces serve any training subcommand ------------------------------------------
+
+
+@dataclass
+class OtherScriptArguments:
+    """The script arguments of a second subcommand."""
+
+    model_name_or_path: str = "some-model"
+
+
+def parse_other(argv, tmp_path):
+    from transformers import TrainingArguments
+
+    defaults = {"output_dir": str(tmp_path), "use_cpu": True, "max_steps": 9}
+    return parse_config(argv, OtherScriptArguments, TrainingArguments, command="sft",
+                        summary="Train with SFT.", defaults=defaults)  # fmt: skip
+
+
+def test_parse_config_builds_another_commands_arguments(tmp_path):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("model_name_or_path: from-recipe\nlearning_rate: 0.5\nmax_steps: 7\n")
+    script, config = parse_other(["--config", str(recipe), "--max_steps", "3"], tmp_path)
+    assert isinstance(script, OtherScriptArguments) and script.model_name_or_path == "from-recipe"
+    assert (config.learning_rate, config.max_steps, config.output_dir) == (0.5, 3, str(tmp_path))
+
+
+def test_parse_config_names_the_command_in_its_messages(tmp_path):
+    with pytest.raises(
+        CLIError, match=r"did you mean --max_steps\?\)\. `posttrain sft --help` lists every flag"
+    ):
+        parse_other(["--max_stepz", "3"], tmp_path)
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("num_generations: 4\n")
+    with pytest.raises(CLIError, match=r"not flags of posttrain sft: \['num_generations'\]"):
+        parse_other(["--config", str(recipe)], tmp_path)
+
+
+def test_dataset_folder_without_the_split_names_the_given_flag(tmp_path):
+    write_jsonl(tmp_path / "train.jsonl", prompts(4))
+    with pytest.raises(CLIError, match="Choose one with --dataset_test_split"):
+        load_dataset_split(str(tmp_path), None, "test", split_flag="--dataset_test_split")
+
+
 # ---- posttrain env -----------------------------------------------------------------------------
 
 
@@ -389,7 +436,7 @@ def test_reward_path_to_a_missing_attribute(tmp_path, capsys):
 
 
 def test_reward_path_to_something_not_callable(tmp_path, capsys):
-    assert_exit_2(capsys, ["grpo", "--output_dir", str(tmp_path), "--reward_funcs", "posttrain.cli.main.LAPTOP_DEFAULTS"],
+    assert_exit_2(capsys, ["grpo", "--output_dir", str(tmp_path), "--reward_funcs", "posttrain.cli.grpo.LAPTOP_DEFAULTS"],
                   "is a dict, not a callable")  # fmt: skip
 
 

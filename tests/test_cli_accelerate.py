@@ -9,17 +9,18 @@ import sys
 import pytest
 import yaml
 
-from posttrain.cli import main as cli
-from posttrain.cli.main import (
-    CLIError,
+from posttrain.cli import launch
+from posttrain.cli.grpo import grpo
+from posttrain.cli.launch import (
     LaunchRequest,
     build_launch_command,
     bundled_accelerate_configs,
     inside_launch,
-    main,
     resolve_accelerate_config,
     split_launcher_flags,
 )
+from posttrain.cli.main import main
+from posttrain.cli.options import CLIError
 
 EXPECTED = {
     "single": ("NO", None),
@@ -34,7 +35,7 @@ EXPECTED = {
 @pytest.fixture
 def no_launch_env(monkeypatch):
     """A process environment that no launcher started."""
-    for name in cli._LAUNCH_MARKERS + ("WORLD_SIZE", "RANK"):
+    for name in launch._LAUNCH_MARKERS + ("WORLD_SIZE", "RANK"):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -118,7 +119,7 @@ def test_launcher_flags_are_not_grpo_config_fields():
     from posttrain import GRPOConfig
 
     fields = {f"--{f.name}" for f in dataclasses.fields(GRPOConfig)}
-    assert not fields & set(cli._LAUNCHER_FLAGS)
+    assert not fields & set(launch._LAUNCHER_FLAGS)
 
 
 def test_build_launch_command():
@@ -162,6 +163,35 @@ def test_build_launch_command_defaults_and_single_promotion():
     assert "--multi_gpu" not in one
 
 
+def test_build_launch_command_reruns_the_given_subcommand():
+    cmd = build_launch_command("/x/cfg.yaml", ["--max_steps", "2"], command="sft")
+    assert cmd[-5:] == ["-m", "posttrain.cli.main", "sft", "--max_steps", "2"]
+
+
+def test_relaunch_if_requested_reruns_any_subcommand(monkeypatch, no_launch_env, capsys):
+    seen = {}
+
+    def fake_run(cmd, env):
+        seen["cmd"] = cmd
+        return subprocess.CompletedProcess(cmd, 3)
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    with pytest.raises(SystemExit) as exc:
+        launch.relaunch_if_requested("sft", ["--accelerate_config", "single", "--max_steps", "1"])
+    assert exc.value.code == 3
+    assert seen["cmd"][-3:] == ["sft", "--max_steps", "1"]
+    assert "posttrain sft: relaunching under accelerate (single.yaml): " in capsys.readouterr().err
+
+
+def test_relaunch_if_requested_inside_a_launch_drops_the_launcher_flags(
+    monkeypatch, no_launch_env, no_subprocess
+):
+    assert launch.relaunch_if_requested("sft", ["--max_steps", "1"]) == ["--max_steps", "1"]
+    monkeypatch.setenv(launch.RELAUNCHED_ENV, "1")
+    argv = ["--accelerate_config", "single", "--accelerate_num_processes", "2", "--max_steps", "1"]
+    assert launch.relaunch_if_requested("sft", argv) == ["--max_steps", "1"]
+
+
 def test_resolve_user_file(tmp_path):
     user = tmp_path / "mine.yaml"
     user.write_text("distributed_type: MULTI_GPU\nnum_processes: 2\n")
@@ -172,7 +202,7 @@ def test_inside_launch_markers():
     assert not inside_launch({})
     assert inside_launch({"LOCAL_RANK": "0"})
     assert inside_launch({"ACCELERATE_MIXED_PRECISION": "no"})
-    assert inside_launch({cli.RELAUNCHED_ENV: "1"})
+    assert inside_launch({launch.RELAUNCHED_ENV: "1"})
 
 
 def test_relaunch_runs_accelerate_and_exits_with_its_code(monkeypatch, no_launch_env):
@@ -190,12 +220,12 @@ def test_relaunch_runs_accelerate_and_exits_with_its_code(monkeypatch, no_launch
     assert seen["cmd"][1:5] == ["-m", "accelerate.commands.launch", "--config_file", seen["cmd"][4]]
     assert seen["cmd"][4].endswith("multi_gpu.yaml")
     assert "--accelerate_config" not in seen["cmd"]
-    assert seen["env"][cli.RELAUNCHED_ENV] == "1"
+    assert seen["env"][launch.RELAUNCHED_ENV] == "1"
 
 
 def test_inside_a_launch_the_flag_is_ignored(monkeypatch, no_launch_env, no_subprocess, recorder_like):
-    monkeypatch.setenv(cli.RELAUNCHED_ENV, "1")  # what a relaunched process sees
-    cli.grpo(["--accelerate_config", "multi_gpu", "--max_steps", "1", "--report_to", "none"])
+    monkeypatch.setenv(launch.RELAUNCHED_ENV, "1")  # what a relaunched process sees
+    grpo(["--accelerate_config", "multi_gpu", "--max_steps", "1", "--report_to", "none"])
     assert recorder_like["trained"]
 
 
@@ -295,7 +325,7 @@ def rank_reward(completions, **kwargs):
 def test_single_with_two_processes_relaunches_and_trains(tmp_path, tiny_model_dir, monkeypatch):
     (tmp_path / "rank_rewards.py").write_text(REWARD_MODULE)
     out = tmp_path / "out"
-    env = {k: v for k, v in os.environ.items() if k not in cli._LAUNCH_MARKERS}
+    env = {k: v for k, v in os.environ.items() if k not in launch._LAUNCH_MARKERS}
     env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", CUDA_VISIBLE_DEVICES="")
     cmd = [
         *(sys.executable, "-m", "posttrain.cli.main", "grpo"),

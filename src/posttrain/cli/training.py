@@ -1,0 +1,86 @@
+"""The life of a training subcommand: relaunch, build, train, save.
+
+A ``posttrain <trainer>`` command gives :func:`run_training` its name and a function that parses
+the arguments and builds the trainer; everything else (the accelerate relaunch, turning
+configuration errors into :class:`CLIError`, resuming, saving, the closing message, the end of
+the process group) is the same for every trainer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from posttrain.cli.launch import relaunch_if_requested
+from posttrain.cli.options import CLIError, one_paragraph
+
+#: Parses a command's arguments (launcher flags removed) and returns ``(trainer, config)``.
+Builder = Callable[[list[str]], tuple[Any, Any]]
+
+
+#: Measures the trained model on the command's task: ``evaluate(trainer) -> {"accuracy": ...}``,
+#: or ``None`` when the run has no built-in task to measure.
+Evaluator = Callable[[Any], "dict[str, float] | None"]
+
+
+def run_training(command: str, argv: list[str], build: Builder, evaluate: Evaluator | None = None) -> Any:
+    """Run the training subcommand ``command``: build the trainer from ``argv``, train, save.
+
+    Args:
+        command: the subcommand's name (``grpo``), for the relaunch and the messages.
+        argv: the arguments after the subcommand's name, launcher flags included.
+        build: parses the arguments and builds the trainer; its ``ValueError``, ``OSError``
+            and ``ImportError`` are configuration errors.
+        evaluate: measures the model before and after training; the figures are printed and
+            written to ``output_dir/accuracy.json``.
+
+    Returns:
+        The trainer, trained and saved to ``config.output_dir``.
+
+    Raises:
+        CLIError: bad input, found before training starts.
+    """
+    argv = relaunch_if_requested(command, argv)
+    try:
+        trainer, config = build(argv)
+    except (ValueError, OSError, ImportError) as exc:
+        raise CLIError(one_paragraph(exc)) from exc
+    before = evaluate(trainer) if evaluate is not None else None
+    trainer.train(resume_from_checkpoint=_resume(config.resume_from_checkpoint))
+    trainer.save_model(config.output_dir)
+    trainer.save_state()  # trainer_state.json in output_dir, for `posttrain plot` / `report`
+    if before is not None:
+        _report_accuracy(
+            command, before, evaluate(trainer), config.output_dir, trainer.is_world_process_zero()
+        )
+    if trainer.is_world_process_zero():
+        print(f"posttrain {command}: saved the trained model to {config.output_dir}")
+    from posttrain.models.distributed import end_process_group
+
+    end_process_group()  # a live gloo group can abort the process at exit
+    return trainer
+
+
+def _resume(value: Any) -> Any:
+    """``--resume_from_checkpoint true`` resumes from the newest complete checkpoint."""
+    if isinstance(value, str) and value.lower() == "true":
+        return True
+    return value
+
+
+def _report_accuracy(
+    command: str, before: dict[str, float], after: dict[str, float] | None, output_dir: str, main: bool
+) -> None:
+    """Print the task's figures before and after training and write them to ``accuracy.json``."""
+    if not main or after is None:
+        return
+    import json
+    import os
+
+    os.makedirs(output_dir, exist_ok=True)
+    with open(os.path.join(output_dir, "accuracy.json"), "w") as f:
+        json.dump({"before": before, "after": after}, f, indent=1)
+    for name in before:
+        print(
+            f"posttrain {command}: held-out {name} {before[name]:.2f} before training, {after[name]:.2f} after"
+        )
