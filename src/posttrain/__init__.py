@@ -14,6 +14,9 @@ __version__ = "0.1.0"
 _LAZY = {
     "GRPOConfig": "posttrain.grpo.config",
     "GRPOTrainer": "posttrain.grpo.trainer",
+    "SFTConfig": "posttrain.sft.config",
+    "SFTTrainer": "posttrain.sft.trainer",
+    "BEMACallback": "posttrain.sft.bema",
 }
 
 __all__ = [*_LAZY, "__version__"]
@@ -21,6 +24,9 @@ __all__ = [*_LAZY, "__version__"]
 if TYPE_CHECKING:  # pragma: no cover
     from posttrain.grpo.config import GRPOConfig  # noqa: F401
     from posttrain.grpo.trainer import GRPOTrainer  # noqa: F401
+    from posttrain.sft.bema import BEMACallback  # noqa: F401
+    from posttrain.sft.config import SFTConfig  # noqa: F401
+    from posttrain.sft.trainer import SFTTrainer  # noqa: F401
 
 
 def __getattr__(name: str) -> Any:

@@ -182,8 +182,59 @@ def arithmetic_dataset(
     return Dataset.from_dict({"prompt": prompts, "solution": solutions})
 
 
+def _worked_answer(prompt: list[dict[str, str]], solution: str) -> str:
+    """The assistant's worked answer to an arithmetic prompt, in the style of the examples."""
+    question = prompt[-1]["content"]
+    expression = question[len("What is ") : question.index("?")]
+    return f"{expression} = {solution}. <answer>{solution}</answer>"
+
+
+def arithmetic_sft_dataset(n: int = 2000, seed: int = 1, **kwargs: Any) -> Dataset:
+    """Worked answers to arithmetic problems, for supervised fine-tuning (prompt-completion).
+
+    The prompts are those of :func:`arithmetic_dataset` (the same system message and worked
+    examples), drawn with their own ``seed``; each completion is the assistant turn
+    ``"<expression> = <result>. <answer><result></answer>"``. Problems that also occur in
+    :func:`arithmetic_heldout` are left out, so an SFT run never sees the evaluation problems.
+
+    Args:
+        n: Number of problems before the held-out ones are removed.
+        seed: Seed of the private random generator.
+        **kwargs: Passed to :func:`arithmetic_dataset` (conversational only).
+
+    Returns:
+        A dataset with the columns ``prompt``, ``completion`` and ``solution``.
+    """
+    data = arithmetic_dataset(n=n, seed=seed, conversational=True, **kwargs)
+    held_out = {p[-1]["content"] for p in arithmetic_heldout()["prompt"]}
+    keep = [i for i, p in enumerate(data["prompt"]) if p[-1]["content"] not in held_out]
+    data = data.select(keep)
+    return data.map(
+        lambda row: {
+            "completion": [{"role": "assistant", "content": _worked_answer(row["prompt"], row["solution"])}]
+        }
+    )
+
+
+#: The seed and size of the held-out evaluation problems (disjoint from every training seed's use).
+HELDOUT_SEED, HELDOUT_SIZE = 20261201, 100
+
+
+def arithmetic_heldout(n: int = HELDOUT_SIZE) -> Dataset:
+    """A fixed set of held-out arithmetic problems to measure accuracy before and after training.
+
+    Drawn once with :data:`HELDOUT_SEED`; the SFT task leaves these problems out of its training
+    rows. (The GRPO task draws with seed 0 from the same distribution, so a few of its prompts
+    may coincide with held-out ones; the problems are one operation on numbers up to 50.)
+    """
+    return arithmetic_dataset(n=n, seed=HELDOUT_SEED, conversational=True)
+
+
 #: The built-in tasks by name; each value returns a :class:`datasets.Dataset`.
-BUILTIN_TASKS: dict[str, Callable[..., Dataset]] = {"arithmetic": arithmetic_dataset}
+BUILTIN_TASKS: dict[str, Callable[..., Dataset]] = {
+    "arithmetic": arithmetic_dataset,
+    "arithmetic_sft": arithmetic_sft_dataset,
+}
 
 
 def load_task(name: str, **kwargs: Any) -> Dataset:
@@ -211,5 +262,7 @@ __all__ = [
     "ARITHMETIC_SYSTEM_PROMPT",
     "BUILTIN_TASKS",
     "arithmetic_dataset",
+    "arithmetic_heldout",
+    "arithmetic_sft_dataset",
     "load_task",
 ]

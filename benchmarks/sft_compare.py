@@ -1,0 +1,105 @@
+"""posttrain's SFTTrainer against TRL's, side by side, reported as ratios.
+
+Usage (after ``bash benchmarks/setup.sh``)::
+
+    benchmarks/.venv/bin/python benchmarks/sft_compare.py --rounds 1 --steps 4 --lengths 512 2048
+
+For each ``max_length`` and with and without packing, each library runs in a fresh process
+(``sft_step.py``), alternating (posttrain, TRL, posttrain, ...) so drifts of a shared machine hit
+both alike. The first step of every run is warm-up and left out. Tokens per second are real
+(non-padding) tokens trained per second of step time; ratios are posttrain / TRL (above 1 is
+better for tokens per second, below 1 for memory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from compare import host, model_folder  # noqa: E402
+
+
+def run(
+    library: str, model: str, steps: int, length: int, packing: int, batch: int, checkpointing: int
+) -> dict:
+    cmd = [
+        sys.executable, os.path.join(HERE, "sft_step.py"),
+        "--library", library, "--model", model, "--steps", str(steps), "--max_length", str(length),
+        "--packing", str(packing), "--batch_size", str(batch), "--gradient_checkpointing", str(checkpointing),
+    ]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        raise RuntimeError(f"{library} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def summarise(runs: list[dict]) -> dict:
+    rates = [n / t for r in runs for t, n in list(zip(r["step_times"], r["step_tokens"], strict=True))[1:]]
+    times = [t for r in runs for t in r["step_times"][1:]]
+    return {
+        "step_time_s": statistics.median(times),
+        "tokens_per_s": statistics.median(rates),
+        "peak_rss_mb": max(r["peak_rss_mb"] for r in runs),
+        "steps_measured": len(times),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[512, 2048])
+    parser.add_argument("--packing", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--batch_size", type=int, default=4)
+    parser.add_argument("--gradient_checkpointing", type=int, default=1)
+    parser.add_argument("--model", default=None, help="model folder (default: the embedded SmolLM2)")
+    opts = parser.parse_args()
+    model = opts.model or model_folder()
+    machine = host()
+    table = []
+    for length in opts.lengths:
+        for packing in opts.packing:
+            runs: dict[str, list[dict]] = {"posttrain": [], "trl": []}
+            for _ in range(opts.rounds):
+                for lib in runs:
+                    runs[lib].append(
+                        run(
+                            lib,
+                            model,
+                            opts.steps,
+                            length,
+                            packing,
+                            opts.batch_size,
+                            opts.gradient_checkpointing,
+                        )
+                    )
+            summary = {lib: summarise(r) for lib, r in runs.items()}
+            p, t = summary["posttrain"], summary["trl"]
+            row = {
+                "host": machine, "max_length": length, "packing": bool(packing), **summary,
+                "ratio": {k: p[k] / t[k] for k in p if k != "steps_measured"},
+            }  # fmt: skip
+            table.append(row)
+            print(json.dumps(row), flush=True)
+    print()
+    print(f"Host: {machine['cpu']}, {machine['cores']} cores, PyTorch CPU capability {machine['isa']}")
+    print()
+    print("| max_length | packing | metric | posttrain | TRL | posttrain / TRL |")
+    print("|---|---|---|---|---|---|")
+    for row in table:
+        for key in ("tokens_per_s", "step_time_s", "peak_rss_mb"):
+            print(
+                f"| {row['max_length']} | {row['packing']} | {key} | {row['posttrain'][key]:.1f} | "
+                f"{row['trl'][key]:.1f} | {row['ratio'][key]:.2f} |"
+            )
+
+
+if __name__ == "__main__":
+    main()

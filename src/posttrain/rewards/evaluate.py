@@ -1,0 +1,64 @@
+"""The accuracy of a model on a task with verifiable answers: greedy completions, checked by
+the task's answer reward. The default runs print it before and after training."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import GenerationConfig
+
+from posttrain.data import formats
+from posttrain.ops.padding import left_pad
+from posttrain.rewards.answer import answer_accuracy_reward, answer_format_reward
+
+
+@torch.no_grad()
+def task_accuracy(
+    model: Any, tokenizer: Any, dataset: Any, max_new_tokens: int = 64, batch_size: int = 25
+) -> dict[str, float]:
+    """Greedy completions of every prompt of ``dataset``, scored against its ``solution`` column.
+
+    Args:
+        model: a causal LM (evaluated in eval mode; its mode is restored).
+        tokenizer: its tokenizer (pad token set).
+        dataset: rows with ``prompt`` (standard or conversational) and ``solution``.
+        max_new_tokens: the most tokens of a completion.
+        batch_size: prompts generated at once.
+
+    Returns:
+        ``{"accuracy": ..., "format": ...}``: the share of right answers and of completions with an
+        ``<answer>`` block.
+    """
+    was_training = model.training
+    model.eval()
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    device = next(model.parameters()).device
+    completions: list[str] = []
+    try:
+        for start in range(0, len(dataset), batch_size):
+            prompts = dataset["prompt"][start : start + batch_size]
+            ids = [
+                tokenizer(formats.render_prompt(p, tokenizer, None), add_special_tokens=isinstance(p, str))[
+                    "input_ids"
+                ]
+                for p in prompts
+            ]
+            prompt_ids, mask = left_pad(ids, tokenizer.pad_token_id)
+            out = model.generate(
+                input_ids=prompt_ids.to(device), attention_mask=mask.to(device), generation_config=config
+            )
+            completions += tokenizer.batch_decode(out[:, prompt_ids.shape[1] :], skip_special_tokens=True)
+    finally:
+        model.train(was_training)
+    right = answer_accuracy_reward(completions, list(dataset["solution"]))
+    formatted = answer_format_reward(completions)
+    return {
+        "accuracy": sum(r or 0.0 for r in right) / max(len(right), 1),
+        "format": sum(f > 0 for f in formatted) / max(len(formatted), 1),
+    }

@@ -1,0 +1,199 @@
+"""Configuration of the SFT trainer: ``SFTConfig``, a drop-in for ``trl.SFTConfig`` (TRL 1.16).
+
+Only SFT's own fields are declared here; the shared ones (``model_init_kwargs``,
+``trust_remote_code``, the changed ``TrainingArguments`` defaults) and the validation
+machinery come from ``core.config.BaseConfig``.
+"""
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from posttrain.core.config import (
+    BaseConfig,
+    Rule,
+    UnbuiltOption,
+    choice_rules,
+    is_int,
+    optional,
+    positive_int,
+)
+from posttrain.data.packing import PACKING_STRATEGIES
+from posttrain.sft.losses import DEPRECATED_LOSS_TYPES, LOSS_TYPES
+
+__all__ = ["SFTConfig"]
+
+#: Allowed values of the string-valued choice parameters.
+CHOICES: dict[str, tuple[str, ...]] = {
+    "truncation_mode": ("keep_start", "keep_end"),
+    "packing_strategy": (*PACKING_STRATEGIES, "bfd-requeue"),
+    "loss_type": (*LOSS_TYPES, *DEPRECATED_LOSS_TYPES),
+}
+
+# fmt: off
+_RULES: tuple[Rule, ...] = (
+    Rule("max_length", optional(positive_int), "None or a positive integer (tokens per row)", "set max_length to a positive integer such as 1024 (the default), or None for no truncation"),
+    Rule("dataset_num_proc", optional(positive_int), "None or a positive integer", "set dataset_num_proc to a number of worker processes, or leave it None"),
+    Rule("pad_to_multiple_of", optional(lambda v: v == "auto" or positive_int(v)), "None, 'auto' or a positive integer", "set pad_to_multiple_of to a positive integer such as 64, to 'auto' (the default) or to None"),
+    Rule("per_device_train_batch_size", positive_int, "a positive integer", "set per_device_train_batch_size to 1 or more"),
+    Rule("gradient_accumulation_steps", positive_int, "a positive integer", "set gradient_accumulation_steps to 1 or more"),
+    Rule("dataset_kwargs", optional(lambda v: isinstance(v, dict) and set(v) <= {"skip_prepare_dataset"}), "None or a dict whose only key is 'skip_prepare_dataset'", "pass dataset_kwargs={'skip_prepare_dataset': True} for an already tokenised dataset, or leave it None"),
+    Rule("router_aux_loss_coef", optional(lambda v: is_int(v) or isinstance(v, float)), "None or a number", "set router_aux_loss_coef to a number such as 0.001, or leave it None"),
+) + choice_rules(CHOICES)
+# fmt: on
+
+UNBUILT_OPTIONS: dict[str, UnbuiltOption] = {
+    "chat_template_path": UnbuiltOption(
+        None,
+        "loading a chat template from a file or model",
+        "Set tokenizer.chat_template yourself and pass the tokenizer as processing_class.",
+        "template.jinja",
+    ),
+}
+
+
+@dataclass
+class SFTConfig(BaseConfig):
+    r"""Configuration of :class:`~posttrain.SFTTrainer`, a drop-in for ``trl.SFTConfig``.
+
+    It holds every :class:`transformers.TrainingArguments` parameter, the shared ones of
+    ``BaseConfig`` (`model_init_kwargs`, `trust_remote_code`, and `logging_steps=10`,
+    `gradient_checkpointing=True`, `bf16=None`), and the SFT parameters below.
+
+    TrainingArguments default changed for SFT:
+        learning_rate (`float`, defaults to `2e-5` instead of `5e-5`): Initial learning rate.
+
+    Model:
+        router_aux_loss_coef (`float | None`, defaults to `None`): Weight of the load-balancing
+            auxiliary loss of Mixture-of-Experts models; `None` uses the model config's value.
+            Only valid for MoE models.
+        chat_template_path (`str | None`, defaults to `None`): A chat template file or a model
+            whose template to use. Not built yet: set the tokenizer's template yourself.
+
+    Data:
+        dataset_text_field (`str`, defaults to `"text"`): The column of language-modelling text.
+        dataset_kwargs (`dict[str, Any] | str | None`, defaults to `None`): Only
+            `{"skip_prepare_dataset": True}`: the dataset is already tokenised (`input_ids`, and
+            optionally `completion_mask`, `assistant_masks` or `labels`) and is used as it is.
+        dataset_num_proc (`int | None`, defaults to `None`): Worker processes for tokenising.
+        eos_token (`str | None`, defaults to `None`): The token appended to texts and
+            completions; `None` uses the tokenizer's EOS token.
+        max_length (`int | None`, defaults to `1024`): The most tokens of a row (of a packed
+            bin with `packing`); longer rows are truncated. `None`: no truncation.
+        truncation_mode (`str`, defaults to `"keep_start"`): `"keep_start"` or `"keep_end"`.
+        shuffle_dataset (`bool`, defaults to `False`): Shuffle the training dataset once, before
+            packing.
+        packing (`bool`, defaults to `False`): Pack several rows into each row of up to
+            `max_length` tokens; the sequences never attend to each other.
+        packing_strategy (`str`, defaults to `"bfd"`): `"bfd"` (best-fit decreasing, over-long
+            rows truncated), `"bfd_split"` (over-long rows split first; `"bfd-requeue"` is its
+            old name) or `"wrapped"` (concatenate and cut every `max_length`).
+        padding_free (`bool`, defaults to `False`): Lay each batch's rows end to end without
+            padding, told apart by their position ids.
+        pad_to_multiple_of (`int | str | None`, defaults to `"auto"`): Pad each batch to a
+            multiple of this many tokens; `"auto"` means 128 on AWS Neuron and no padding
+            elsewhere.
+        eval_packing (`bool | None`, defaults to `None`): Pack the eval dataset; `None` follows
+            `packing`.
+
+    Loss:
+        completion_only_loss (`bool | None`, defaults to `None`): Train only on the completion
+            tokens of prompt-completion rows; `None` means on for prompt-completion data.
+        assistant_only_loss (`bool`, defaults to `False`): Train only on the assistant turns of
+            conversations (needs a chat template with generation markers).
+        loss_type (`str`, defaults to `"nll"`): `"nll"` (cross-entropy) or `"dft"` (Dynamic
+            Fine-Tuning: each token's loss weighted by its probability). `"chunked_nll"` is a
+            deprecated name of `"nll"`.
+        activation_offloading (`bool`, defaults to `False`): Move the activations saved for
+            backward from the accelerator to CPU memory. Needs an accelerator.
+        pad_token (`str | None`, defaults to `None`): Deprecated: set the tokenizer's pad token.
+    """
+
+    _rules: ClassVar[tuple[Rule, ...]] = _RULES
+    _unbuilt: ClassVar[dict[str, UnbuiltOption]] = UNBUILT_OPTIONS
+    _json_dict_fields: ClassVar[tuple[str, ...]] = ("model_init_kwargs", "dataset_kwargs")
+
+    learning_rate: float = field(
+        default=2e-5, metadata={"help": "Initial learning rate of the optimizer (AdamW by default)."}
+    )
+    router_aux_loss_coef: float | None = field(
+        default=None,
+        metadata={
+            "help": "Weight of the MoE load-balancing auxiliary loss; None uses the model config's value."
+        },
+    )
+    chat_template_path: str | None = field(
+        default=None,
+        metadata={"help": "A chat template file or model whose template to use (not built yet)."},
+    )
+    dataset_text_field: str = field(
+        default="text", metadata={"help": "The column of language-modelling text."}
+    )
+    dataset_kwargs: dict[str, Any] | str | None = field(
+        default=None,
+        metadata={
+            "help": "Only {'skip_prepare_dataset': True}: the dataset is already tokenised (JSON accepted)."
+        },
+    )
+    dataset_num_proc: int | None = field(default=None, metadata={"help": "Worker processes for tokenising."})
+    eos_token: str | None = field(
+        default=None, metadata={"help": "Token appended to texts and completions; None: the tokenizer's EOS."}
+    )
+    max_length: int | None = field(
+        default=1024, metadata={"help": "Most tokens of a row (of a packed bin); None: no truncation."}
+    )
+    truncation_mode: str = field(default="keep_start", metadata={"help": "'keep_start' or 'keep_end'."})
+    shuffle_dataset: bool = field(default=False, metadata={"help": "Shuffle the training dataset once."})
+    packing: bool = field(
+        default=False, metadata={"help": "Pack several rows into each row of max_length tokens."}
+    )
+    packing_strategy: str = field(default="bfd", metadata={"help": "'bfd', 'bfd_split' or 'wrapped'."})
+    padding_free: bool = field(
+        default=False, metadata={"help": "Lay each batch's rows end to end, no padding."}
+    )
+    pad_to_multiple_of: int | str | None = field(
+        default="auto",
+        metadata={"help": "Pad batches to a multiple of this; 'auto': 128 on Neuron, else none."},
+    )
+    eval_packing: bool | None = field(
+        default=None, metadata={"help": "Pack the eval dataset; None follows packing."}
+    )
+    completion_only_loss: bool | None = field(
+        default=None, metadata={"help": "Train only on completions; None: on for prompt-completion data."}
+    )
+    assistant_only_loss: bool = field(
+        default=False, metadata={"help": "Train only on the assistant turns (needs generation markers)."}
+    )
+    loss_type: str = field(default="nll", metadata={"help": "'nll' or 'dft' (Dynamic Fine-Tuning)."})
+    activation_offloading: bool = field(
+        default=False, metadata={"help": "Offload saved activations from the accelerator to CPU memory."}
+    )
+    pad_token: str | None = field(
+        default=None, metadata={"help": "Deprecated: set the tokenizer's pad token instead."}
+    )
+
+    def _normalise_family(self) -> None:
+        """A digit string ``pad_to_multiple_of`` from the command line, ``"none"``, old names."""
+        value = self.pad_to_multiple_of
+        if isinstance(value, str) and value != "auto":
+            self.pad_to_multiple_of = (
+                None if value.lower() in ("none", "null") else int(value) if value.isdigit() else value
+            )
+        if self.packing_strategy == "bfd-requeue":
+            self.packing_strategy = "bfd_split"
+
+    def _check_combinations(self) -> None:
+        if self.packing and self.max_length is None:
+            raise ValueError(
+                "packing=True fills rows of max_length tokens, but max_length=None; set max_length (e.g. 1024)."
+            )
+        if self.activation_offloading and self.use_cpu:
+            raise ValueError(
+                "activation_offloading=True moves activations from an accelerator to CPU memory, but use_cpu=True "
+                "trains on the CPU, so there is nothing to offload; set activation_offloading=False."
+            )
+
+    def _derive(self) -> None:
+        if self.pad_to_multiple_of == "auto":
+            self.pad_to_multiple_of = 128 if self.device.type == "neuron" else None
+        if self.eval_packing is None:
+            self.eval_packing = self.packing

@@ -1,0 +1,334 @@
+"""SFTTrainer: supervised fine-tuning on the shared core, a drop-in for ``trl.SFTTrainer``.
+
+One training step, top to bottom::
+
+    rows   = prepare_dataset(dataset)              # data/sft.py: input_ids + loss_mask per row
+    batch  = collate(rows)                         # data/packing.py: Sequences, padded or packed
+    stats  = sequence_token_stats(model, batch)    # ops/logprobs.py: next-token log-probs in chunks
+    loss   = LOSS_TYPES[loss_type](stats.logps, mask, num_items)   # sft/losses.py: pure
+
+``num_items`` is the number of target tokens of the whole optimizer step over every process,
+so gradient accumulation and several processes give the update of one large batch. The loss,
+entropy and accuracy come from the same chunked pass over the hidden states: no ``[N, L, V]``
+float32 logits are kept for backward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from accelerate.utils import gather
+from transformers import PreTrainedModel, TrainerCallback
+
+from posttrain.core.batch import Sequences
+from posttrain.core.trainer import BaseTrainer
+from posttrain.data import packing, sft
+from posttrain.models import reference as model_options
+from posttrain.ops.logprobs import sequence_token_stats
+from posttrain.sft import losses
+from posttrain.sft.config import SFTConfig
+
+if TYPE_CHECKING:
+    from peft import PeftModel
+
+#: Attention implementations that keep packed sequences apart: by the block mask posttrain
+#: builds from the position ids (eager, sdpa), or by the position ids themselves (flash).
+_PACKABLE_ATTENTION = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")
+_VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3")
+
+
+class SFTTrainer(BaseTrainer):
+    """Trainer for supervised fine-tuning, with TRL's public API.
+
+    Args:
+        model: hub id, local path, embedded name (``"smollm2-135m-instruct"``), a
+            ``PreTrainedModel`` causal LM or a ``peft.PeftModel``.
+        args: the configuration; a default ``SFTConfig`` when ``None``.
+        data_collator: a collator returning ``core.batch.Sequences``; by default rows are
+            right-padded, or packed with ``packing`` / ``padding_free``.
+        train_dataset: a ``Dataset`` in one of the SFT formats (``data/sft.py``): ``text``,
+            ``messages``, ``prompt`` + ``completion``, or tokenised ``input_ids``.
+        eval_dataset: same formats, or a dict of such datasets.
+        processing_class: the tokenizer; loaded from the model when ``None``.
+        compute_loss_func, compute_metrics, preprocess_logits_for_metrics: need the model's full
+            logits, which posttrain never builds: not supported (``NotImplementedError``).
+        callbacks: extra ``TrainerCallback`` s (e.g. ``BEMACallback``).
+        optimizers: ``(optimizer, scheduler)``; AdamW with a linear schedule by default.
+        optimizer_cls_and_kwargs: an optimizer class and its keyword arguments.
+        quantization_config: a transformers quantization config to load ``model`` by name (QLoRA).
+        peft_config: a ``peft.PeftConfig``; only the adapter trains.
+        formatting_func: maps a row to its training text (language modelling).
+    """
+
+    _tag_names = ["posttrain", "sft"]
+    loss_is_scaled_for_ga = True  # compute_loss divides by the step's target tokens itself
+
+    def __init__(
+        self,
+        model: str | PreTrainedModel | PeftModel,
+        args: SFTConfig | None = None,
+        data_collator: Callable[[list[dict[str, Any]]], Sequences] | None = None,
+        train_dataset: Any = None,
+        eval_dataset: Any = None,
+        processing_class: Any = None,
+        compute_loss_func: Callable | None = None,
+        compute_metrics: Callable | None = None,
+        callbacks: list[TrainerCallback] | None = None,
+        optimizers: tuple[torch.optim.Optimizer | None, torch.optim.lr_scheduler.LambdaLR | None] = (
+            None,
+            None,
+        ),
+        optimizer_cls_and_kwargs: tuple[type[torch.optim.Optimizer], dict[str, Any]] | None = None,
+        preprocess_logits_for_metrics: Callable | None = None,
+        quantization_config: Any = None,
+        peft_config: Any = None,
+        formatting_func: Callable[[dict], str] | None = None,
+    ) -> None:
+        if args is None:
+            base = model if isinstance(model, str) else model.config._name_or_path
+            args = SFTConfig(output_dir=f"{os.path.basename(str(base).rstrip('/')) or 'model'}-SFT")
+        _refuse_logit_hooks(compute_loss_func, compute_metrics, preprocess_logits_for_metrics)
+        if train_dataset is None:
+            raise ValueError(
+                "SFTTrainer needs a train_dataset (text, messages, prompt/completion or input_ids)."
+            )
+        _check_formats(train_dataset, eval_dataset, args, formatting_func)
+        self.formatting_func = formatting_func
+        super().__init__(
+            model,
+            args,
+            processing_class,
+            peft_config,
+            quantization_config,
+            data_collator=data_collator or self._collate,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            callbacks=callbacks,
+            optimizers=optimizers,
+            optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
+        )
+        self._check_attention()
+        self._aux_loss_coef = model_options.set_router_aux_loss_coef(self.model, args.router_aux_loss_coef)
+        self.loss_fn = losses.resolve_loss_type(args.loss_type)
+        self.train_dataset = self._prepare(self.train_dataset, args.packing)
+        if isinstance(self.eval_dataset, dict):
+            self.eval_dataset = {k: self._prepare(v, args.eval_packing) for k, v in self.eval_dataset.items()}
+        elif self.eval_dataset is not None:
+            self.eval_dataset = self._prepare(self.eval_dataset, args.eval_packing)
+
+    # ---- data ------------------------------------------------------------------------------------
+
+    def _prepare(self, dataset: Any, pack: bool) -> Any:
+        """Tokenise (unless ``skip_prepare_dataset``), drop rows without targets, pack if asked."""
+        a = self.args
+        if (a.dataset_kwargs or {}).get("skip_prepare_dataset"):
+            return dataset
+        if a.shuffle_dataset and dataset is self.train_dataset:
+            dataset = dataset.shuffle(seed=a.data_seed or a.seed)
+        rows = sft.prepare_dataset(
+            dataset,
+            self._tokenizer,
+            dataset_text_field=a.dataset_text_field,
+            max_length=None if pack else a.max_length,  # a packed row is truncated once, as a bin
+            truncation_mode=a.truncation_mode,
+            completion_only_loss=a.completion_only_loss,
+            assistant_only_loss=a.assistant_only_loss,
+            eos_token=a.eos_token,
+            formatting_func=self.formatting_func,
+            chat_template_kwargs=None,
+            num_proc=a.dataset_num_proc,
+        )
+        if not pack:
+            return rows
+        from datasets import Dataset
+
+        return Dataset.from_list(packing.pack(rows, a.max_length, a.packing_strategy))
+
+    def _set_signature_columns_if_needed(self) -> None:
+        self._signature_columns = [
+            "input_ids",
+            "loss_mask",
+            "seq_lengths",
+            "completion_mask",
+            "assistant_masks",
+        ]
+
+    def _collate(self, rows: list[dict[str, Any]]) -> Sequences:
+        """Rows to a batch: packed bins and padding-free batches without padding, else right-padded."""
+        a = self.args
+        rows = [self._as_row(r) for r in rows]
+        if a.padding_free or any(len(r.get("seq_lengths") or [0]) > 1 for r in rows):
+            flatten = a.padding_free and self._varlen_attention
+            return packing.collate_packed(
+                rows,
+                flatten=flatten,
+                pad_token_id=self._tokenizer.pad_token_id,
+                pad_to_multiple_of=a.pad_to_multiple_of,
+            )
+        return packing.collate_padded(rows, self._tokenizer.pad_token_id, a.pad_to_multiple_of)
+
+    @staticmethod
+    def _as_row(row: dict[str, Any]) -> dict[str, Any]:
+        """A row of an already tokenised dataset (``skip_prepare_dataset``) with its loss mask."""
+        if "loss_mask" in row:
+            return row
+        ids = list(row["input_ids"])
+        mask = row.get("completion_mask") or row.get("assistant_masks") or [1] * len(ids)
+        return {"input_ids": ids, "loss_mask": [0, *list(mask)[1:]]}
+
+    @property
+    def _varlen_attention(self) -> bool:
+        return getattr(self.model.config, "_attn_implementation", None) in _VARLEN_ATTENTION
+
+    def _check_attention(self) -> None:
+        """Packed rows need an attention that keeps their sequences apart."""
+        a = self.args
+        if not (a.packing or a.padding_free):
+            return
+        impl = getattr(self.model.config, "_attn_implementation", None)
+        if impl not in _PACKABLE_ATTENTION:
+            raise ValueError(
+                f"packing/padding_free put several sequences in one row, but the model's attention "
+                f"implementation {impl!r} would let them attend to each other. Load the model with "
+                f"attn_implementation in {list(_PACKABLE_ATTENTION)} (model_init_kwargs), or set packing=False "
+                "and padding_free=False."
+            )
+
+    def _prepare_inputs(self, inputs: Any) -> Sequences:  # type: ignore[override]
+        device = self.accelerator.device
+        mask = inputs.attention_mask
+        if mask is None and not self._varlen_attention:  # packed: a block-diagonal causal mask
+            mask = packing.packed_attention_mask(inputs.position_ids, self.model.dtype)
+        return Sequences(
+            input_ids=inputs.input_ids.to(device),
+            loss_mask=inputs.loss_mask.to(device),
+            attention_mask=mask.to(device) if mask is not None else None,
+            position_ids=inputs.position_ids.to(device),
+        )
+
+    def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> torch.Tensor:
+        """Target tokens of the optimizer step's micro-batches, summed over every process."""
+        local = sum(int(b.loss_mask[:, 1:].sum()) for b in batch_samples)
+        return gather(torch.tensor([local], device=device)).sum()
+
+    # ---- loss --------------------------------------------------------------------------------------
+
+    def compute_loss(
+        self,
+        model: torch.nn.Module,
+        inputs: Sequences,
+        return_outputs: bool = False,
+        num_items_in_batch: Any = None,
+    ) -> torch.Tensor:
+        """The micro-batch's share of the step's loss: its target tokens' loss over the step's count.
+
+        DDP averages gradients over processes, so the share is multiplied by their number.
+        """
+        if return_outputs:
+            raise ValueError("SFTTrainer.compute_loss does not return model outputs (no logits are built).")
+        mode = "train" if model.training else "eval"
+        with self._offloading():
+            stats = sequence_token_stats(
+                model,
+                inputs.input_ids,
+                inputs.attention_mask,
+                inputs.position_ids,
+                with_entropy=True,
+                with_top=True,
+            )
+        mask = inputs.loss_mask[:, 1:].to(stats.logps.dtype)  # [N, L - 1]: targets 1..L-1
+        local = mask.sum()
+        count = num_items_in_batch if num_items_in_batch is not None else local
+        scale = self.accelerator.num_processes if num_items_in_batch is not None and mode == "train" else 1
+        loss = (
+            self.loss_fn(stats.logps, mask, torch.clamp(torch.as_tensor(count, device=mask.device), min=1))
+            * scale
+        )
+        if self._aux_loss_coef and stats.aux_loss is not None:
+            loss = loss + self._aux_loss_coef * stats.aux_loss / self.current_gradient_accumulation_steps
+        self._record(mode, stats, mask, inputs)
+        return loss
+
+    def _offloading(self) -> contextlib.AbstractContextManager:
+        """With ``activation_offloading``, the tensors saved for backward live in CPU memory."""
+        if self.args.activation_offloading:
+            return torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available())
+        return contextlib.nullcontext()
+
+    def _record(self, mode: str, stats: Any, mask: torch.Tensor, inputs: Sequences) -> None:
+        """``entropy``, ``mean_token_accuracy`` (over every process's targets), ``num_tokens``, ``aux_loss``."""
+        device = self.accelerator.device
+        correct = (stats.logps.detach() == stats.top).to(mask.dtype)
+        local = torch.stack([(stats.entropy * mask).sum(), (correct * mask).sum(), mask.sum()]).to(device)
+        entropy, hits, targets = gather(local.unsqueeze(0)).sum(dim=0).tolist()
+        m = {"entropy": entropy / max(targets, 1.0), "mean_token_accuracy": hits / max(targets, 1.0)}
+        if mode == "train":
+            padded = inputs.attention_mask is not None and inputs.attention_mask.dim() == 2
+            tokens = int(inputs.attention_mask.sum()) if padded else inputs.input_ids.numel()
+            self.state.num_input_tokens_seen += int(gather(torch.tensor([tokens], device=device)).sum())
+            m["num_tokens"] = float(self.state.num_input_tokens_seen)
+        if stats.aux_loss is not None:
+            m["aux_loss"] = float(stats.aux_loss.detach())
+        self._metrics.add_all(mode, m)
+
+    def _track_num_input_tokens(self, inputs: Any) -> None:
+        """Tokens are counted in ``_record`` (padding excluded)."""
+
+    def floating_point_ops(self, inputs: Any) -> int:
+        """About 6 FLOPs per parameter per token (forward and backward), as transformers estimates."""
+        return 6 * int(inputs.input_ids.numel()) * self.model.num_parameters(exclude_embeddings=True)
+
+    def prediction_step(
+        self,
+        model: torch.nn.Module,
+        inputs: Any,
+        prediction_loss_only: bool,
+        ignore_keys: list[str] | None = None,
+    ) -> tuple[torch.Tensor, None, None]:
+        """Evaluation: the batch's loss over its own target tokens."""
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad():
+            loss = self.compute_loss(model, inputs)
+        return loss.detach(), None, None
+
+
+def _refuse_logit_hooks(compute_loss_func: Any, compute_metrics: Any, preprocess_logits: Any) -> None:
+    given = [
+        name
+        for name, value in (
+            ("compute_loss_func", compute_loss_func),
+            ("compute_metrics", compute_metrics),
+            ("preprocess_logits_for_metrics", preprocess_logits),
+        )
+        if value is not None
+    ]
+    if given:
+        raise NotImplementedError(
+            f"{', '.join(given)} need the model's full [batch, length, vocabulary] logits, which posttrain's "
+            "SFTTrainer never builds (it takes the loss, entropy and accuracy from the hidden states in chunks). "
+            "Remove them; the loss, entropy and mean_token_accuracy are logged for train and eval."
+        )
+
+
+def _check_formats(train_dataset: Any, eval_dataset: Any, args: SFTConfig, formatting_func: Any) -> None:
+    """The datasets' formats, from their columns and first row, before any model is loaded."""
+    if (args.dataset_kwargs or {}).get("skip_prepare_dataset"):
+        return
+    evals = eval_dataset.items() if isinstance(eval_dataset, dict) else [("eval_dataset", eval_dataset)]
+    for name, dataset in [("train_dataset", train_dataset), *evals]:
+        if dataset is None or formatting_func is not None:
+            continue
+        if not hasattr(dataset, "__len__"):
+            raise ValueError(
+                f"{name} is an IterableDataset; SFTTrainer tokenises and packs the whole dataset first. Materialise "
+                "it (datasets.Dataset.from_list(list(stream))) or tokenise it yourself and pass "
+                "dataset_kwargs={'skip_prepare_dataset': True}."
+            )
+        if len(dataset) == 0:
+            raise ValueError(f"{name} is empty; pass a dataset with at least one row.")
+        columns = list(getattr(dataset, "column_names", None) or dataset[0])
+        sft.detect_format(columns, dataset[0], dataset_text_field=args.dataset_text_field)
