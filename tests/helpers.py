@@ -55,25 +55,27 @@ class TurnScriptedGenerator:
         return Samples.from_lists(rows, self.tokenizer.pad_token_id or eos, prompt_ids.device)
 
 
+#: The training arguments every small CPU test run shares (a trainer's tests add their own).
+CPU_TEST_ARGS: dict[str, Any] = {
+    "per_device_train_batch_size": 4,
+    "max_steps": 2,
+    "logging_steps": 1,
+    "learning_rate": 1e-2,
+    "bf16": False,
+    "use_cpu": True,
+    "report_to": "none",
+    "save_strategy": "no",
+    "disable_tqdm": True,
+    "gradient_checkpointing": False,
+}
+
+
 def make_config(tmp_path: Any, **overrides: Any):
     """A small CPU GRPOConfig for tests; overrides win."""
     from posttrain import GRPOConfig
 
-    values: dict[str, Any] = {
-        "output_dir": str(tmp_path),
-        "per_device_train_batch_size": 4,
-        "num_generations": 4,
-        "max_completion_length": 8,
-        "max_steps": 2,
-        "logging_steps": 1,
-        "learning_rate": 1e-2,
-        "bf16": False,
-        "use_cpu": True,
-        "report_to": "none",
-        "save_strategy": "no",
-        "disable_tqdm": True,
-        "gradient_checkpointing": False,
-    }
+    values: dict[str, Any] = {"output_dir": str(tmp_path), **CPU_TEST_ARGS, "num_generations": 4}
+    values["max_completion_length"] = 8
     values.update(overrides)
     return GRPOConfig(**values)
 

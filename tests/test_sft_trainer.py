@@ -7,6 +7,7 @@ import pytest
 import torch
 from conftest import build_tiny_model, build_tiny_tokenizer
 from datasets import Dataset
+from helpers import CPU_TEST_ARGS
 
 from posttrain import SFTConfig, SFTTrainer
 from posttrain.data import packing
@@ -18,19 +19,7 @@ def tok():
 
 
 def config(tmp_path, **overrides) -> SFTConfig:
-    values = {
-        "output_dir": str(tmp_path),
-        "per_device_train_batch_size": 4,
-        "max_steps": 2,
-        "logging_steps": 1,
-        "learning_rate": 1e-2,
-        "bf16": False,
-        "use_cpu": True,
-        "report_to": "none",
-        "save_strategy": "no",
-        "disable_tqdm": True,
-        "gradient_checkpointing": False,
-    }
+    values = {"output_dir": str(tmp_path), **CPU_TEST_ARGS}
     values.update(overrides)
     return SFTConfig(**values)
 

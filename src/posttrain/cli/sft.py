@@ -20,7 +20,7 @@ from posttrain.cli.training import run_training
 # Settings of the no-argument run: a real SFT job that ends within minutes on a laptop CPU.
 LAPTOP_DEFAULTS: dict[str, Any] = {
     "output_dir": "sft-smollm2-arithmetic",
-    "max_steps": 40,
+    "max_steps": 20,
     "per_device_train_batch_size": 8,
     "learning_rate": 1e-5,
     "lr_scheduler_type": "constant",
@@ -100,7 +100,7 @@ def _evaluate(trainer: Any) -> dict[str, float] | None:
     from posttrain.data.tasks import arithmetic_heldout
     from posttrain.rewards.evaluate import task_accuracy
 
-    return task_accuracy(trainer.model, trainer._tokenizer, arithmetic_heldout())
+    return task_accuracy(trainer.model, trainer._tokenizer, arithmetic_heldout(), max_new_tokens=40)
 
 
 def sft(argv: list[str]) -> Any:

@@ -80,6 +80,12 @@ class BaseTrainer(Trainer):
         self._step_time = 0.0
         self._micro_in_step = 0
 
+    @staticmethod
+    def default_args(model: Any, config_class: type, suffix: str) -> Any:
+        """The config a trainer builds when given none: defaults, output in ``<model name>-<suffix>``."""
+        base = model if isinstance(model, str) else model.config._name_or_path
+        return config_class(output_dir=f"{os.path.basename(str(base).rstrip('/')) or 'model'}-{suffix}")
+
     # ---- model and tokenizer ---------------------------------------------------------------------
 
     @staticmethod

@@ -189,23 +189,26 @@ def _worked_answer(prompt: list[dict[str, str]], solution: str) -> str:
     return f"{expression} = {solution}. <answer>{solution}</answer>"
 
 
-def arithmetic_sft_dataset(n: int = 2000, seed: int = 1, **kwargs: Any) -> Dataset:
+def arithmetic_sft_dataset(n: int = 2000, seed: int = 1, few_shot: int = 0, **kwargs: Any) -> Dataset:
     """Worked answers to arithmetic problems, for supervised fine-tuning (prompt-completion).
 
-    The prompts are those of :func:`arithmetic_dataset` (the same system message and worked
-    examples), drawn with their own ``seed``; each completion is the assistant turn
-    ``"<expression> = <result>. <answer><result></answer>"``. Problems that also occur in
+    The prompts are those of :func:`arithmetic_dataset` (its system message), drawn with their
+    own ``seed`` and, by default, without worked examples: the fine-tuning itself teaches the
+    answer format, which the embedded model never uses unprompted (0 % of its greedy answers
+    without examples), and short rows keep a CPU step short. Each completion is the assistant
+    turn ``"<expression> = <result>. <answer><result></answer>"``. Problems that also occur in
     :func:`arithmetic_heldout` are left out, so an SFT run never sees the evaluation problems.
 
     Args:
         n: Number of problems before the held-out ones are removed.
         seed: Seed of the private random generator.
+        few_shot: Worked examples in each prompt (as in :func:`arithmetic_dataset`).
         **kwargs: Passed to :func:`arithmetic_dataset` (conversational only).
 
     Returns:
         A dataset with the columns ``prompt``, ``completion`` and ``solution``.
     """
-    data = arithmetic_dataset(n=n, seed=seed, conversational=True, **kwargs)
+    data = arithmetic_dataset(n=n, seed=seed, conversational=True, few_shot=few_shot, **kwargs)
     held_out = {p[-1]["content"] for p in arithmetic_heldout()["prompt"]}
     keep = [i for i, p in enumerate(data["prompt"]) if p[-1]["content"] not in held_out]
     data = data.select(keep)
@@ -220,14 +223,14 @@ def arithmetic_sft_dataset(n: int = 2000, seed: int = 1, **kwargs: Any) -> Datas
 HELDOUT_SEED, HELDOUT_SIZE = 20261201, 100
 
 
-def arithmetic_heldout(n: int = HELDOUT_SIZE) -> Dataset:
+def arithmetic_heldout(n: int = HELDOUT_SIZE, few_shot: int = 0) -> Dataset:
     """A fixed set of held-out arithmetic problems to measure accuracy before and after training.
 
-    Drawn once with :data:`HELDOUT_SEED`; the SFT task leaves these problems out of its training
-    rows. (The GRPO task draws with seed 0 from the same distribution, so a few of its prompts
-    may coincide with held-out ones; the problems are one operation on numbers up to 50.)
+    Drawn once with :data:`HELDOUT_SEED` (one operation on numbers up to 50, the system
+    message, ``few_shot`` worked examples: by default none, as in the SFT task); the SFT task
+    leaves these problems out of its training rows.
     """
-    return arithmetic_dataset(n=n, seed=HELDOUT_SEED, conversational=True)
+    return arithmetic_dataset(n=n, seed=HELDOUT_SEED, conversational=True, few_shot=few_shot)
 
 
 #: The built-in tasks by name; each value returns a :class:`datasets.Dataset`.

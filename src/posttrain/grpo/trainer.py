@@ -116,9 +116,7 @@ class GRPOTrainer(OnlineTrainer):
         rollout_func: Callable | None = None,
         environment_factory: Any = None,
     ) -> None:
-        if args is None:
-            base = model if isinstance(model, str) else model.config._name_or_path
-            args = GRPOConfig(output_dir=f"{os.path.basename(str(base).rstrip('/')) or 'model'}-GRPO")
+        args = args if args is not None else self.default_args(model, GRPOConfig, "GRPO")
         loss_settings = LossSettings.from_config(args)
         super().__init__(
             model,

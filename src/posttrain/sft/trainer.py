@@ -16,7 +16,6 @@ float32 logits are kept for backward.
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -88,9 +87,7 @@ class SFTTrainer(BaseTrainer):
         peft_config: Any = None,
         formatting_func: Callable[[dict], str] | None = None,
     ) -> None:
-        if args is None:
-            base = model if isinstance(model, str) else model.config._name_or_path
-            args = SFTConfig(output_dir=f"{os.path.basename(str(base).rstrip('/')) or 'model'}-SFT")
+        args = args if args is not None else self.default_args(model, SFTConfig, "SFT")
         _refuse_logit_hooks(compute_loss_func, compute_metrics, preprocess_logits_for_metrics)
         if train_dataset is None:
             raise ValueError(
