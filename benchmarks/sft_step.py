@@ -95,7 +95,9 @@ def main() -> None:
             seed=0,
             include_num_input_tokens_seen="non_padding" if opts.library == "trl" else "no",
         )
-        trainer = SFTTrainer(model=opts.model, args=args, train_dataset=dataset, processing_class=tok)
+        trainer = SFTTrainer(
+            model=opts.model, args=args, train_dataset=dataset, processing_class=tok, callbacks=[clock]
+        )
         trainer.train()
     starts, ends = clock.times[0::2], clock.times[1::2]
     step_times = [b - a for a, b in zip(starts, ends, strict=False)]
