@@ -255,3 +255,19 @@ def test_packed_attention_mask_keeps_sequences_apart():
         [0, 0, 0, 1, 0],
         [0, 0, 0, 1, 1],
     ]
+
+
+def test_lora_trains_only_the_adapter(tmp_path, tok):
+    from peft import LoraConfig
+
+    trainer = SFTTrainer(
+        model=build_tiny_model(tok),
+        args=config(tmp_path),
+        train_dataset=prompt_completion(8),
+        processing_class=tok,
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+    )
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    changed = {n for n, p in trainer.model.named_parameters() if not torch.equal(before[n], p.detach())}
+    assert changed and all("lora_" in n for n in changed)
