@@ -131,3 +131,16 @@ def left_pad(rows: list[list[int]], pad: int) -> tuple[Any, Any]:
     ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])
     mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
     return ids, mask
+
+
+def run_torchrun(script: str, out_dir: str, port: int, *args: str) -> Any:
+    """Run ``script OUT_DIR ARGS`` on 2 CPU processes under torchrun (gloo, one thread each)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port)]
+    return subprocess.run(
+        [*cmd, script, out_dir, *args], env=env, capture_output=True, text=True, timeout=600
+    )

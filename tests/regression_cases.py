@@ -21,7 +21,6 @@ import hashlib
 import json
 import os
 import platform
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -158,19 +157,9 @@ def _HalfCallScripted(tok: Any, scripts: dict[str, list[str]]) -> Any:
 
 
 def case_two_processes(out: str) -> dict[str, Any]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        "29541",
-        str(DDP_SCRIPT),
-        out,
-    ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    from helpers import run_torchrun
+
+    proc = run_torchrun(str(DDP_SCRIPT), out, 29541)
     if proc.returncode != 0:
         raise RuntimeError(proc.stdout[-3000:] + proc.stderr[-3000:])
     return json.loads((Path(out) / "rank0.json").read_text())

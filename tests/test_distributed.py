@@ -4,30 +4,17 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from collections import Counter
 
 import pytest
+from helpers import run_torchrun
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "ddp_train.py")
 
 
 @pytest.mark.slow
 def test_two_processes_keep_groups_whole_and_parameters_identical(tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        "29533",
-        SCRIPT,
-        str(tmp_path),
-    ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    proc = run_torchrun(SCRIPT, str(tmp_path), 29533)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert len(ranks[0]["seen"]) == len(ranks[1]["seen"]) == 2

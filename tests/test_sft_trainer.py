@@ -271,3 +271,16 @@ def test_lora_trains_only_the_adapter(tmp_path, tok):
     trainer.train()
     changed = {n for n, p in trainer.model.named_parameters() if not torch.equal(before[n], p.detach())}
     assert changed and all("lora_" in n for n in changed)
+
+
+def test_the_deprecated_pad_token_sets_the_tokenizers_pad_token(tmp_path):
+    tok = build_tiny_tokenizer()
+    with pytest.warns(FutureWarning, match="pad_token is deprecated"):
+        trainer = trainer_for(tmp_path, tok, prompt_completion(4), pad_token="<|im_start|>")
+    assert trainer._tokenizer.pad_token == "<|im_start|>"
+    batch = trainer._collate(
+        [{"input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]}, {"input_ids": [5], "loss_mask": [0]}]
+    )
+    assert batch.input_ids[1, 1:].tolist() == [tok.convert_tokens_to_ids("<|im_start|>")] * 2
+    with pytest.raises(ValueError, match="not a token of the tokenizer's vocabulary"):
+        trainer_for(tmp_path, build_tiny_tokenizer(), prompt_completion(4), pad_token="<no such token>")

@@ -16,6 +16,7 @@ float32 logits are kept for backward.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -109,6 +110,7 @@ class SFTTrainer(BaseTrainer):
             optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
         )
         self._check_attention()
+        self._apply_pad_token(args.pad_token)
         self._aux_loss_coef = model_options.set_router_aux_loss_coef(self.model, args.router_aux_loss_coef)
         self.loss_fn = losses.resolve_loss_type(args.loss_type)
         self.train_dataset = self._prepare(self.train_dataset, args.packing)
@@ -116,6 +118,23 @@ class SFTTrainer(BaseTrainer):
             self.eval_dataset = {k: self._prepare(v, args.eval_packing) for k, v in self.eval_dataset.items()}
         elif self.eval_dataset is not None:
             self.eval_dataset = self._prepare(self.eval_dataset, args.eval_packing)
+
+    def _apply_pad_token(self, pad_token: str | None) -> None:
+        """The deprecated ``pad_token`` option: the tokenizer's pad token, before tokenising."""
+        if pad_token is None:
+            return
+        warnings.warn(
+            "SFTConfig.pad_token is deprecated; set tokenizer.pad_token and pass the tokenizer as processing_class.",
+            FutureWarning,
+            stacklevel=3,
+        )
+        tok = self._tokenizer
+        if tok.convert_tokens_to_ids(pad_token) in (None, tok.unk_token_id):
+            raise ValueError(
+                f"pad_token={pad_token!r} is not a token of the tokenizer's vocabulary; pass one of its tokens "
+                f"(e.g. its EOS token {tok.eos_token!r}) or leave pad_token None."
+            )
+        tok.pad_token = pad_token
 
     # ---- data ------------------------------------------------------------------------------------
 
