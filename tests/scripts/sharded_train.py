@@ -185,3 +185,9 @@ def read_ranks(out_dir: Path) -> list[dict]:
 
 if __name__ == "__main__":
     main()
+    # The rank's results are written and its process group destroyed; leave without the
+    # interpreter's teardown, where gloo's worker threads can still abort the process
+    # ("terminate called without an active exception", a rare SIGABRT that fails the launch).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
