@@ -145,6 +145,16 @@ class BaseConfig(TrainingArguments):
             JSON object string from the command line).
         trust_remote_code (`bool`, defaults to `False`): Allow models and tokenizers that ship
             custom Python code.
+
+    TrainingArguments fields that take more:
+        gradient_checkpointing_kwargs (`dict | str | None`, defaults to `None`): also takes
+            `"selective": True`, selective activation checkpointing (SAC, arXiv 2205.05198), as in
+            the reference: checkpointed layers keep the output of their fused attention op (SDPA,
+            flash, flex attention) and recompute the rest in backward. Needs
+            `gradient_checkpointing=True` and non-reentrant checkpointing (no `use_reentrant=True`).
+            With `attn_implementation="eager"` nothing is saved and the trainer warns. The key
+            works in `activation_checkpointing_kwargs` too (`posttrain.ops.sac`; not the CPU's
+            `POSTTRAIN_SELECTIVE_CHECKPOINTING`, which it combines with).
     """
 
     #: Rules checked first, one row per parameter.
@@ -193,13 +203,7 @@ class BaseConfig(TrainingArguments):
             if not rule.ok(value):
                 raise ValueError(f"{rule.name}={value!r} is invalid: it must be {rule.must}; {rule.fix}.")
         self._check_combinations()
-        kwargs = self.gradient_checkpointing_kwargs
-        if isinstance(kwargs, dict) and kwargs.get("selective"):
-            raise NotImplementedError(
-                "gradient_checkpointing_kwargs={'selective': True} (selective activation checkpointing) is not "
-                "implemented yet in posttrain. Remove 'selective'; on the CPU posttrain already keeps the top "
-                "layers' activations when memory allows (docs/performance.md)."
-            )
+        self._check_selective_checkpointing()
         self._reject_unbuilt_options()
         self._resolve_changed_defaults()
         super().__post_init__()
@@ -217,6 +221,54 @@ class BaseConfig(TrainingArguments):
         """Fill the values that depend on the world size (after ``TrainingArguments``'s setup)."""
 
     # ---- the shared steps ------------------------------------------------------------------------
+
+    def _check_selective_checkpointing(self) -> None:
+        """Check ``gradient_checkpointing_kwargs={"selective": True}`` (selective activation checkpointing).
+
+        SAC (``ops/sac.py``) saves the attention ops' outputs in checkpointed layers; it needs
+        checkpointing on and torch's non-reentrant checkpoint. The key stays in the kwargs: the
+        trainer turns it into the checkpoint's ``context_fn`` once checkpointing is enabled.
+
+        Raises:
+            ValueError: ``selective`` is not a bool, or it is True with checkpointing off, with
+                ``use_reentrant=True`` or with a ``context_fn`` of its own.
+        """
+        # Read the values as TrainingArguments will resolve them: the transformers 5 names win.
+        name = "gradient_checkpointing_kwargs"
+        kwargs = self.gradient_checkpointing_kwargs
+        if self.activation_checkpointing_kwargs is not None:
+            name, kwargs = "activation_checkpointing_kwargs", self.activation_checkpointing_kwargs
+        if isinstance(kwargs, str) and kwargs.lstrip().startswith("{"):
+            kwargs = parse_json_dict(name, kwargs)
+        if not isinstance(kwargs, dict) or "selective" not in kwargs:
+            return
+        selective = kwargs["selective"]
+        if not isinstance(selective, bool):
+            raise ValueError(
+                f"{name}['selective']={selective!r} is invalid: it must be True or False; set it to True for "
+                "selective activation checkpointing (the attention outputs are kept, the rest is recomputed)."
+            )
+        if not selective:
+            return
+        enabled = self.activation_checkpointing
+        if enabled is None:
+            enabled = self.gradient_checkpointing
+        if not enabled:
+            raise ValueError(
+                f"{name}={{'selective': True}} (selective activation checkpointing) needs gradient_checkpointing=True, "
+                "but checkpointing is off (gradient_checkpointing=False, or activation_checkpointing=False). "
+                f"Set gradient_checkpointing=True, or remove 'selective' from {name}."
+            )
+        if kwargs.get("use_reentrant"):
+            raise ValueError(
+                f"{name}={{'selective': True, 'use_reentrant': True}}: selective activation checkpointing runs on "
+                f"torch's non-reentrant checkpoint only. Drop 'use_reentrant' from {name} or set it to False."
+            )
+        if kwargs.get("context_fn") is not None:
+            raise ValueError(
+                f"{name} has both 'selective' and 'context_fn'; selective activation checkpointing brings its own "
+                "context_fn. Remove one of them."
+            )
 
     def _reject_unbuilt_options(self) -> None:
         """Raise ``NotImplementedError`` listing every unbuilt option in use."""

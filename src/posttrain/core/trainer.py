@@ -12,7 +12,9 @@ What every trainer needs and no family should write again:
   state through ``_save_extra_state`` / ``_load_extra_state``, so every trainer resumes exactly;
 - the metrics store (``self._metrics``) whose means are merged into each ``log`` call, the
   ``step_time`` metric, and the end-of-run plots;
-- on the CPU, glibc's heap kept small and selective gradient checkpointing (``ops/``).
+- on the CPU, glibc's heap kept small and selective gradient checkpointing (``ops/``);
+- selective activation checkpointing (``gradient_checkpointing_kwargs={"selective": True}``,
+  ``ops/sac.py``), on every device.
 
 A family's ``__init__`` checks its data and arguments first (cheap), then calls
 ``super().__init__``, which loads the model (expensive).
@@ -36,7 +38,7 @@ from posttrain.models import distributed, loading
 from posttrain.models import peft as peft_utils
 from posttrain.models import reference as model_options
 from posttrain.observe.metrics import MetricStore
-from posttrain.ops import checkpointing, memory
+from posttrain.ops import checkpointing, memory, sac
 
 REFERENCE_STATE = "reference_model.pt"
 
@@ -265,6 +267,15 @@ class BaseTrainer(Trainer):
                 return TrainOutput(done.global_step, 0.0, {})
         return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
 
+    def _use_selective_checkpointing(self) -> None:
+        """Turn ``selective`` of the checkpointing kwargs into SAC's ``context_fn`` (``ops/sac.py``).
+
+        Runs when training begins: ``Trainer.train`` has enabled checkpointing with the config's
+        kwargs by then, and no training forward has run yet.
+        """
+        if self.args.activation_checkpointing:
+            sac.use_selective_checkpointing(self.model, self.args.activation_checkpointing_kwargs)
+
     def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
         """Save as transformers does, then the family's state, then posttrain's state last, as the
         completion mark.
@@ -323,6 +334,9 @@ class _Guards(TrainerCallback):
 
     def __init__(self, trainer: BaseTrainer) -> None:
         self.trainer = trainer
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.trainer._use_selective_checkpointing()
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.trainer._check_gradients()

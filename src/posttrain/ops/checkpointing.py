@@ -20,6 +20,11 @@ many top layers for one forward and back on after it; the backward of that forwa
 On the anchor (SmolLM2-135M, 8 x 64 tokens) it leaves 13 of 30 layers uncheckpointed. It is
 used on the CPU only, where it was measured (docs/performance.md); ``POSTTRAIN_SELECTIVE_CHECKPOINTING=0``
 turns it off.
+
+This is not selective *activation* checkpointing (SAC, ``gradient_checkpointing_kwargs=
+{"selective": True}``, ``ops/sac.py``), which keeps the attention ops' outputs inside every
+checkpointed layer. The two combine: the layers this module leaves checkpointed run with SAC's
+checkpoint function, and the activations of the layers it uncheckpoints are all kept anyway.
 """
 
 from __future__ import annotations
