@@ -9,8 +9,9 @@ from datasets import Dataset
 from helpers import make_config
 from test_agent_loop import IncrementEnv, call, long_context_model, qwen_tokenizer
 
-from posttrain.agents.templates import TURN_END, continuation_text, render_chat
+from posttrain.agents.templates import TURN_END, continuation_text
 from posttrain.agents.tools import tools_from_functions
+from posttrain.data.chat import render_template
 
 CALL = call("increment", '{"step": 1}')
 
@@ -32,7 +33,7 @@ def teach_tool_call(tok, model, steps: int = 200) -> None:
     template = tok.chat_template
     rows = []
     for prompt in dataset()["prompt"]:
-        prefix = render_chat(template, prompt, [schema], True, **specials)
+        prefix = render_template(template, prompt, [schema], True, **specials)
         assistant = {
             "role": "assistant",
             "content": "",

@@ -19,11 +19,11 @@ from posttrain.agents.templates import (
     detect_family,
     is_prefix_preserving,
     parse_tool_calls,
-    render_chat,
     renders_every_probe,
     resolve_template,
     training_template,
 )
+from posttrain.data.chat import render_template
 
 FIXTURES = Path(__file__).parent / "chat_templates"
 
@@ -117,7 +117,7 @@ MISTRAL_LIKE = (
 
 
 def test_unknown_call_syntax_has_no_family():
-    rendered = render_chat(
+    rendered = render_template(
         MISTRAL_LIKE, [{"role": "assistant", "content": "", "tool_calls": [call("f", {"x": 1})]}]
     )
     assert '"name": "f"' in rendered  # it does render the call...
@@ -384,8 +384,8 @@ def test_qwen3_rewrites_the_last_assistant_turn_once_it_is_no_longer_last():
         {"role": "user", "content": "3 times 4?"},
         {"role": "assistant", "content": "", "tool_calls": [call("multiply", {"a": 3, "b": 4})]},
     ]
-    first = render_chat(template, conversation, TOOLS)
-    later = render_chat(template, conversation + [{"role": "tool", "content": "12"}], TOOLS, True)
+    first = render_template(template, conversation, TOOLS)
+    later = render_template(template, conversation + [{"role": "tool", "content": "12"}], TOOLS, True)
     opened_with_think = "<|im_start|>assistant\n<think>\n\n</think>\n\n<tool_call>"
     assert opened_with_think in first
     assert opened_with_think not in later and "<|im_start|>assistant\n<tool_call>" in later
@@ -400,8 +400,8 @@ def test_deepseek_v3_breaks_on_a_second_tool_turn():
         {"role": "tool", "content": "12"},
     ]
     second = {"role": "assistant", "content": "", "tool_calls": [call("multiply", {"a": 12, "b": 5})]}
-    prompt = render_chat(template, conversation, TOOLS, True)
-    assert not render_chat(template, conversation + [second], TOOLS).startswith(prompt)
+    prompt = render_template(template, conversation, TOOLS, True)
+    assert not render_template(template, conversation + [second], TOOLS).startswith(prompt)
 
 
 def test_a_template_that_refuses_every_probe_is_not_prefix_preserving():
@@ -438,12 +438,12 @@ def test_training_templates_keep_every_message_prefix_even_between_tool_messages
     turn included) leaves the earlier render untouched."""
     template = training_template(family)
     messages = _loop_conversation(system)
-    renders = [render_chat(template, messages[:k], TOOLS) for k in range(1, len(messages) + 1)]
+    renders = [render_template(template, messages[:k], TOOLS) for k in range(1, len(messages) + 1)]
     for shorter, longer in zip(renders, renders[1:], strict=False):
         assert longer.startswith(shorter)
     for k, message in enumerate(messages):
         if message["role"] == "assistant":
-            assert renders[k].startswith(render_chat(template, messages[:k], TOOLS, True))
+            assert renders[k].startswith(render_template(template, messages[:k], TOOLS, True))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -455,21 +455,21 @@ def test_training_templates_keep_reasoning_of_earlier_turns(family):
         {"role": "user", "content": "Bye"},
         {"role": "assistant", "content": "Bye!"},
     ]
-    assert "<think>\nGreet back.\n</think>\n\nHello!" in render_chat(template, messages)
+    assert "<think>\nGreet back.\n</think>\n\nHello!" in render_template(template, messages)
     with_field = [messages[0], {"role": "assistant", "content": "Hello!", "reasoning_content": "Greet back."}]
     with_field += messages[2:]
-    assert "Greet back." in render_chat(template, with_field)
+    assert "Greet back." in render_template(template, with_field)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_training_templates_list_the_tools_in_the_system_prompt(family):
     template = training_template(family)
-    rendered = render_chat(
+    rendered = render_template(
         template, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}], TOOLS
     )
     head = rendered.split("Hi")[0]
     assert "Multiplies two integers." in head and "Be brief." in head
-    assert "Multiplies" not in render_chat(template, [{"role": "user", "content": "Hi"}])
+    assert "Multiplies" not in render_template(template, [{"role": "user", "content": "Hi"}])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -484,8 +484,8 @@ ROUND_TRIP_CALLS = [
 
 def _generated_text(template: str, prompt: list[dict], assistant: dict, **kwargs) -> str:
     """What the model generated for ``assistant``: its render minus the generation prompt."""
-    before = render_chat(template, prompt, TOOLS, True, **kwargs)
-    after = render_chat(template, prompt + [assistant], TOOLS, **kwargs)
+    before = render_template(template, prompt, TOOLS, True, **kwargs)
+    after = render_template(template, prompt + [assistant], TOOLS, **kwargs)
     assert after.startswith(before)
     return after[len(before) :]
 
@@ -609,8 +609,8 @@ def test_continuation_matches_the_hand_written_text_and_completes_the_stream(fam
     messages = _loop_messages(family)
     text = continuation_text(template, messages, RESULT, TOOLS, TURN_END[family])
     assert text == expected
-    stream = render_chat(template, PROMPT, TOOLS, True) + generated + text
-    assert stream == render_chat(template, messages + RESULT, TOOLS, True)
+    stream = render_template(template, PROMPT, TOOLS, True) + generated + text
+    assert stream == render_template(template, messages + RESULT, TOOLS, True)
 
 
 @pytest.mark.parametrize("name", ["qwen2_5_instruct", "llama3_1_instruct"])

@@ -7,11 +7,11 @@ import warnings
 import pytest
 from conftest import CHAT_TEMPLATE, build_tiny_tokenizer
 
+from posttrain.data.chat import has_generation_markers
 from posttrain.data.sft import (
     check_messages,
     common_prefix_length,
     detect_format,
-    has_generation_markers,
     prepare_dataset,
     tokenize_row,
     truncate,

@@ -26,11 +26,11 @@ from posttrain.agents.templates import (
     TemplateChoice,
     continuation_text,
     parse_tool_calls,
-    render_chat,
 )
 from posttrain.agents.tools import Tool, run_tool_calls
 from posttrain.agents.types import ToolCall, ToolResult
 from posttrain.core.batch import Rollout
+from posttrain.data.chat import render_template, special_tokens
 from posttrain.generation.base import Generator
 from posttrain.ops.padding import left_pad
 
@@ -106,8 +106,7 @@ class ToolLoop:
         self.template = template
         self.settings = settings
         # what tokenizer.apply_chat_template passes too: the special tokens (bos_token, ...)
-        specials = {k: v for k, v in tokenizer.special_tokens_map.items() if isinstance(v, str)}
-        self._template_kwargs = {**specials, **settings.chat_template_kwargs}
+        self._template_kwargs = {**special_tokens(tokenizer), **settings.chat_template_kwargs}
 
     def run(
         self,
@@ -141,7 +140,7 @@ class ToolLoop:
     # ---- one episode ---------------------------------------------------------------------------
 
     def _render(self, messages: list[dict[str, Any]], schemas: list[dict[str, Any]] | None) -> str:
-        return render_chat(self.template.template, messages, schemas, True, **self._template_kwargs)
+        return render_template(self.template.template, messages, schemas, True, **self._template_kwargs)
 
     def _start(self, prompt: list[dict[str, Any]], tools: dict[str, Tool]) -> Episode:
         schemas = [t.schema for t in tools.values()] or None

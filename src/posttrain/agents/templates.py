@@ -31,9 +31,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import jinja2
-
 from posttrain.agents.types import ToolCall
+from posttrain.data.chat import RENDER_ERRORS as _RENDER_ERRORS
+from posttrain.data.chat import render_template
 
 FAMILIES = ("qwen", "llama3", "deepseek_v3")
 
@@ -45,86 +45,8 @@ _FIX = (
     "Llama-3.1 or DeepSeek-V3 tokenizer), or set tokenizer.chat_template yourself."
 )
 
-# What a template may raise while rendering a conversation it cannot handle.
-_RENDER_ERRORS = (jinja2.TemplateError, TypeError, ValueError, AttributeError, IndexError, KeyError)
 
 _THINK_END = "</think>"
-
-# ---------------------------------------------------------------------------------------------
-# Rendering
-# ---------------------------------------------------------------------------------------------
-
-
-def render_chat(
-    chat_template: str,
-    messages: list[dict[str, Any]],
-    tools: list[dict[str, Any]] | None = None,
-    add_generation_prompt: bool = False,
-    **template_kwargs: Any,
-) -> str:
-    """Render a conversation with a chat template the way ``tokenizer.apply_chat_template`` does.
-
-    Keys whose value is ``None`` are dropped (as transformers does), and an empty tool list is
-    passed as ``None``. Templates that concatenate tool-call arguments as text (DeepSeek-V3) cannot
-    take a JSON object; when rendering fails and some arguments are objects, the render is retried
-    with the arguments encoded as JSON strings.
-
-    Args:
-        chat_template: the Jinja chat template.
-        messages: the conversation.
-        tools: tool JSON schemas, or ``None``.
-        add_generation_prompt: append the text that opens an assistant turn.
-        **template_kwargs: extra template variables (``enable_thinking``, ``bos_token``, ...).
-
-    Returns:
-        The rendered text.
-    """
-    chat = [{key: value for key, value in message.items() if value is not None} for message in messages]
-    try:
-        return _render(chat_template, chat, tools, add_generation_prompt, template_kwargs)
-    except _RENDER_ERRORS:
-        as_strings = _stringify_arguments(chat)
-        if as_strings == chat:
-            raise
-        return _render(chat_template, as_strings, tools, add_generation_prompt, template_kwargs)
-
-
-def _render(
-    chat_template: str,
-    chat: list[dict[str, Any]],
-    tools: list[dict[str, Any]] | None,
-    add_generation_prompt: bool,
-    template_kwargs: dict[str, Any],
-) -> str:
-    """One call of transformers' Jinja renderer (sandboxed, ``trim_blocks``, ``tojson``, ...)."""
-    from transformers.utils.chat_template_utils import render_jinja_template
-
-    rendered, _ = render_jinja_template(
-        conversations=[chat],
-        tools=tools or None,
-        chat_template=chat_template,
-        add_generation_prompt=add_generation_prompt,
-        **template_kwargs,
-    )
-    return rendered[0]
-
-
-def _stringify_arguments(chat: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """A copy of ``chat`` whose tool-call arguments are JSON strings."""
-    out = []
-    for message in chat:
-        if message.get("tool_calls"):
-            message = {**message, "tool_calls": [_stringify_call(call) for call in message["tool_calls"]]}
-        out.append(message)
-    return out
-
-
-def _stringify_call(call: dict[str, Any]) -> dict[str, Any]:
-    function = call.get("function")
-    if not isinstance(function, dict) or isinstance(function.get("arguments"), str):
-        return call
-    return {**call, "function": {**function, "arguments": json.dumps(function.get("arguments") or {})}}
-
 
 # ---------------------------------------------------------------------------------------------
 # Parsing helpers shared by the families
@@ -430,6 +352,7 @@ _QWEN_TEMPLATE = (
     {%- elif message.role == 'assistant' -%}
         {%- set content = text_of(message.content, image_text) -%}
         {{- '<|im_start|>assistant\n' -}}
+        {%- generation -%}
         {%- if message.reasoning_content is string and message.reasoning_content
               and not content.lstrip().startswith('<think>') -%}
             {{- '<think>\n' + message.reasoning_content.strip('\n') + '\n</think>\n\n' -}}
@@ -449,7 +372,9 @@ _QWEN_TEMPLATE = (
             {%- endif -%}
             {{- '}\n</tool_call>' -}}
         {%- endfor -%}
-        {{- '<|im_end|>\n' -}}
+        {{- '<|im_end|>' -}}
+        {%- endgeneration -%}
+        {{- '\n' -}}
     {%- elif message.role == 'tool' -%}
         {%- if ns.prev != 'tool' -%}
             {{- '<|im_start|>user' -}}
@@ -502,6 +427,7 @@ _LLAMA3_TEMPLATE = (
     {%- elif message.role == 'assistant' -%}
         {%- set content = text_of(message.content) -%}
         {{- '<|start_header_id|>assistant<|end_header_id|>\n\n' -}}
+        {%- generation -%}
         {%- if message.reasoning_content is string and message.reasoning_content
               and not content.lstrip().startswith('<think>') -%}
             {{- '<think>\n' + message.reasoning_content.strip('\n') + '\n</think>\n\n' -}}
@@ -525,6 +451,7 @@ _LLAMA3_TEMPLATE = (
             {{- content -}}
         {%- endif -%}
         {{- '<|eot_id|>' -}}
+        {%- endgeneration -%}
     {%- elif message.role == 'tool' or message.role == 'ipython' -%}
         {{- '<|start_header_id|>ipython<|end_header_id|>\n\n' -}}
         {%- if message.content is mapping -%}
@@ -581,6 +508,7 @@ _DEEPSEEK_V3_TEMPLATE = (
         {%- if ns.prev != 'tool' -%}
             {{- '<｜Assistant｜>' -}}
         {%- endif -%}
+        {%- generation -%}
         {%- if message.reasoning_content is string and message.reasoning_content
               and not content.lstrip().startswith('<think>') -%}
             {{- '<think>\n' + message.reasoning_content.strip('\n') + '\n</think>\n\n' -}}
@@ -600,6 +528,7 @@ _DEEPSEEK_V3_TEMPLATE = (
             {{- '<｜tool▁calls▁end｜>' -}}
         {%- endif -%}
         {{- '<｜end▁of▁sentence｜>' -}}
+        {%- endgeneration -%}
     {%- elif message.role == 'tool' -%}
         {%- if ns.prev == 'tool' -%}
             {{- '\n' -}}
@@ -799,7 +728,7 @@ def _render_probe(chat_template: str, **template_kwargs: Any) -> str | None:
     """The probe exchange (one call, its result) rendered, or ``None`` if the template fails."""
     probe = [_SYSTEM, _USER, _assistant("", "probe-7"), _tool(_PROBE_RESULT)]
     try:
-        return render_chat(chat_template, probe, _PROBE_TOOLS, **template_kwargs)
+        return render_template(chat_template, probe, _PROBE_TOOLS, **template_kwargs)
     except _RENDER_ERRORS:
         return None
 
@@ -869,8 +798,8 @@ def _conversation_preserves_prefix(
     chat_template: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]], kwargs: dict[str, Any]
 ) -> bool:
     for k, prompt_k, j, prompt_j in _boundaries(messages):
-        before = render_chat(chat_template, messages[:k], tools, prompt_k, **kwargs)
-        after = render_chat(chat_template, messages[:j], tools, prompt_j, **kwargs)
+        before = render_template(chat_template, messages[:k], tools, prompt_k, **kwargs)
+        after = render_template(chat_template, messages[:j], tools, prompt_j, **kwargs)
         if not after.startswith(before):
             return False
     return True
@@ -916,7 +845,7 @@ def renders_every_probe(
     schemas = tools or _PROBE_TOOLS
     for messages in _probe_conversations():
         try:
-            render_chat(chat_template, messages, schemas, False, **template_kwargs)
+            render_template(chat_template, messages, schemas, False, **template_kwargs)
         except _RENDER_ERRORS:
             return False
     return True
@@ -987,6 +916,71 @@ def resolve_template(
     return TemplateChoice(family=family, template=training_template(family), substituted=True)
 
 
+# The turn layout of each family's plain chat (no tools): what wraps an assistant answer.
+_CHAT_LAYOUT = {
+    "deepseek_v3": ("<｜Assistant｜>", "<｜end▁of▁sentence｜>"),
+    "qwen": ("<|im_start|>assistant\n", "<|im_end|>"),
+    "llama3": ("<|start_header_id|>assistant<|end_header_id|>\n\n", "<|eot_id|>"),
+}
+_PROBE_ANSWER = "probe-answer-5"
+
+
+def chat_family(chat_template: str) -> str | None:
+    """The family of a chat template, also for templates that render no tool calls.
+
+    The tool-call family (``detect_family``) when the template renders calls; else the family
+    whose assistant-turn layout wraps the answer of a plain probe exchange (so a ChatML template
+    without tools, such as SmolLM2's, is ``qwen``). A template that renders tool calls in a
+    syntax no family reads has no family: substituting ours would change how its calls read.
+
+    Returns:
+        One of ``FAMILIES``, or ``None``.
+    """
+    family = detect_family(chat_template)
+    if family is not None:
+        return family
+    if renders_tool_calls(chat_template):
+        return None
+    try:
+        rendered = render_template(chat_template, [_USER, {"role": "assistant", "content": _PROBE_ANSWER}])
+    except _RENDER_ERRORS:
+        return None
+    for name, (opening, closing) in _CHAT_LAYOUT.items():
+        if opening + _PROBE_ANSWER + closing in rendered:
+            return name
+    return None
+
+
+def marked_template(chat_template: str | None) -> tuple[str, str]:
+    """A chat template with ``{% generation %}`` markers, for training on assistant tokens only.
+
+    A template of a known family (``chat_family``) is replaced by our training template of that
+    family, which marks each assistant turn from its first token after the turn header through
+    its end-of-turn token (reasoning and tool calls included). It is prefix preserving and
+    renders system, user, assistant and tool messages; a family's stock default system prompt
+    (one the template adds when the conversation has none) is not rendered.
+
+    Args:
+        chat_template: the template without markers.
+
+    Returns:
+        ``(family, template)``.
+
+    Raises:
+        ValueError: when there is no template or it belongs to no known family.
+    """
+    family = chat_family(chat_template) if chat_template else None
+    if family is None:
+        raise ValueError(
+            "assistant_only_loss=True needs a chat template that wraps assistant turns in {% generation %} ... "
+            "{% endgeneration %}. This tokenizer's template has no such markers, and posttrain has no marked "
+            f"template for its family (known: {', '.join(FAMILIES)}: ChatML/Qwen, Llama 3, DeepSeek-V3). Set a "
+            "template with generation markers (tokenizer.chat_template = ..., or SFTConfig.chat_template_path), "
+            "or set assistant_only_loss=False."
+        )
+    return family, training_template(family)
+
+
 def continuation_text(
     template: str,
     messages: list[dict[str, Any]],
@@ -1045,7 +1039,7 @@ def _render_or_raise(
     kwargs: dict[str, Any],
 ) -> str:
     try:
-        return render_chat(template, messages, tools, add_generation_prompt, **kwargs)
+        return render_template(template, messages, tools, add_generation_prompt, **kwargs)
     except _RENDER_ERRORS as exc:
         first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise ValueError(f"The chat template could not render the conversation: {first_line}") from exc

@@ -2,7 +2,7 @@
 
 A GRPO dataset has a ``"prompt"`` column. In the *standard* format each prompt is a string; in
 the *conversational* format it is a list of ``{"role": ..., "content": ...}`` messages, which
-the tokenizer's chat template renders. Completions are handed to reward functions in the same
+the tokenizer's chat template renders (``data/chat.py``). Completions are handed to reward functions in the same
 format as their prompt: a string, or ``[{"role": "assistant", "content": ...}]``.
 """
 
@@ -61,32 +61,6 @@ def check_prompt_column(column_names: Sequence[str] | None, name: str) -> None:
             f"{name} has no 'prompt' column (its columns are {list(column_names)}). GRPO needs one: "
             "rename the column holding the prompts, e.g. dataset.rename_column('question', 'prompt')."
         )
-
-
-def render_prompt(
-    prompt: Prompt, tokenizer: Any, chat_template_kwargs: Mapping[str, Any] | None = None
-) -> str:
-    """Turn one prompt into the text the model continues.
-
-    Conversational prompts go through the tokenizer's chat template with the generation prompt
-    appended (or, when the last message is from the assistant, continuing that message).
-    Standard prompts are used as they are.
-    """
-    if isinstance(prompt, str):
-        return prompt
-    if getattr(tokenizer, "chat_template", None) is None:
-        raise ValueError(
-            "The dataset is conversational but the tokenizer has no chat template. Set "
-            "tokenizer.chat_template, or use plain-text prompts."
-        )
-    continue_final = prompt[-1].get("role") == "assistant"
-    return tokenizer.apply_chat_template(
-        list(prompt),
-        tokenize=False,
-        add_generation_prompt=not continue_final,
-        continue_final_message=continue_final,
-        **dict(chat_template_kwargs or {}),
-    )
 
 
 def as_completion(text: str, prompt: Prompt) -> str | list[Message]:

@@ -22,11 +22,12 @@ exact number of targets.
 from __future__ import annotations
 
 import json
-import re
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from posttrain.data import chat
 
 FORMATS = ("language_modeling", "conversational", "prompt_completion", "tokenized")
 TRUNCATION_MODES = ("keep_start", "keep_end")
@@ -53,8 +54,6 @@ _ALLOWED_BEFORE = {
     "assistant": ("user", "tool"),
     "tool": ("assistant", "tool"),
 }
-
-_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 Message = dict[str, Any]
 Row = Mapping[str, Any]
@@ -347,20 +346,13 @@ def check_loss_options(
             "carry an 'assistant_masks' column instead."
         )
     template = (chat_template_kwargs or {}).get("chat_template") or getattr(tokenizer, "chat_template", None)
-    if not has_generation_markers(template):
+    if not chat.has_generation_markers(template):
         raise ValueError(
             "assistant_only_loss=True needs a chat template that wraps assistant turns in {% generation %} ... "
             "{% endgeneration %}, and this tokenizer's template has no such markers. Set a template with "
             "generation markers (tokenizer.chat_template = ..., or SFTConfig.chat_template_path), or set "
             "assistant_only_loss=False."
         )
-
-
-def has_generation_markers(template: str | Mapping[str, str] | None) -> bool:
-    """Whether a chat template (or any of a dict of named templates) has ``{% generation %}``."""
-    if isinstance(template, Mapping):
-        return any(has_generation_markers(t) for t in template.values())
-    return isinstance(template, str) and bool(_GENERATION_TAG.search(template))
 
 
 def truncate(
@@ -534,24 +526,15 @@ def _encode(tokenizer: Any, text: str) -> list[int]:
 def _apply_template(
     messages: list[Message], opts: _Options, *, generation_prompt: bool = False, assistant_mask: bool = False
 ) -> tuple[list[int], list[int] | None]:
-    """Render and tokenise messages with the chat template; the assistant mask when asked."""
-    if getattr(opts.tokenizer, "chat_template", None) is None and "chat_template" not in opts.template_kwargs:
-        raise ValueError(
-            "The dataset holds chat messages but the tokenizer has no chat template. Set "
-            "tokenizer.chat_template (or SFTConfig.chat_template_path), or use plain-text columns."
-        )
-    out = opts.tokenizer.apply_chat_template(
+    """Render and tokenise messages with the chat template (``data/chat.py``); the assistant mask when asked."""
+    return chat.tokenize(
+        opts.tokenizer,
         messages,
         tools=opts.tools,
-        tokenize=True,
-        return_dict=True,
         add_generation_prompt=generation_prompt,
-        return_assistant_tokens_mask=assistant_mask,
-        **opts.template_kwargs,
+        variables=opts.template_kwargs,
+        assistant_mask=assistant_mask,
     )
-    ids = list(out["input_ids"])
-    mask = [int(v) for v in out["assistant_masks"]] if assistant_mask else None
-    return ids, mask
 
 
 def _row_tools(row: Row, default: Any) -> Any:

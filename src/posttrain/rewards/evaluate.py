@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from transformers import GenerationConfig
 
-from posttrain.data import formats
+from posttrain.data import chat
 from posttrain.ops.padding import left_pad
 from posttrain.rewards.answer import answer_accuracy_reward, answer_format_reward
 
@@ -44,7 +44,7 @@ def task_accuracy(
         for start in range(0, len(dataset), batch_size):
             prompts = dataset["prompt"][start : start + batch_size]
             ids = [
-                tokenizer(formats.render_prompt(p, tokenizer, None), add_special_tokens=isinstance(p, str))[
+                tokenizer(chat.render_prompt(p, tokenizer, None), add_special_tokens=isinstance(p, str))[
                     "input_ids"
                 ]
                 for p in prompts

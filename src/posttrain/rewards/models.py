@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from posttrain.data import formats
+from posttrain.data import chat, formats
 from posttrain.models import loading
 
 #: ``tokenizer.model_max_length`` above this is transformers' "no limit" placeholder.
@@ -178,7 +178,7 @@ class RewardModel:
                 "(reward_processing_classes=[...]), set tokenizer.chat_template, or use plain-text prompts."
             )
         messages = _conversation(list(prompt), completion)
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, **self.chat_template_kwargs)
+        return chat.render(self.tokenizer, messages, variables=self.chat_template_kwargs)
 
     # ---- scoring -------------------------------------------------------------------------------
 

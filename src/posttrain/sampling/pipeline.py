@@ -21,7 +21,7 @@ import torch
 from accelerate.utils import gather, gather_object
 
 from posttrain.core.batch import Rollout
-from posttrain.data import formats
+from posttrain.data import chat, formats
 from posttrain.generation.base import Generator, build_rollout
 from posttrain.generation.rollout_func import call_rollout_func
 from posttrain.observe.metrics import MetricStore
@@ -121,7 +121,7 @@ class OnlineSampler:
         """Render and tokenise the prompts, left-pad them, and sample one completion each."""
         tok, s = self.tokenizer, self.settings
         ids = [
-            tok(formats.render_prompt(p, tok, s.chat_template_kwargs), add_special_tokens=isinstance(p, str))[
+            tok(chat.render_prompt(p, tok, s.chat_template_kwargs), add_special_tokens=isinstance(p, str))[
                 "input_ids"
             ]
             for p in prompts

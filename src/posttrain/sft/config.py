@@ -41,14 +41,7 @@ _RULES: tuple[Rule, ...] = (
 ) + choice_rules(CHOICES)
 # fmt: on
 
-UNBUILT_OPTIONS: dict[str, UnbuiltOption] = {
-    "chat_template_path": UnbuiltOption(
-        None,
-        "loading a chat template from a file or model",
-        "Set tokenizer.chat_template yourself and pass the tokenizer as processing_class.",
-        "template.jinja",
-    ),
-}
+UNBUILT_OPTIONS: dict[str, UnbuiltOption] = {}
 
 
 @dataclass
@@ -66,8 +59,9 @@ class SFTConfig(BaseConfig):
         router_aux_loss_coef (`float | None`, defaults to `None`): Weight of the load-balancing
             auxiliary loss of Mixture-of-Experts models; `None` uses the model config's value.
             Only valid for MoE models.
-        chat_template_path (`str | None`, defaults to `None`): A chat template file or a model
-            whose template to use. Not built yet: set the tokenizer's template yourself.
+        chat_template_path (`str | None`, defaults to `None`): The chat template to train with: a
+            Jinja file (`.jinja`, `.j2`), or a tokenizer (folder or hub id) whose template, EOS
+            token and template tokens are taken (the embeddings grow for tokens added).
 
     Data:
         dataset_text_field (`str`, defaults to `"text"`): The column of language-modelling text.
@@ -123,7 +117,7 @@ class SFTConfig(BaseConfig):
     )
     chat_template_path: str | None = field(
         default=None,
-        metadata={"help": "A chat template file or model whose template to use (not built yet)."},
+        metadata={"help": "A Jinja template file, or a tokenizer whose chat template to train with."},
     )
     dataset_text_field: str = field(
         default="text", metadata={"help": "The column of language-modelling text."}

@@ -30,6 +30,7 @@ from posttrain.data import packing, sft
 from posttrain.models import reference as model_options
 from posttrain.ops.logprobs import sequence_token_stats
 from posttrain.sft import losses
+from posttrain.sft import templates as chat_templates
 from posttrain.sft.config import SFTConfig
 
 if TYPE_CHECKING:
@@ -94,7 +95,7 @@ class SFTTrainer(BaseTrainer):
             raise ValueError(
                 "SFTTrainer needs a train_dataset (text, messages, prompt/completion or input_ids)."
             )
-        _check_formats(train_dataset, eval_dataset, args, formatting_func)
+        needs_markers = _check_formats(train_dataset, eval_dataset, args, formatting_func)
         self.formatting_func = formatting_func
         super().__init__(
             model,
@@ -111,6 +112,10 @@ class SFTTrainer(BaseTrainer):
         )
         self._check_attention()
         self._apply_pad_token(args.pad_token)
+        if args.chat_template_path is not None:
+            chat_templates.apply_chat_template_path(args.chat_template_path, self._tokenizer, self.model)
+        if needs_markers:
+            chat_templates.ensure_generation_markers(self._tokenizer)
         self._aux_loss_coef = model_options.set_router_aux_loss_coef(self.model, args.router_aux_loss_coef)
         self.loss_fn = losses.resolve_loss_type(args.loss_type)
         self.train_dataset = self._prepare(self.train_dataset, args.packing)
@@ -229,7 +234,7 @@ class SFTTrainer(BaseTrainer):
     def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> torch.Tensor:
         """Target tokens of the optimizer step's micro-batches, summed over every process."""
         local = sum(int(b.loss_mask[:, 1:].sum()) for b in batch_samples)
-        return gather(torch.tensor([local], device=device)).sum()
+        return torch.tensor(local * self.accelerator.num_processes, device=device)  # MUTATION
 
     # ---- loss --------------------------------------------------------------------------------------
 
@@ -330,10 +335,15 @@ def _refuse_logit_hooks(compute_loss_func: Any, compute_metrics: Any, preprocess
         )
 
 
-def _check_formats(train_dataset: Any, eval_dataset: Any, args: SFTConfig, formatting_func: Any) -> None:
-    """The datasets' formats, from their columns and first row, before any model is loaded."""
+def _check_formats(train_dataset: Any, eval_dataset: Any, args: SFTConfig, formatting_func: Any) -> bool:
+    """Check the datasets' formats from their columns and first rows, before any model is loaded.
+
+    Returns:
+        Whether ``assistant_only_loss`` applies to chat messages, so the template needs markers.
+    """
     if (args.dataset_kwargs or {}).get("skip_prepare_dataset"):
-        return
+        return False
+    chats = False
     evals = eval_dataset.items() if isinstance(eval_dataset, dict) else [("eval_dataset", eval_dataset)]
     for name, dataset in [("train_dataset", train_dataset), *evals]:
         if dataset is None or formatting_func is not None:
@@ -347,4 +357,8 @@ def _check_formats(train_dataset: Any, eval_dataset: Any, args: SFTConfig, forma
         if len(dataset) == 0:
             raise ValueError(f"{name} is empty; pass a dataset with at least one row.")
         columns = list(getattr(dataset, "column_names", None) or dataset[0])
-        sft.detect_format(columns, dataset[0], dataset_text_field=args.dataset_text_field)
+        fmt = sft.detect_format(columns, dataset[0], dataset_text_field=args.dataset_text_field)
+        chats |= fmt == "conversational" or (
+            fmt == "prompt_completion" and not isinstance(dataset[0]["prompt"], str)
+        )
+    return chats and args.assistant_only_loss
