@@ -234,7 +234,7 @@ class SFTTrainer(BaseTrainer):
     def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> torch.Tensor:
         """Target tokens of the optimizer step's micro-batches, summed over every process."""
         local = sum(int(b.loss_mask[:, 1:].sum()) for b in batch_samples)
-        return torch.tensor(local * self.accelerator.num_processes, device=device)  # MUTATION
+        return gather(torch.tensor([local], device=device)).sum()
 
     # ---- loss --------------------------------------------------------------------------------------
 
