@@ -37,6 +37,7 @@ from posttrain.core import checkpoints
 from posttrain.models import distributed, loading
 from posttrain.models import peft as peft_utils
 from posttrain.models import reference as model_options
+from posttrain.models.reference import mix_into_reference, should_sync_reference
 from posttrain.observe.metrics import MetricStore
 from posttrain.ops import checkpointing, memory, sac
 
@@ -148,6 +149,33 @@ class BaseTrainer(Trainer):
                 self.model.config._name_or_path, a.model_init_kwargs, a.trust_remote_code
             ),
         )
+
+    def _check_reference_sync(self) -> None:
+        """TR-DPO (``sync_ref_model``) mixes the policy into the reference parameter by parameter.
+
+        Raises:
+            NotImplementedError: with FSDP2 or DeepSpeed, whose sharded parameters do not allow it.
+        """
+        if getattr(self.args, "sync_ref_model", False) and (
+            self.is_fsdp_enabled or self.is_deepspeed_enabled
+        ):
+            raise NotImplementedError(
+                "sync_ref_model=True is not supported with FSDP2 or DeepSpeed in posttrain: the reference is "
+                "mixed with the policy parameter by parameter, which sharded parameters do not allow. Train "
+                "without sync_ref_model, or with DDP."
+            )
+
+    def _sync_reference(self, reference: torch.nn.Module | None) -> None:
+        """TR-DPO: ``reference <- alpha * policy + (1 - alpha) * reference`` every ``ref_model_sync_steps``.
+
+        Called once per optimizer step by the families that have ``sync_ref_model``; saved with
+        each checkpoint by ``_save_reference``.
+        """
+        a = self.args
+        if reference is None or not getattr(a, "sync_ref_model", False):
+            return
+        if should_sync_reference(self.state.global_step, a.ref_model_sync_steps):
+            mix_into_reference(reference.parameters(), self.model.parameters(), a.ref_model_mixup_alpha)
 
     def create_accelerator_and_postprocess(self) -> None:
         """transformers' Accelerator; on CPU processes switched to the FSDP2 that ``fsdp`` asks for."""

@@ -6,11 +6,11 @@
 * Off-policy sequence masking (DeepSeek-V3.2).
 * Importance weights between the sampler (e.g. vLLM) and the trainer (TIS / MIS, token or
   sequence level).
-* The TR-DPO soft update of the reference policy.
+* The TR-DPO soft update of the reference policy lives in ``models/reference.py`` (DPO shares it)
+  and is re-exported here.
 
 Every function takes tensors or numbers and returns tensors, numbers or ``(tensor, metrics)``;
-no model, trainer or config object enters. ``mix_into_reference`` is the one function that
-writes: it updates the reference tensors it is given in place, by design.
+no model, trainer or config object enters.
 
 Shapes: ``B`` completions, ``T`` completion tokens. ``mask`` is 1 (or ``True``) on the tokens
 that count and 0 on padding.
@@ -18,9 +18,9 @@ that count and 0 on padding.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
+
+from posttrain.models.reference import mix_into_reference, should_sync_reference  # noqa: F401 (re-exported)
 
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
@@ -348,40 +348,3 @@ def sampler_is_weights(
         "sampling/importance_sampling_ratio/max": ratio_max,
     }
     return weights, metrics
-
-
-# --------------------------------------------------------------------------------------------
-# TR-DPO reference synchronisation
-# --------------------------------------------------------------------------------------------
-
-
-def mix_into_reference(
-    ref_params: Iterable[torch.Tensor], policy_params: Iterable[torch.Tensor], alpha: float
-) -> None:
-    """TR-DPO's soft update of the reference policy, in place (Gorbatovski et al., Sec. 3).
-
-    ``pi_ref <- alpha * pi_theta + (1 - alpha) * pi_ref_prev``, parameter by parameter
-    (``alpha = 1`` is the hard update). The policy tensors are cast to each reference tensor's
-    dtype and device; no gradient is recorded.
-
-    Args:
-        ref_params: the reference tensors, updated in place.
-        policy_params: the policy tensors, in the same order and shapes.
-        alpha: ``ref_model_mixup_alpha`` in [0, 1].
-    """
-    if not 0.0 <= alpha <= 1.0:
-        raise ValueError(f"ref_model_mixup_alpha={alpha} must lie in [0, 1].")
-    with torch.no_grad():
-        for ref, pol in zip(ref_params, policy_params, strict=True):
-            ref.lerp_(pol.to(dtype=ref.dtype, device=ref.device), alpha)
-
-
-def should_sync_reference(global_step: int, sync_steps: int) -> bool:
-    """Whether the reference is synchronised after optimizer step ``global_step`` (TR-DPO ``tau``).
-
-    True every ``sync_steps`` completed optimizer steps: ``global_step > 0`` and
-    ``global_step % sync_steps == 0``.
-    """
-    if sync_steps < 1:
-        raise ValueError(f"ref_model_sync_steps={sync_steps} must be a positive integer.")
-    return global_step > 0 and global_step % sync_steps == 0

@@ -152,12 +152,7 @@ class GRPOTrainer(OnlineTrainer):
         a = self.args
         if a.beta == 0.0 or peft_utils.is_peft_model(self.model):
             return None
-        if a.sync_ref_model and (self.is_fsdp_enabled or self.is_deepspeed_enabled):
-            raise NotImplementedError(
-                "sync_ref_model=True is not supported with FSDP2 or DeepSpeed in posttrain: the reference is "
-                "mixed with the policy parameter by parameter, which sharded parameters do not allow. Train "
-                "without sync_ref_model, or with DDP."
-            )
+        self._check_reference_sync()
         return self._create_reference()
 
     # ---- the reference's attributes ------------------------------------------------------------
@@ -356,11 +351,7 @@ class GRPOTrainer(OnlineTrainer):
                 a.entropy_coef_max,
             )
         self._step_entropy = []
-        if self.ref_model is not None and a.sync_ref_model:
-            if regularizers.should_sync_reference(self.state.global_step, a.ref_model_sync_steps):
-                regularizers.mix_into_reference(
-                    self.ref_model.parameters(), self.model.parameters(), a.ref_model_mixup_alpha
-                )
+        self._sync_reference(self.ref_model)
 
     # ---- hooks of the core -------------------------------------------------------------------
 

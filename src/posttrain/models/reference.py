@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -75,3 +76,35 @@ def set_router_aux_loss_coef(model: Any, coef: float | None) -> float:
     model.config.router_aux_loss_coef = coef
     model.config.output_router_logits = coef > 0
     return coef
+
+
+def mix_into_reference(
+    ref_params: Iterable[torch.Tensor], policy_params: Iterable[torch.Tensor], alpha: float
+) -> None:
+    """TR-DPO's soft update of the reference policy, in place (Gorbatovski et al., Sec. 3).
+
+    ``pi_ref <- alpha * pi_theta + (1 - alpha) * pi_ref_prev``, parameter by parameter
+    (``alpha = 1`` is the hard update). The policy tensors are cast to each reference tensor's
+    dtype and device; no gradient is recorded.
+
+    Args:
+        ref_params: the reference tensors, updated in place.
+        policy_params: the policy tensors, in the same order and shapes.
+        alpha: ``ref_model_mixup_alpha`` in [0, 1].
+    """
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"ref_model_mixup_alpha={alpha} must lie in [0, 1].")
+    with torch.no_grad():
+        for ref, pol in zip(ref_params, policy_params, strict=True):
+            ref.lerp_(pol.to(dtype=ref.dtype, device=ref.device), alpha)
+
+
+def should_sync_reference(global_step: int, sync_steps: int) -> bool:
+    """Whether the reference is synchronised after optimizer step ``global_step`` (TR-DPO ``tau``).
+
+    True every ``sync_steps`` completed optimizer steps: ``global_step > 0`` and
+    ``global_step % sync_steps == 0``.
+    """
+    if sync_steps < 1:
+        raise ValueError(f"ref_model_sync_steps={sync_steps} must be a positive integer.")
+    return global_step > 0 and global_step % sync_steps == 0

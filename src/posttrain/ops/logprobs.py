@@ -141,12 +141,18 @@ class SequenceStats:
         top: [N, L - 1] the largest log-prob of each position (no gradient), if asked for; the
             next token is the argmax exactly where ``logps == top``.
         aux_loss: the router load-balancing loss of a Mixture-of-Experts model, if it reports one.
+        logit_mean: [N, L - 1] the mean over the vocabulary of each position's logits (no
+            gradient), if asked for: the reference's ``logits/*`` metrics.
+        log_sq_norm: [N, L - 1] ``log sum_v p_v^2`` of each position (no gradient), if asked
+            for: WPO's per-token weight is ``log p(y_t) - log_sq_norm``.
     """
 
     logps: torch.Tensor
     entropy: torch.Tensor | None = None
     top: torch.Tensor | None = None
     aux_loss: torch.Tensor | None = None
+    logit_mean: torch.Tensor | None = None
+    log_sq_norm: torch.Tensor | None = None
 
 
 def sequence_token_stats(
@@ -157,6 +163,8 @@ def sequence_token_stats(
     with_entropy: bool = False,
     with_top: bool = False,
     chunk_size: int | None = chunked.DEFAULT_CHUNK_SIZE,
+    with_logit_mean: bool = False,
+    with_log_sq_norm: bool = False,
 ) -> SequenceStats:
     """Next-token log-probs of whole rows under ``model`` (SFT, and the log-probs of a reference).
 
@@ -172,6 +180,10 @@ def sequence_token_stats(
         with_entropy: also the entropy of each position (no gradient).
         with_top: also the top log-prob of each position, for the accuracy.
         chunk_size: token rows projected onto the vocabulary at once; ``None`` forces full logits.
+        with_logit_mean: also the mean logit of each position (no gradient; from the hidden
+            states and the head's mean row, no ``[N, L, V]`` tensor).
+        with_log_sq_norm: also ``log sum_v p_v^2`` of each position (no gradient; one more pass
+            of the head over the positions, in chunks).
     """
     inputs: dict[str, Any] = {"input_ids": input_ids, "position_ids": position_ids, "use_cache": False}
     if attention_mask is not None:
@@ -188,13 +200,53 @@ def sequence_token_stats(
                 with_entropy, False, with_top=with_top,
             )  # fmt: skip
             top = stats[2] if with_top else None
-            return SequenceStats(stats[0], stats[1], top, getattr(out, "aux_loss", None))
+            result = SequenceStats(stats[0], stats[1], top, getattr(out, "aux_loss", None))
+            if with_logit_mean or with_log_sq_norm:
+                h = chunked.head_input(model, hidden[:, :-1]).detach()
+                result.logit_mean, result.log_sq_norm = _head_summaries(
+                    h, head.weight, head.bias, chunk_size, with_logit_mean, with_log_sq_norm
+                )
+            return result
     out = model(**inputs)
     logits = out.logits[:, :-1, :].float()  # [N, L - 1, V]
     logps = selective_log_softmax(logits, targets)
     entropy = entropy_from_logits(logits.detach()) if with_entropy else None
     top = torch.log_softmax(logits.detach(), dim=-1).max(dim=-1).values if with_top else None
-    return SequenceStats(logps, entropy, top, getattr(out, "aux_loss", None))
+    result = SequenceStats(logps, entropy, top, getattr(out, "aux_loss", None))
+    with torch.no_grad():
+        if with_logit_mean:
+            result.logit_mean = logits.mean(dim=-1)
+        if with_log_sq_norm:
+            result.log_sq_norm = torch.logsumexp(2 * logits, dim=-1) - 2 * torch.logsumexp(logits, dim=-1)
+    return result
+
+
+@torch.no_grad()
+def _head_summaries(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    chunk_size: int,
+    with_mean: bool,
+    with_sq_norm: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Per-position mean logit and ``log sum_v p_v^2`` from hidden states [N, L, H], in chunks.
+
+    The mean logit is linear in the hidden state: ``h . mean_v(W_v) + mean(b)``. The squared
+    norm of the distribution is ``exp(logsumexp(2z) - 2 logsumexp(z))``.
+    """
+    mean = None
+    if with_mean:
+        w_bar = weight.float().mean(dim=0)  # [H]
+        mean = hidden.float() @ w_bar + (bias.float().mean() if bias is not None else 0.0)
+    if not with_sq_norm:
+        return mean, None
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    out = torch.empty(flat.shape[0], dtype=torch.float32, device=hidden.device)
+    for start in range(0, flat.shape[0], chunk_size):
+        z = torch.nn.functional.linear(flat[start : start + chunk_size], weight, bias).float()
+        out[start : start + chunk_size] = torch.logsumexp(2 * z, dim=-1) - 2 * torch.logsumexp(z, dim=-1)
+    return mean, out.view(hidden.shape[:-1])
 
 
 @contextlib.contextmanager
