@@ -298,3 +298,76 @@ class BaseConfig(TrainingArguments):
         # default, so hand the value over to the new name unless the user chose that one.
         if self.activation_checkpointing is None:
             self.activation_checkpointing = self.gradient_checkpointing
+
+
+# fmt: off
+_OFFLINE_RULES: tuple[Rule, ...] = (
+    Rule("max_length", optional(positive_int), "None or a positive integer (tokens per row)", "set max_length to a positive integer such as 1024 (the default), or None for no truncation"),
+    Rule("dataset_num_proc", optional(positive_int), "None or a positive integer", "set dataset_num_proc to a number of worker processes, or leave it None"),
+    Rule("pad_to_multiple_of", optional(lambda v: v == "auto" or positive_int(v)), "None, 'auto' or a positive integer", "set pad_to_multiple_of to a positive integer such as 64, to 'auto' (the default) or to None"),
+    Rule("per_device_train_batch_size", positive_int, "a positive integer", "set per_device_train_batch_size to 1 or more"),
+    Rule("gradient_accumulation_steps", positive_int, "a positive integer", "set gradient_accumulation_steps to 1 or more"),
+    Rule("router_aux_loss_coef", optional(lambda v: is_int(v) or isinstance(v, float)), "None or a number", "set router_aux_loss_coef to a number such as 0.001, or leave it None"),
+)
+# fmt: on
+
+
+@dataclass
+class OfflineConfig(BaseConfig):
+    """The fields shared by the trainers that learn from a fixed dataset of token rows.
+
+    SFT, DPO, KTO and reward modelling (in the reference each config declares these again):
+
+    Args:
+        router_aux_loss_coef: weight of a Mixture-of-Experts model's load-balancing loss;
+            ``None`` uses the model config's value. Only valid for MoE models.
+        dataset_num_proc: worker processes for tokenising.
+        max_length: the most tokens of a row; ``None``: no truncation.
+        pad_to_multiple_of: pad each batch to a multiple of this many tokens; ``"auto"``
+            means 128 on AWS Neuron and no padding elsewhere.
+        activation_offloading: move the activations saved for backward from the accelerator
+            to CPU memory (needs an accelerator).
+        pad_token: deprecated: the tokenizer's pad token.
+    """
+
+    _rules: ClassVar[tuple[Rule, ...]] = _OFFLINE_RULES
+
+    router_aux_loss_coef: float | None = field(
+        default=None,
+        metadata={
+            "help": "Weight of the MoE load-balancing auxiliary loss; None uses the model config's value."
+        },
+    )
+    dataset_num_proc: int | None = field(default=None, metadata={"help": "Worker processes for tokenising."})
+    max_length: int | None = field(
+        default=1024, metadata={"help": "Most tokens of a row; None: no truncation."}
+    )
+    pad_to_multiple_of: int | str | None = field(
+        default="auto",
+        metadata={"help": "Pad batches to a multiple of this; 'auto': 128 on Neuron, else none."},
+    )
+    activation_offloading: bool = field(
+        default=False, metadata={"help": "Offload saved activations from the accelerator to CPU memory."}
+    )
+    pad_token: str | None = field(
+        default=None, metadata={"help": "Deprecated: set the tokenizer's pad token instead."}
+    )
+
+    def _normalise_family(self) -> None:
+        """A digit string ``pad_to_multiple_of`` from the command line, or ``"none"``."""
+        value = self.pad_to_multiple_of
+        if isinstance(value, str) and value != "auto":
+            self.pad_to_multiple_of = (
+                None if value.lower() in ("none", "null") else int(value) if value.isdigit() else value
+            )
+
+    def _check_combinations(self) -> None:
+        if self.activation_offloading and self.use_cpu:
+            raise ValueError(
+                "activation_offloading=True moves activations from an accelerator to CPU memory, but use_cpu=True "
+                "trains on the CPU, so there is nothing to offload; set activation_offloading=False."
+            )
+
+    def _derive(self) -> None:
+        if self.pad_to_multiple_of == "auto":
+            self.pad_to_multiple_of = 128 if self.device.type == "neuron" else None

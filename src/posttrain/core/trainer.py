@@ -22,6 +22,7 @@ A family's ``__init__`` checks its data and arguments first (cheap), then calls
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import time
@@ -135,6 +136,30 @@ class BaseTrainer(Trainer):
     def _tokenizer(self) -> Any:
         """The text tokenizer (a processor's ``tokenizer``, or the processing class itself)."""
         return getattr(self.processing_class, "tokenizer", self.processing_class)
+
+    def _apply_pad_token(self, pad_token: str | None) -> None:
+        """The deprecated ``pad_token`` option of the offline configs: the tokenizer's pad token, before tokenising."""
+        if pad_token is None:
+            return
+        warnings.warn(
+            f"{type(self.args).__name__}.pad_token is deprecated; set tokenizer.pad_token and pass the tokenizer "
+            "as processing_class.",
+            FutureWarning,
+            stacklevel=3,
+        )
+        tok = self._tokenizer
+        if tok.convert_tokens_to_ids(pad_token) in (None, tok.unk_token_id):
+            raise ValueError(
+                f"pad_token={pad_token!r} is not a token of the tokenizer's vocabulary; pass one of its tokens "
+                f"(e.g. its EOS token {tok.eos_token!r}) or leave pad_token None."
+            )
+        tok.pad_token = pad_token
+
+    def _offloading(self) -> contextlib.AbstractContextManager:
+        """With ``activation_offloading``, the tensors saved for backward live in CPU memory."""
+        if self.args.activation_offloading:
+            return torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available())
+        return contextlib.nullcontext()
 
     def _create_reference(self) -> torch.nn.Module:
         """A frozen copy of the initial policy for a KL or a preference reference.

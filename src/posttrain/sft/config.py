@@ -8,15 +8,7 @@ machinery come from ``core.config.BaseConfig``.
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from posttrain.core.config import (
-    BaseConfig,
-    Rule,
-    UnbuiltOption,
-    choice_rules,
-    is_int,
-    optional,
-    positive_int,
-)
+from posttrain.core.config import OfflineConfig, Rule, UnbuiltOption, choice_rules
 from posttrain.data.packing import PACKING_STRATEGIES
 from posttrain.sft.losses import DEPRECATED_LOSS_TYPES, LOSS_TYPES
 
@@ -30,14 +22,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
 }
 
 # fmt: off
-_RULES: tuple[Rule, ...] = (
-    Rule("max_length", optional(positive_int), "None or a positive integer (tokens per row)", "set max_length to a positive integer such as 1024 (the default), or None for no truncation"),
-    Rule("dataset_num_proc", optional(positive_int), "None or a positive integer", "set dataset_num_proc to a number of worker processes, or leave it None"),
-    Rule("pad_to_multiple_of", optional(lambda v: v == "auto" or positive_int(v)), "None, 'auto' or a positive integer", "set pad_to_multiple_of to a positive integer such as 64, to 'auto' (the default) or to None"),
-    Rule("per_device_train_batch_size", positive_int, "a positive integer", "set per_device_train_batch_size to 1 or more"),
-    Rule("gradient_accumulation_steps", positive_int, "a positive integer", "set gradient_accumulation_steps to 1 or more"),
-    Rule("dataset_kwargs", optional(lambda v: isinstance(v, dict) and set(v) <= {"skip_prepare_dataset"}), "None or a dict whose only key is 'skip_prepare_dataset'", "pass dataset_kwargs={'skip_prepare_dataset': True} for an already tokenised dataset, or leave it None"),
-    Rule("router_aux_loss_coef", optional(lambda v: is_int(v) or isinstance(v, float)), "None or a number", "set router_aux_loss_coef to a number such as 0.001, or leave it None"),
+_RULES: tuple[Rule, ...] = OfflineConfig._rules + (
+    Rule("dataset_kwargs", lambda v: v is None or (isinstance(v, dict) and set(v) <= {"skip_prepare_dataset"}), "None or a dict whose only key is 'skip_prepare_dataset'", "pass dataset_kwargs={'skip_prepare_dataset': True} for an already tokenised dataset, or leave it None"),
 ) + choice_rules(CHOICES)
 # fmt: on
 
@@ -45,11 +31,11 @@ UNBUILT_OPTIONS: dict[str, UnbuiltOption] = {}
 
 
 @dataclass
-class SFTConfig(BaseConfig):
+class SFTConfig(OfflineConfig):
     r"""Configuration of :class:`~posttrain.SFTTrainer`, a drop-in for ``trl.SFTConfig``.
 
     It holds every :class:`transformers.TrainingArguments` parameter, the shared ones of
-    ``BaseConfig`` (`model_init_kwargs`, `trust_remote_code`, and `logging_steps=10`,
+    ``OfflineConfig`` (`model_init_kwargs`, `trust_remote_code`, and `logging_steps=10`,
     `gradient_checkpointing=True`, `bf16=None`), and the SFT parameters below.
 
     TrainingArguments default changed for SFT:
@@ -109,12 +95,6 @@ class SFTConfig(BaseConfig):
     learning_rate: float = field(
         default=2e-5, metadata={"help": "Initial learning rate of the optimizer (AdamW by default)."}
     )
-    router_aux_loss_coef: float | None = field(
-        default=None,
-        metadata={
-            "help": "Weight of the MoE load-balancing auxiliary loss; None uses the model config's value."
-        },
-    )
     chat_template_path: str | None = field(
         default=None,
         metadata={"help": "A Jinja template file, or a tokenizer whose chat template to train with."},
@@ -128,12 +108,8 @@ class SFTConfig(BaseConfig):
             "help": "Only {'skip_prepare_dataset': True}: the dataset is already tokenised (JSON accepted)."
         },
     )
-    dataset_num_proc: int | None = field(default=None, metadata={"help": "Worker processes for tokenising."})
     eos_token: str | None = field(
         default=None, metadata={"help": "Token appended to texts and completions; None: the tokenizer's EOS."}
-    )
-    max_length: int | None = field(
-        default=1024, metadata={"help": "Most tokens of a row (of a packed bin); None: no truncation."}
     )
     truncation_mode: str = field(default="keep_start", metadata={"help": "'keep_start' or 'keep_end'."})
     shuffle_dataset: bool = field(default=False, metadata={"help": "Shuffle the training dataset once."})
@@ -143,10 +119,6 @@ class SFTConfig(BaseConfig):
     packing_strategy: str = field(default="bfd", metadata={"help": "'bfd', 'bfd_split' or 'wrapped'."})
     padding_free: bool = field(
         default=False, metadata={"help": "Lay each batch's rows end to end, no padding."}
-    )
-    pad_to_multiple_of: int | str | None = field(
-        default="auto",
-        metadata={"help": "Pad batches to a multiple of this; 'auto': 128 on Neuron, else none."},
     )
     eval_packing: bool | None = field(
         default=None, metadata={"help": "Pack the eval dataset; None follows packing."}
@@ -158,20 +130,10 @@ class SFTConfig(BaseConfig):
         default=False, metadata={"help": "Train only on the assistant turns (needs generation markers)."}
     )
     loss_type: str = field(default="nll", metadata={"help": "'nll' or 'dft' (Dynamic Fine-Tuning)."})
-    activation_offloading: bool = field(
-        default=False, metadata={"help": "Offload saved activations from the accelerator to CPU memory."}
-    )
-    pad_token: str | None = field(
-        default=None, metadata={"help": "Deprecated: set the tokenizer's pad token instead."}
-    )
 
     def _normalise_family(self) -> None:
-        """A digit string ``pad_to_multiple_of`` from the command line, ``"none"``, old names."""
-        value = self.pad_to_multiple_of
-        if isinstance(value, str) and value != "auto":
-            self.pad_to_multiple_of = (
-                None if value.lower() in ("none", "null") else int(value) if value.isdigit() else value
-            )
+        """The shared normalisations, then the old name of ``bfd_split``."""
+        super()._normalise_family()
         if self.packing_strategy == "bfd-requeue":
             self.packing_strategy = "bfd_split"
 
@@ -180,14 +142,9 @@ class SFTConfig(BaseConfig):
             raise ValueError(
                 "packing=True fills rows of max_length tokens, but max_length=None; set max_length (e.g. 1024)."
             )
-        if self.activation_offloading and self.use_cpu:
-            raise ValueError(
-                "activation_offloading=True moves activations from an accelerator to CPU memory, but use_cpu=True "
-                "trains on the CPU, so there is nothing to offload; set activation_offloading=False."
-            )
+        super()._check_combinations()
 
     def _derive(self) -> None:
-        if self.pad_to_multiple_of == "auto":
-            self.pad_to_multiple_of = 128 if self.device.type == "neuron" else None
+        super()._derive()
         if self.eval_packing is None:
             self.eval_packing = self.packing

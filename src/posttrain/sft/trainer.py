@@ -15,8 +15,6 @@ float32 logits are kept for backward.
 
 from __future__ import annotations
 
-import contextlib
-import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -123,23 +121,6 @@ class SFTTrainer(BaseTrainer):
             self.eval_dataset = {k: self._prepare(v, args.eval_packing) for k, v in self.eval_dataset.items()}
         elif self.eval_dataset is not None:
             self.eval_dataset = self._prepare(self.eval_dataset, args.eval_packing)
-
-    def _apply_pad_token(self, pad_token: str | None) -> None:
-        """The deprecated ``pad_token`` option: the tokenizer's pad token, before tokenising."""
-        if pad_token is None:
-            return
-        warnings.warn(
-            "SFTConfig.pad_token is deprecated; set tokenizer.pad_token and pass the tokenizer as processing_class.",
-            FutureWarning,
-            stacklevel=3,
-        )
-        tok = self._tokenizer
-        if tok.convert_tokens_to_ids(pad_token) in (None, tok.unk_token_id):
-            raise ValueError(
-                f"pad_token={pad_token!r} is not a token of the tokenizer's vocabulary; pass one of its tokens "
-                f"(e.g. its EOS token {tok.eos_token!r}) or leave pad_token None."
-            )
-        tok.pad_token = pad_token
 
     # ---- data ------------------------------------------------------------------------------------
 
@@ -273,12 +254,6 @@ class SFTTrainer(BaseTrainer):
             loss = loss + self._aux_loss_coef * stats.aux_loss / self.current_gradient_accumulation_steps
         self._record(mode, stats, mask, inputs)
         return loss
-
-    def _offloading(self) -> contextlib.AbstractContextManager:
-        """With ``activation_offloading``, the tensors saved for backward live in CPU memory."""
-        if self.args.activation_offloading:
-            return torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available())
-        return contextlib.nullcontext()
 
     def _record(self, mode: str, stats: Any, mask: torch.Tensor, inputs: Sequences) -> None:
         """``entropy``, ``mean_token_accuracy`` (over every process's targets), ``num_tokens``, ``aux_loss``."""
