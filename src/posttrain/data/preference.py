@@ -1,0 +1,620 @@
+"""Preference data (DPO, and later KTO, ORPO, CPO and reward models): pairs of completions.
+
+Every row holds a *chosen* (preferred) and a *rejected* (dispreferred) completion of one prompt
+(the contract of TRL 1.16's ``DPOTrainer``).
+
+Formats, named by their columns:
+
+* ``"explicit"`` prompt: ``prompt``, ``chosen`` and ``rejected`` columns.
+* ``"implicit"`` prompt: ``chosen`` and ``rejected`` only, each holding the whole example; the
+  prompt is their shared beginning (``extract_prompt``, rule below). A row whose ``prompt`` is
+  ``None`` (Arrow's fill when datasets with and without prompts are joined) is treated the same.
+
+Each format is *standard* (all three values are strings) or *conversational* (lists of
+``{"role", "content"}`` messages: the prompt's messages, then the completion's assistant
+message(s); ShareGPT ``{"from", "value"}`` messages are converted). A row may carry ``tools``
+(tool schemas, JSON text allowed) and ``chat_template_kwargs`` (template variables) for the chat
+template. Precomputed reference log-probs, ``ref_chosen_logps`` and ``ref_rejected_logps``, are
+carried through unchanged; every other column is ignored.
+
+The implicit-prompt rule (``extract_prompt``):
+
+* Conversations: the prompt is the longest run of leading messages both completions share that
+  is followed, in both, by an assistant message; the completions are the rest (from that
+  assistant message on, so a completion may span several turns). Each completion keeps at least
+  its last message, so identical conversations split before their final assistant turn.
+* Strings: take the longest common character prefix of ``chosen`` and ``rejected``, at most one
+  character shorter than the shorter of the two (each completion keeps at least one character);
+  if it ends with a space, that one space goes back to the completions (``"Sky is blue"`` /
+  ``"Sky is red"`` give the prompt ``"Sky is"`` and the completions ``" blue"`` / ``" red"``),
+  so the completions' first words keep their leading space, as a BPE tokenizer writes them. The
+  reference moves the space only when the strings differ before the shorter one ends; here the
+  rule holds in every case.
+* An empty prompt (nothing shared) is an error naming the row: add a ``prompt`` column.
+
+Tokenising (``tokenize_pair``): a standard prompt is ``tokenizer(prompt)`` (with the tokenizer's
+usual special tokens) and each side is ``tokenizer(prompt + completion + EOS)`` (the EOS text is
+appended unless the completion already ends with it). A conversational prompt is rendered with
+the generation prompt (``chat.tokenize(..., add_generation_prompt=True)``) and each side is the
+prompt's and the completion's messages rendered together (the template writes the end-of-turn
+token; no EOS is appended). The pair's ``prompt_ids`` are the tokens the tokenised prompt shares
+with *both* tokenised sides (``sft.common_prefix_length``), and ``chosen_ids`` / ``rejected_ids``
+are the rest of each side; so ``prompt_ids + chosen_ids`` is exactly the tokenised prompt +
+chosen, and the prompt is the same in both. When a side tokenises the prompt's last tokens
+differently (a merge across the boundary, e.g. a prompt ending with a space), a warning names the
+row and the prompt is cut to the shared tokens.
+
+Truncation to ``max_length`` tokens (``None``: none):
+
+* ``"keep_start"`` (the only supported mode): each side, prompt + completion, keeps its first
+  ``max_length`` tokens (chosen and rejected separately; the prompt is never cut). A row whose
+  prompt alone has ``max_length`` tokens or more would keep no completion token: it is dropped,
+  and ``prepare_preference_dataset`` warns with the count (and raises when every row goes).
+* ``"keep_end"`` is deprecated, as in the reference (a ``FutureWarning``): the shared prompt
+  loses its start until the longer side fits; a completion longer than ``max_length`` on its own
+  keeps its last ``max_length`` tokens and leaves the prompt empty. Nothing is dropped.
+
+``prepare_preference_dataset`` also warns with the count of rows whose chosen and rejected tokens
+are identical (after truncation) and raises when every row is such a pair: DPO's loss has no
+gradient on them. ``collate_pairs`` turns tokenised rows into ``core.batch.Pairs``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from posttrain.core.batch import Pairs, Sequences
+from posttrain.data import chat
+from posttrain.data.packing import collate_padded
+from posttrain.data.sft import (
+    _row,
+    _row_template_kwargs,
+    _row_tools,
+    _with_eos,
+    check_messages,
+    common_prefix_length,
+    to_messages,
+)
+
+PREFERENCE_FORMATS = ("explicit", "implicit")
+TRUNCATION_MODES = ("keep_start", "keep_end")
+COMPLETION_COLUMNS = ("chosen", "rejected")
+REF_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
+OUTPUT_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
+
+Message = dict[str, Any]
+Row = Mapping[str, Any]
+
+
+# ----------------------------------------------------------------------------- format detection
+
+
+def detect_preference_format(column_names: Sequence[str], first_row: Row) -> str:
+    """Name the prompt format of a preference dataset and check its first row.
+
+    Args:
+        column_names: the dataset's columns.
+        first_row: the dataset's first row, checked for its value types.
+
+    Returns:
+        ``"explicit"`` (a ``prompt`` column) or ``"implicit"`` (the prompt is taken from the
+        shared beginning of ``chosen`` and ``rejected``).
+
+    Raises:
+        ValueError: ``chosen`` or ``rejected`` is missing (the message lists the columns), or
+            the first row is empty, of the wrong type, mixes text and messages, or (implicit)
+            has no shared prompt.
+    """
+    columns = list(column_names)
+    missing = [c for c in COMPLETION_COLUMNS if c not in columns]
+    if missing:
+        hint = ""
+        if "completion" in columns and "label" in columns:
+            hint = (
+                " The dataset looks unpaired ('completion' + 'label', one completion per row): that suits "
+                "KTO, or pair each prompt's good and bad completions into one row first."
+            )
+        raise ValueError(
+            f"The preference dataset has no {' or '.join(repr(c) for c in missing)} column; its columns are "
+            f"{columns}. Preference training needs 'chosen' and 'rejected' columns (and optionally 'prompt'): "
+            "rename yours, e.g. dataset.rename_column('response_a', 'chosen')." + hint
+        )
+    _pair_kind(extract_prompt(first_row, 0), 0)
+    return "explicit" if "prompt" in columns else "implicit"
+
+
+def _kind(value: Any) -> str | None:
+    """``"standard"`` for text, ``"conversational"`` for a list of messages, else ``None``."""
+    if isinstance(value, str):
+        return "standard"
+    if isinstance(value, Sequence) and all(isinstance(m, Mapping) for m in value):
+        return "conversational"
+    return None
+
+
+def _is_empty(value: Any) -> bool:
+    """Whether a prompt or completion value holds nothing (``None``, ``""``, ``[]``)."""
+    return value is None or (isinstance(value, (str, Sequence)) and len(value) == 0)
+
+
+def _pair_kind(row: Row, index: int | None) -> str:
+    """Check a row's ``prompt`` (when present), ``chosen`` and ``rejected``; return their kind.
+
+    Raises:
+        ValueError: an empty completion, a value that is neither text nor messages, or text
+            mixed with messages.
+    """
+    kinds: dict[str, str] = {}
+    for column in ("prompt", *COMPLETION_COLUMNS):
+        if column not in row:
+            continue
+        value = row[column]
+        if column != "prompt" and (_is_empty(value) or _only_empty_messages(value)):
+            raise ValueError(
+                f"{_row(index)}: column '{column}' is empty, so the pair has nothing to compare. Drop the row, "
+                f"e.g. dataset.filter(lambda r: len(r['{column}']) > 0), or fill in the completion."
+            )
+        kind = _kind(value)
+        if kind is None:
+            raise ValueError(
+                f"{_row(index)}: column '{column}' holds {type(value).__name__}, not text or a list of messages. "
+                "Use a string (standard format) or a list of {'role': ..., 'content': ...} dicts "
+                "(conversational format), e.g. wrap a single message in a list."
+            )
+        kinds[column] = kind
+    if len(set(kinds.values())) > 1:
+        named = ", ".join(
+            f"'{c}' is {'text' if k == 'standard' else 'a list of messages'}" for c, k in kinds.items()
+        )
+        raise ValueError(
+            f"{_row(index)}: the columns mix formats: {named}. Use text in all of them (standard format) or "
+            "message lists in all (conversational format), e.g. chosen=[{'role': 'assistant', 'content': "
+            "text}] and prompt=[{'role': 'user', 'content': text}]."
+        )
+    return next(iter(kinds.values()))
+
+
+def _only_empty_messages(value: Any) -> bool:
+    """Whether a message list has messages but none with content or tool calls."""
+    if _kind(value) != "conversational":
+        return False
+    return all(not m.get("content", m.get("value")) and not m.get("tool_calls") for m in value)
+
+
+# ----------------------------------------------------------------------------- implicit prompts
+
+
+def extract_prompt(row: Row, index: int | None = None) -> dict[str, Any]:
+    """Split an implicit-prompt row into its prompt and completions (rule in the module doc).
+
+    A row that already has a prompt (not ``None``) is returned as it is.
+
+    Args:
+        row: a row with ``chosen`` and ``rejected`` (strings, or lists of messages).
+        index: the row's position, named in error messages.
+
+    Returns:
+        A copy of the row with ``prompt``, ``chosen`` and ``rejected`` set (message lists come
+        back as role/content dicts).
+
+    Raises:
+        ValueError: an empty or malformed completion, text mixed with messages, or no shared
+            prompt (fix: add a ``prompt`` column).
+    """
+    if row.get("prompt") is not None:
+        return dict(row)
+    pair = {c: row.get(c) for c in COMPLETION_COLUMNS}
+    kind = _pair_kind(pair, index)
+    chosen, rejected = pair["chosen"], pair["rejected"]
+    if kind == "standard":
+        cut = min(common_prefix_length(chosen, rejected), len(chosen) - 1, len(rejected) - 1)
+        if cut > 0 and chosen[cut - 1] == " ":
+            cut -= 1
+        shared = "text"
+    else:
+        chosen = to_messages(chosen, "chosen", index)
+        rejected = to_messages(rejected, "rejected", index)
+        cut = _message_split(chosen, rejected)
+        shared = "messages followed, in both, by an assistant message"
+    if cut <= 0:
+        raise ValueError(
+            f"{_row(index)}: 'chosen' and 'rejected' share no leading {shared}, so no prompt can be taken from "
+            "them (the dataset has no 'prompt' column: implicit prompt). Add a 'prompt' column holding each "
+            "row's prompt, with the completions alone in 'chosen' and 'rejected'."
+        )
+    return {**row, "prompt": chosen[:cut], "chosen": chosen[cut:], "rejected": rejected[cut:]}
+
+
+def _message_split(chosen: list[Message], rejected: list[Message]) -> int:
+    """How many leading messages form the prompt of two conversations (0: none)."""
+    limit = min(common_prefix_length(chosen, rejected), len(chosen) - 1, len(rejected) - 1)
+    for cut in range(limit, 0, -1):
+        if chosen[cut].get("role") == "assistant" and rejected[cut].get("role") == "assistant":
+            return cut
+    return 0
+
+
+# ----------------------------------------------------------------------------- tokenising
+
+
+@dataclass(frozen=True)
+class _Options:
+    """What tokenising a pair needs besides the row (resolved once per dataset)."""
+
+    tokenizer: Any
+    max_length: int | None
+    truncation_mode: str
+    eos_token: str | None
+    tools: Any
+    chat_template_kwargs: Mapping[str, Any] | None
+
+
+def check_truncation(max_length: int | None, truncation_mode: str) -> None:
+    """Check the truncation options; warn that ``"keep_end"`` is deprecated.
+
+    Raises:
+        ValueError: an unknown mode, or a ``max_length`` below 1.
+    """
+    if truncation_mode not in TRUNCATION_MODES:
+        raise ValueError(
+            f"truncation_mode={truncation_mode!r} is not supported for preference data; use 'keep_start'."
+        )
+    if max_length is not None and (not isinstance(max_length, int) or max_length < 1):
+        raise ValueError(f"max_length={max_length!r} must be a positive integer (or None for no truncation).")
+    if truncation_mode == "keep_end":
+        warnings.warn(
+            "truncation_mode='keep_end' is deprecated for preference data and will be removed: it cuts the start "
+            "of the prompt. Use truncation_mode='keep_start' (the default), with a max_length that fits the "
+            "prompts.",
+            FutureWarning,
+            stacklevel=3,
+        )
+
+
+def tokenize_pair(
+    row: Row,
+    tokenizer: Any,
+    *,
+    max_length: int | None = 1024,
+    truncation_mode: str = "keep_start",
+    eos_token: str | None = None,
+    tools: list[Any] | None = None,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
+    index: int | None = None,
+) -> dict[str, Any] | None:
+    """Tokenise one preference row into its prompt and completion tokens, then truncate it.
+
+    Args:
+        row: a row with ``chosen``, ``rejected`` and, unless its prompt is implicit, ``prompt``.
+        tokenizer: a transformers tokenizer (with a chat template for conversational rows).
+        max_length: the most tokens of prompt + completion per side (``None``: no truncation).
+        truncation_mode: ``"keep_start"``; ``"keep_end"`` is deprecated (``FutureWarning``).
+        eos_token: appended to standard completions (default: the tokenizer's EOS token).
+        tools: tool schemas for the chat template; a row's own ``tools`` column wins.
+        chat_template_kwargs: extra template variables; a row's ``chat_template_kwargs`` column
+            is merged over them (a ``chat_template`` key picks another template).
+        index: the row's position, named in error messages.
+
+    Returns:
+        ``{"prompt_ids", "chosen_ids", "rejected_ids"}`` (lists of token ids; the completions
+        hold only their own tokens) plus the row's ``ref_chosen_logps`` / ``ref_rejected_logps``
+        when it has them; ``None`` when the row is dropped (its prompt alone reaches
+        ``max_length`` under ``"keep_start"``).
+
+    Raises:
+        ValueError: bad options, an empty or malformed completion, text mixed with messages,
+            misordered messages, no chat template for a conversation, no shared implicit prompt,
+            or a prompt or completion that tokenises to nothing.
+    """
+    check_truncation(max_length, truncation_mode)
+    opts = _Options(tokenizer, max_length, truncation_mode, eos_token, tools, chat_template_kwargs)
+    return _truncate_pair(_encode_pair(row, opts, index), max_length, truncation_mode)
+
+
+def _encode_pair(row: Row, opts: _Options, index: int | None) -> dict[str, Any]:
+    """The untruncated ``prompt_ids`` / ``chosen_ids`` / ``rejected_ids`` of a row, ref columns carried."""
+    row = extract_prompt(row, index)
+    kind = _pair_kind(row, index)
+    if kind == "standard":
+        prompt_ids, sides = _encode_standard(row, opts)
+    else:
+        prompt_ids, sides = _encode_conversation(row, opts, index)
+    start = min(common_prefix_length(prompt_ids, ids) for ids in sides)
+    if start < len(prompt_ids):
+        warnings.warn(
+            f"{_row(index)}: the tokenised prompt is not a prefix of the tokenised prompt + completion (they part "
+            f"at token {start} of {len(prompt_ids)}); the pair's prompt is cut to its first {start} tokens and "
+            "the completions start there. End prompts on a token boundary (e.g. without a trailing space), or "
+            "use a chat template that renders a prompt alone as it renders it in the full conversation.",
+            stacklevel=3,
+        )
+    if start == 0:
+        raise ValueError(
+            f"{_row(index)}: the prompt tokenises to no tokens (or none that the completions' tokens keep), so the "
+            "first completion token has nothing to be scored from. Give the row a non-empty prompt, or use a "
+            "tokenizer that adds a BOS token."
+        )
+    out: dict[str, Any] = {"prompt_ids": list(sides[0][:start])}
+    for column, ids in zip(COMPLETION_COLUMNS, sides, strict=True):
+        if len(ids) == start:
+            raise ValueError(
+                f"{_row(index)}: the '{column}' completion adds no tokens after the prompt. Check that the chat "
+                "template renders assistant messages, or drop the row."
+            )
+        out[f"{column}_ids"] = list(ids[start:])
+    out.update({c: row[c] for c in REF_COLUMNS if c in row})
+    return out
+
+
+def _encode_standard(row: Row, opts: _Options) -> tuple[list[int], list[list[int]]]:
+    """Token ids of the prompt and of prompt + completion + EOS for both sides (strings)."""
+    eos = opts.eos_token if opts.eos_token is not None else opts.tokenizer.eos_token
+    prompt = row["prompt"]
+    prompt_ids = list(opts.tokenizer(prompt)["input_ids"])
+    sides = [list(opts.tokenizer(prompt + _with_eos(row[c], eos))["input_ids"]) for c in COMPLETION_COLUMNS]
+    return prompt_ids, sides
+
+
+def _encode_conversation(row: Row, opts: _Options, index: int | None) -> tuple[list[int], list[list[int]]]:
+    """Token ids of the prompt (with the generation prompt) and of prompt + completion for both sides."""
+    tools = _row_tools(row, opts.tools)
+    variables = _row_template_kwargs(row, opts.chat_template_kwargs)
+    prompt = to_messages(row["prompt"], "prompt", index)
+    full = []
+    for column in COMPLETION_COLUMNS:
+        messages = prompt + to_messages(row[column], column, index)
+        check_messages(messages, f"prompt + {column}", index)
+        full.append(messages)
+    prompt_ids, _ = chat.tokenize(
+        opts.tokenizer, prompt, tools=tools, add_generation_prompt=True, variables=variables
+    )
+    sides = [chat.tokenize(opts.tokenizer, m, tools=tools, variables=variables)[0] for m in full]
+    return prompt_ids, sides
+
+
+def _truncate_pair(pair: dict[str, Any], max_length: int | None, mode: str) -> dict[str, Any] | None:
+    """Cut a tokenised pair to ``max_length`` tokens per side (module doc); ``None`` = dropped."""
+    prompt = pair["prompt_ids"]
+    sides = [pair["chosen_ids"], pair["rejected_ids"]]
+    if max_length is None:
+        return pair
+    if mode == "keep_start":
+        if len(prompt) >= max_length:
+            return None
+        room = max_length - len(prompt)
+        return {**pair, "chosen_ids": sides[0][:room], "rejected_ids": sides[1][:room]}
+    overflow = len(prompt) + max(len(s) for s in sides) - max_length
+    if overflow <= 0:
+        return pair
+    prompt = prompt[min(overflow, len(prompt)) :]
+    room = max_length - len(prompt)
+    chosen, rejected = (s[len(s) - room :] if len(s) > room else s for s in sides)
+    return {**pair, "prompt_ids": prompt, "chosen_ids": chosen, "rejected_ids": rejected}
+
+
+# ----------------------------------------------------------------------------- whole datasets
+
+
+def prepare_preference_dataset(
+    dataset: Any,
+    tokenizer: Any,
+    *,
+    max_length: int | None = 1024,
+    truncation_mode: str = "keep_start",
+    eos_token: str | None = None,
+    tools: list[Any] | None = None,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
+    num_proc: int | None = None,
+) -> Any:
+    """Check, tokenise and truncate every row of a preference dataset; drop the rows that do not fit.
+
+    Works on a ``datasets.Dataset`` (``.map`` and ``.filter``; returns a Dataset with the columns
+    ``prompt_ids``, ``chosen_ids``, ``rejected_ids`` and the ref columns it had) and on a list of
+    dicts (returns a list of dicts with the same keys).
+
+    Args:
+        dataset: a ``datasets.Dataset`` or a list of row dicts.
+        tokenizer: a transformers tokenizer.
+        max_length, truncation_mode, eos_token, tools, chat_template_kwargs: as in ``tokenize_pair``.
+        num_proc: worker processes for ``Dataset.map`` (Datasets only).
+
+    Returns:
+        The tokenised dataset, of the type given, without the dropped rows.
+
+    Raises:
+        ValueError: an empty dataset, bad options, missing columns or a bad row (see
+            ``detect_preference_format`` and ``tokenize_pair``), every row dropped by
+            ``max_length``, or every row a pair with identical chosen and rejected tokens.
+    """
+    if not hasattr(dataset, "__len__"):
+        raise ValueError(
+            f"prepare_preference_dataset needs a datasets.Dataset or a list of dicts, got {type(dataset).__name__}. "
+            "Materialise a streaming dataset first, e.g. Dataset.from_list(list(stream))."
+        )
+    rows_in = len(dataset)
+    if rows_in == 0:
+        raise ValueError("The preference dataset has no rows. Pass a dataset with at least one pair.")
+    first = dataset[0]
+    columns = list(dataset.column_names) if hasattr(dataset, "column_names") else list(first)
+    detect_preference_format(columns, first)
+    check_truncation(max_length, truncation_mode)
+    opts = _Options(tokenizer, max_length, truncation_mode, eos_token, tools, chat_template_kwargs)
+
+    def one(row: Row, i: int) -> dict[str, Any]:
+        pair = _encode_pair(row, opts, i)
+        kept = _truncate_pair(pair, max_length, truncation_mode)
+        # A dropped row keeps its prompt (for the report) and no completion tokens.
+        return kept if kept is not None else {**pair, "chosen_ids": [], "rejected_ids": []}
+
+    if isinstance(dataset, list):
+        out = [one(row, i) for i, row in enumerate(dataset)]
+    else:
+        out = dataset.map(
+            one,
+            with_indices=True,
+            remove_columns=list(dataset.column_names),
+            features=_output_features(dataset),
+            num_proc=num_proc,
+        )
+    chosen, rejected = (
+        [r[c] for r in out] if isinstance(out, list) else list(out[c]) for c in ("chosen_ids", "rejected_ids")
+    )
+    dropped = [i for i, ids in enumerate(chosen) if not ids]
+    _report_dropped(out, dropped, rows_in, max_length)
+    identical = [i for i, (c, r) in enumerate(zip(chosen, rejected, strict=True)) if c and c == r]
+    _report_identical(identical, rows_in - len(dropped), max_length)
+    if isinstance(out, list):
+        return [r for r in out if r["chosen_ids"]]
+    return out.filter(lambda r: len(r["chosen_ids"]) > 0, num_proc=num_proc) if dropped else out
+
+
+def _output_features(dataset: Any) -> Any:
+    """The Dataset features of the tokenised columns (typed, so all-dropped batches still fit)."""
+    from datasets import Features, List, Value
+
+    features = {c: List(Value("int64")) for c in OUTPUT_COLUMNS}
+    features.update({c: dataset.features[c] for c in REF_COLUMNS if c in dataset.column_names})
+    return Features(features)
+
+
+def _report_dropped(out: Any, dropped: list[int], rows_in: int, max_length: int | None) -> None:
+    """Warn with the count of rows whose prompt reaches ``max_length``; raise when none is left."""
+    if not dropped:
+        return
+    prompt_ids = [r["prompt_ids"] for r in out] if isinstance(out, list) else out["prompt_ids"]
+    shortest = min(len(prompt_ids[i]) for i in dropped)
+    why = (
+        f"a prompt of max_length={max_length} tokens or more (truncation_mode='keep_start'), which leaves no "
+        "room for the completions"
+    )
+    fix = f"raise max_length above the prompt lengths (the shortest dropped prompt has {shortest} tokens), or shorten the prompts"
+    if len(dropped) == rows_in:
+        raise ValueError(
+            f"All {rows_in} rows of the preference dataset have {why}, so none is left. Fix: {fix}."
+        )
+    warnings.warn(
+        f"{len(dropped)} of {rows_in} rows have {why}; they were dropped (rows {_some(dropped)}). To keep them: "
+        f"{fix}.",
+        stacklevel=3,
+    )
+
+
+def _report_identical(identical: list[int], kept: int, max_length: int | None) -> None:
+    """Warn with the count of pairs whose chosen and rejected tokens are equal; raise when all are."""
+    if not identical:
+        return
+    after = (
+        "tokenisation" if max_length is None else f"tokenisation and truncation to max_length={max_length}"
+    )
+    if len(identical) == kept:
+        raise ValueError(
+            f"In every row ({kept} rows, e.g. rows {_some(identical)}) 'chosen' and 'rejected' are identical after "
+            f"{after}, so the dataset teaches nothing (a pair of equal completions gives no gradient). Check that "
+            "'chosen' and 'rejected' are not the same column, or raise max_length if only the ends differ."
+        )
+    warnings.warn(
+        f"{len(identical)} of {kept} rows have identical 'chosen' and 'rejected' after {after} (rows "
+        f"{_some(identical)}); they teach nothing. Drop them, e.g. dataset.filter(lambda r: r['chosen'] != "
+        "r['rejected']).",
+        stacklevel=3,
+    )
+
+
+def _some(indices: list[int], shown: int = 5) -> str:
+    """The first few row indices: ``"1, 4, 7, ..."``."""
+    head = ", ".join(str(i) for i in indices[:shown])
+    return head + (", ..." if len(indices) > shown else "")
+
+
+# ----------------------------------------------------------------------------- collation
+
+
+def collate_pairs(rows: Sequence[Row], pad_token_id: int, pad_to_multiple_of: int | None = None) -> Pairs:
+    """Right-pad tokenised pairs into a chosen and a rejected batch of the same width.
+
+    Each side's row is ``prompt_ids + chosen_ids`` (or ``+ rejected_ids``); its loss mask is 1
+    exactly on the completion's tokens. Both sides are padded to the same width, so a trainer
+    may stack them into one forward pass.
+
+    Args:
+        rows: dicts with ``prompt_ids``, ``chosen_ids`` and ``rejected_ids`` (what
+            ``prepare_preference_dataset`` returns).
+        pad_token_id: the padding token.
+        pad_to_multiple_of: round the width up to a multiple of this.
+
+    Returns:
+        ``Pairs`` of two ``Sequences`` with ``input_ids``, ``loss_mask``, ``attention_mask``
+        (1 on real tokens) and ``position_ids=None`` (right padding: the model's default
+        positions are the right ones).
+
+    Raises:
+        ValueError: no rows, no pad token, or a row with an empty prompt or completion.
+    """
+    if not rows:
+        raise ValueError("collate_pairs got no rows; pass at least one.")
+    if pad_token_id is None:
+        raise ValueError(
+            "collate_pairs needs a pad_token_id and got None. Set tokenizer.pad_token (e.g. to the EOS token)."
+        )
+    sides = []
+    for column in ("chosen_ids", "rejected_ids"):
+        side_rows = []
+        for i, row in enumerate(rows):
+            prompt, completion = list(row["prompt_ids"]), list(row[column])
+            if not prompt or not completion:
+                empty = "prompt_ids" if not prompt else column
+                raise ValueError(
+                    f"Row {i}: '{empty}' is empty. Collate rows from prepare_preference_dataset, which drops the "
+                    "rows without room for a completion."
+                )
+            side_rows.append(
+                {"input_ids": prompt + completion, "loss_mask": [0] * len(prompt) + [1] * len(completion)}
+            )
+        sides.append(collate_padded(side_rows, pad_token_id))
+    width = max(s.input_ids.shape[1] for s in sides)
+    if pad_to_multiple_of:
+        width = -(-width // pad_to_multiple_of) * pad_to_multiple_of
+    return Pairs(*(_widen(s, width, pad_token_id) for s in sides))
+
+
+def _widen(batch: Sequences, width: int, pad_token_id: int) -> Sequences:
+    """Right-pad a padded batch to ``width`` columns; drop its position ids."""
+    extra = width - batch.input_ids.shape[1]
+
+    def pad(t: torch.Tensor, value: int) -> torch.Tensor:
+        return torch.nn.functional.pad(t, (0, extra), value=value)
+
+    return Sequences(
+        pad(batch.input_ids, pad_token_id), pad(batch.loss_mask, 0), pad(batch.attention_mask, 0)
+    )
+
+
+def pair_lengths(rows: Sequence[Row]) -> list[int]:
+    """Each pair's longer side in tokens (prompt + completion), e.g. to group rows by length."""
+    return [len(r["prompt_ids"]) + max(len(r["chosen_ids"]), len(r["rejected_ids"])) for r in rows]
+
+
+def collate_ref_logps(rows: Sequence[Row]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The precomputed reference log-probs of a batch, ``([N], [N])``; ``None`` when rows have none.
+
+    Raises:
+        ValueError: some rows carry them and others do not.
+    """
+    has = [all(row.get(c) is not None for c in REF_COLUMNS) for row in rows]
+    if not any(has):
+        return None
+    if not all(has):
+        missing = has.index(False)
+        raise ValueError(
+            f"Row {missing} has no {' / '.join(REF_COLUMNS)} while other rows have them. Precompute them for "
+            "every row, or for none."
+        )
+    chosen, rejected = (
+        torch.tensor([float(row[c]) for row in rows], dtype=torch.float32) for c in REF_COLUMNS
+    )
+    return chosen, rejected
