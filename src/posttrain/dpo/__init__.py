@@ -1,0 +1,1 @@
+"""Direct Preference Optimization and its family: the pure loss table (``losses``)."""
