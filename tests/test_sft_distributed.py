@@ -178,13 +178,6 @@ def test_zero3_trains_sharded_like_ddp(tmp_path_factory, ddp_run, ddp_ranks):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="ops/logprobs.py sequence_token_stats: with a sharded LM head (FSDP2, ZeRO-3) the full-logits "
-    "fallback takes `top` from log_softmax(...).max() but `logps` as gather - logsumexp, so an argmax "
-    "target's two values can differ in the last bit and mean_token_accuracy under-counts. Remove this "
-    "marker once `top` is computed as max - logsumexp there.",
-)
 @pytest.mark.parametrize("mode", ["fsdp", pytest.param("zero3", marks=needs_deepspeed)])
 def test_sharded_runs_log_the_ddp_token_accuracy(tmp_path_factory, ddp_ranks, mode):
     ranks = read_ranks(_run(tmp_path_factory, mode))

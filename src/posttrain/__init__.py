@@ -17,11 +17,15 @@ _LAZY = {
     "SFTConfig": "posttrain.sft.config",
     "SFTTrainer": "posttrain.sft.trainer",
     "BEMACallback": "posttrain.sft.bema",
+    "DPOConfig": "posttrain.dpo.config",
+    "DPOTrainer": "posttrain.dpo.trainer",
 }
 
 __all__ = [*_LAZY, "__version__"]
 
 if TYPE_CHECKING:  # pragma: no cover
+    from posttrain.dpo.config import DPOConfig  # noqa: F401
+    from posttrain.dpo.trainer import DPOTrainer  # noqa: F401
     from posttrain.grpo.config import GRPOConfig  # noqa: F401
     from posttrain.grpo.trainer import GRPOTrainer  # noqa: F401
     from posttrain.sft.bema import BEMACallback  # noqa: F401

@@ -250,6 +250,17 @@ class BaseTrainer(Trainer):
     def _after_optimizer_step(self) -> None:
         """A family's once-per-optimizer-step updates (after the step's last micro-batch)."""
 
+    def _track_num_input_tokens(self, inputs: Any) -> None:
+        """The families count tokens themselves (``num_tokens``, padding excluded)."""
+
+    def floating_point_ops(self, inputs: Any) -> int:
+        """About 6 FLOPs per parameter per token (forward and backward), as transformers estimates."""
+        return 6 * self._batch_tokens(inputs) * self.model.num_parameters(exclude_embeddings=True)
+
+    def _batch_tokens(self, inputs: Any) -> int:
+        """Tokens the model runs on for one micro-batch (a ``Sequences`` by default)."""
+        return int(inputs.input_ids.numel())
+
     def gather_values(self, local: torch.Tensor) -> torch.Tensor:
         """Every process's 1-D ``local`` values, concatenated in rank order (lengths may differ)."""
         if self.accelerator.num_processes == 1:
@@ -380,6 +391,26 @@ class BaseTrainer(Trainer):
         path = os.path.join(folder, REFERENCE_STATE)
         if os.path.isfile(path):
             reference.load_state_dict(torch.load(path, map_location=self._load_location))
+
+
+def refuse_logit_hooks(trainer: str, logged: str, **hooks: Any) -> None:
+    """Refuse the ``transformers.Trainer`` hooks that need full logits, which posttrain never builds.
+
+    Args:
+        trainer: the trainer's name, for the message.
+        logged: what the trainer logs instead (for train and eval).
+        **hooks: the hooks by name (``compute_metrics=...``); ``None`` when not given.
+
+    Raises:
+        NotImplementedError: naming every hook given.
+    """
+    given = [name for name, value in hooks.items() if value is not None]
+    if given:
+        raise NotImplementedError(
+            f"{', '.join(given)} need the model's full [batch, length, vocabulary] logits, which posttrain's "
+            f"{trainer} never builds (it takes its log-probs from the hidden states in chunks). Remove them; "
+            f"{logged} are logged for train and eval."
+        )
 
 
 class _Guards(TrainerCallback):

@@ -72,13 +72,13 @@ from posttrain.core.batch import Pairs, Sequences
 from posttrain.data import chat
 from posttrain.data.packing import collate_padded
 from posttrain.data.sft import (
-    _row,
-    _row_template_kwargs,
-    _row_tools,
-    _with_eos,
     check_messages,
     common_prefix_length,
+    row_label,
+    row_template_kwargs,
+    row_tools,
     to_messages,
+    with_eos,
 )
 
 PREFERENCE_FORMATS = ("explicit", "implicit")
@@ -156,13 +156,13 @@ def _pair_kind(row: Row, index: int | None) -> str:
         value = row[column]
         if column != "prompt" and (_is_empty(value) or _only_empty_messages(value)):
             raise ValueError(
-                f"{_row(index)}: column '{column}' is empty, so the pair has nothing to compare. Drop the row, "
+                f"{row_label(index)}: column '{column}' is empty, so the pair has nothing to compare. Drop the row, "
                 f"e.g. dataset.filter(lambda r: len(r['{column}']) > 0), or fill in the completion."
             )
         kind = _kind(value)
         if kind is None:
             raise ValueError(
-                f"{_row(index)}: column '{column}' holds {type(value).__name__}, not text or a list of messages. "
+                f"{row_label(index)}: column '{column}' holds {type(value).__name__}, not text or a list of messages. "
                 "Use a string (standard format) or a list of {'role': ..., 'content': ...} dicts "
                 "(conversational format), e.g. wrap a single message in a list."
             )
@@ -172,7 +172,7 @@ def _pair_kind(row: Row, index: int | None) -> str:
             f"'{c}' is {'text' if k == 'standard' else 'a list of messages'}" for c, k in kinds.items()
         )
         raise ValueError(
-            f"{_row(index)}: the columns mix formats: {named}. Use text in all of them (standard format) or "
+            f"{row_label(index)}: the columns mix formats: {named}. Use text in all of them (standard format) or "
             "message lists in all (conversational format), e.g. chosen=[{'role': 'assistant', 'content': "
             "text}] and prompt=[{'role': 'user', 'content': text}]."
         )
@@ -223,7 +223,7 @@ def extract_prompt(row: Row, index: int | None = None) -> dict[str, Any]:
         shared = "messages followed, in both, by an assistant message"
     if cut <= 0:
         raise ValueError(
-            f"{_row(index)}: 'chosen' and 'rejected' share no leading {shared}, so no prompt can be taken from "
+            f"{row_label(index)}: 'chosen' and 'rejected' share no leading {shared}, so no prompt can be taken from "
             "them (the dataset has no 'prompt' column: implicit prompt). Add a 'prompt' column holding each "
             "row's prompt, with the completions alone in 'chosen' and 'rejected'."
         )
@@ -327,7 +327,7 @@ def _encode_pair(row: Row, opts: _Options, index: int | None) -> dict[str, Any]:
     start = min(common_prefix_length(prompt_ids, ids) for ids in sides)
     if start < len(prompt_ids):
         warnings.warn(
-            f"{_row(index)}: the tokenised prompt is not a prefix of the tokenised prompt + completion (they part "
+            f"{row_label(index)}: the tokenised prompt is not a prefix of the tokenised prompt + completion (they part "
             f"at token {start} of {len(prompt_ids)}); the pair's prompt is cut to its first {start} tokens and "
             "the completions start there. End prompts on a token boundary (e.g. without a trailing space), or "
             "use a chat template that renders a prompt alone as it renders it in the full conversation.",
@@ -335,7 +335,7 @@ def _encode_pair(row: Row, opts: _Options, index: int | None) -> dict[str, Any]:
         )
     if start == 0:
         raise ValueError(
-            f"{_row(index)}: the prompt tokenises to no tokens (or none that the completions' tokens keep), so the "
+            f"{row_label(index)}: the prompt tokenises to no tokens (or none that the completions' tokens keep), so the "
             "first completion token has nothing to be scored from. Give the row a non-empty prompt, or use a "
             "tokenizer that adds a BOS token."
         )
@@ -343,7 +343,7 @@ def _encode_pair(row: Row, opts: _Options, index: int | None) -> dict[str, Any]:
     for column, ids in zip(COMPLETION_COLUMNS, sides, strict=True):
         if len(ids) == start:
             raise ValueError(
-                f"{_row(index)}: the '{column}' completion adds no tokens after the prompt. Check that the chat "
+                f"{row_label(index)}: the '{column}' completion adds no tokens after the prompt. Check that the chat "
                 "template renders assistant messages, or drop the row."
             )
         out[f"{column}_ids"] = list(ids[start:])
@@ -356,14 +356,14 @@ def _encode_standard(row: Row, opts: _Options) -> tuple[list[int], list[list[int
     eos = opts.eos_token if opts.eos_token is not None else opts.tokenizer.eos_token
     prompt = row["prompt"]
     prompt_ids = list(opts.tokenizer(prompt)["input_ids"])
-    sides = [list(opts.tokenizer(prompt + _with_eos(row[c], eos))["input_ids"]) for c in COMPLETION_COLUMNS]
+    sides = [list(opts.tokenizer(prompt + with_eos(row[c], eos))["input_ids"]) for c in COMPLETION_COLUMNS]
     return prompt_ids, sides
 
 
 def _encode_conversation(row: Row, opts: _Options, index: int | None) -> tuple[list[int], list[list[int]]]:
     """Token ids of the prompt (with the generation prompt) and of prompt + completion for both sides."""
-    tools = _row_tools(row, opts.tools)
-    variables = _row_template_kwargs(row, opts.chat_template_kwargs)
+    tools = row_tools(row, opts.tools)
+    variables = row_template_kwargs(row, opts.chat_template_kwargs)
     prompt = to_messages(row["prompt"], "prompt", index)
     full = []
     for column in COMPLETION_COLUMNS:

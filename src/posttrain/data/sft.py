@@ -119,7 +119,7 @@ def _formats_present(columns: list[str], text_field: str) -> dict[str, list[str]
     return found
 
 
-def _row(index: int | None) -> str:
+def row_label(index: int | None) -> str:
     """How messages name a row: ``"Row 3"``, or ``"A row"`` when its index is unknown."""
     return "A row" if index is None else f"Row {index}"
 
@@ -154,14 +154,14 @@ def to_messages(value: Any, column: str, index: int | None) -> list[Message]:
     """
     if not isinstance(value, Sequence) or isinstance(value, str):
         raise ValueError(
-            f"{_row(index)}: column '{column}' holds {type(value).__name__}, not a list of messages. Use a list "
+            f"{row_label(index)}: column '{column}' holds {type(value).__name__}, not a list of messages. Use a list "
             "of {'role': ..., 'content': ...} dicts."
         )
     messages = []
     for i, message in enumerate(value):
         if not isinstance(message, Mapping):
             raise ValueError(
-                f"{_row(index)}: message {i} of column '{column}' is a {type(message).__name__}, not a dict. Use "
+                f"{row_label(index)}: message {i} of column '{column}' is a {type(message).__name__}, not a dict. Use "
                 "{'role': ..., 'content': ...} dicts."
             )
         messages.append(
@@ -175,7 +175,7 @@ def _from_sharegpt(message: Message, column: str, index: int | None, position: i
     speaker = message.pop("from")
     if speaker not in SHAREGPT_ROLES:
         raise ValueError(
-            f"{_row(index)}: message {position} of column '{column}' comes from {speaker!r}, which is not a known "
+            f"{row_label(index)}: message {position} of column '{column}' comes from {speaker!r}, which is not a known "
             f"ShareGPT speaker ({sorted(SHAREGPT_ROLES)}). Rename it, or convert the rows to role/content."
         )
     message["role"] = SHAREGPT_ROLES[speaker]
@@ -196,7 +196,7 @@ def check_messages(messages: Sequence[Message], column: str, index: int | None) 
     """
     if not messages:
         raise ValueError(
-            f"{_row(index)}: column '{column}' is an empty conversation. Drop the row, e.g. "
+            f"{row_label(index)}: column '{column}' is an empty conversation. Drop the row, e.g. "
             f"dataset.filter(lambda r: len(r['{column}']) > 0)."
         )
     previous: Message | None = None
@@ -204,7 +204,7 @@ def check_messages(messages: Sequence[Message], column: str, index: int | None) 
         role = message.get("role")
         if role not in _ALLOWED_BEFORE:
             raise ValueError(
-                f"{_row(index)}: message {i} of column '{column}' has role {role!r}; expected one of "
+                f"{row_label(index)}: message {i} of column '{column}' has role {role!r}; expected one of "
                 f"{sorted(_ALLOWED_BEFORE)}. Give every message a 'role' (ShareGPT rows use 'from')."
             )
         _check_order(role, previous, column, index, i)
@@ -229,7 +229,7 @@ def _check_order(role: str, previous: Message | None, column: str, index: int | 
         "tool": "a tool message answers an assistant message that has 'tool_calls'",
     }[role]
     raise ValueError(
-        f"{_row(index)}: message {i} of column '{column}' is a '{role}' message {after}; {hint}. Fix the order "
+        f"{row_label(index)}: message {i} of column '{column}' is a '{role}' message {after}; {hint}. Fix the order "
         "of the conversation, or drop the row."
     )
 
@@ -307,8 +307,8 @@ def tokenize_row(
         assistant_only_loss=assistant_only_loss,
         text_field=dataset_text_field,
         formatting_func=formatting_func,
-        tools=_row_tools(row, tools),
-        template_kwargs=_row_template_kwargs(row, chat_template_kwargs),
+        tools=row_tools(row, tools),
+        template_kwargs=row_template_kwargs(row, chat_template_kwargs),
         index=index,
     )
     ids, mask = _TOKENIZERS[fmt](row, opts)
@@ -389,17 +389,17 @@ def _tokenize_text(row: Row, opts: _Options) -> tuple[list[int], list[int]]:
         text = opts.formatting_func(row)
         if not isinstance(text, str):
             raise ValueError(
-                f"{_row(opts.index)}: formatting_func returned {type(text).__name__}, not a string. It is called "
+                f"{row_label(opts.index)}: formatting_func returned {type(text).__name__}, not a string. It is called "
                 "on one row at a time and must return that row's text."
             )
     else:
         text = row[opts.text_field]
         if not isinstance(text, str):
             raise ValueError(
-                f"{_row(opts.index)}: column '{opts.text_field}' holds {type(text).__name__}, not text. Fix the "
+                f"{row_label(opts.index)}: column '{opts.text_field}' holds {type(text).__name__}, not text. Fix the "
                 "row, or drop it."
             )
-    ids = _encode(opts.tokenizer, _with_eos(text, opts.eos_token))
+    ids = _encode(opts.tokenizer, with_eos(text, opts.eos_token))
     return ids, [1] * len(ids)
 
 
@@ -408,7 +408,7 @@ def _tokenize_conversation(row: Row, opts: _Options) -> tuple[list[int], list[in
     column = next((c for c in MESSAGE_COLUMNS if row.get(c) is not None), None)
     if column is None:
         raise ValueError(
-            f"{_row(opts.index)}: no 'messages' (or 'conversations') value. Fill the row's conversation, or drop it."
+            f"{row_label(opts.index)}: no 'messages' (or 'conversations') value. Fill the row's conversation, or drop it."
         )
     messages = to_messages(row[column], column, opts.index)
     check_messages(messages, column, opts.index)
@@ -421,13 +421,13 @@ def _tokenize_prompt_completion(row: Row, opts: _Options) -> tuple[list[int], li
     prompt, completion = row["prompt"], row["completion"]
     if completion is None or len(completion) == 0:
         raise ValueError(
-            f"{_row(opts.index)}: the completion is empty, so the row has nothing to learn. Drop it, e.g. "
+            f"{row_label(opts.index)}: the completion is empty, so the row has nothing to learn. Drop it, e.g. "
             "dataset.filter(lambda r: len(r['completion']) > 0)."
         )
     assistant = None
     if isinstance(prompt, str) and isinstance(completion, str):
         prompt_ids = _encode(opts.tokenizer, prompt)
-        ids = _encode(opts.tokenizer, prompt + _with_eos(completion, opts.eos_token))
+        ids = _encode(opts.tokenizer, prompt + with_eos(completion, opts.eos_token))
     else:
         prompt_msgs = to_messages(prompt, "prompt", opts.index)
         full_msgs = prompt_msgs + to_messages(completion, "completion", opts.index)
@@ -437,7 +437,7 @@ def _tokenize_prompt_completion(row: Row, opts: _Options) -> tuple[list[int], li
     start = common_prefix_length(prompt_ids, ids)
     if start < len(prompt_ids):
         warnings.warn(
-            f"{_row(opts.index)}: the tokenised prompt is not a prefix of the tokenised prompt + completion (they "
+            f"{row_label(opts.index)}: the tokenised prompt is not a prefix of the tokenised prompt + completion (they "
             f"part at token {start} of {len(prompt_ids)}); the completion is taken to start there. End prompts "
             "on a token boundary, or use a chat template that renders a prompt alone as it renders it in the "
             "full conversation.",
@@ -460,7 +460,7 @@ def _tokenize_ids(row: Row, opts: _Options) -> tuple[list[int], list[int]]:
     has_completion_mask = row.get("completion_mask") is not None
     if opts.completion_only_loss and not has_completion_mask:
         raise ValueError(
-            f"{_row(opts.index)}: completion_only_loss=True, but the pre-tokenised row has no 'completion_mask'. "
+            f"{row_label(opts.index)}: completion_only_loss=True, but the pre-tokenised row has no 'completion_mask'. "
             "Add that column (1 on completion tokens), or set completion_only_loss=None."
         )
     if has_completion_mask and opts.completion_only_loss is not False:
@@ -480,13 +480,13 @@ def _labels_mask(ids: list[int], labels: Sequence[int], index: int | None) -> li
     """1 where ``labels`` keeps the token (``!= -100``); labels must otherwise equal the inputs."""
     if len(labels) != len(ids):
         raise ValueError(
-            f"{_row(index)}: 'labels' has {len(labels)} entries but 'input_ids' has {len(ids)}. Give one label "
+            f"{row_label(index)}: 'labels' has {len(labels)} entries but 'input_ids' has {len(ids)}. Give one label "
             "per input token (-100 where there is no target)."
         )
     for t, (tok, lab) in enumerate(zip(ids, labels, strict=True)):
         if lab != -100 and lab != tok:
             raise ValueError(
-                f"{_row(index)}: labels[{t}] = {lab} differs from input_ids[{t}] = {tok}. SFT labels are the "
+                f"{row_label(index)}: labels[{t}] = {lab} differs from input_ids[{t}] = {tok}. SFT labels are the "
                 "input tokens themselves (the trainer shifts them); use -100 to exclude a token, and "
                 "put any other targets in 'input_ids'."
             )
@@ -498,7 +498,7 @@ def _column_mask(row: Row, column: str, length: int, index: int | None) -> list[
     values = row[column]
     if len(values) != length:
         raise ValueError(
-            f"{_row(index)}: '{column}' has {len(values)} entries but 'input_ids' has {length}. Give one 0/1 "
+            f"{row_label(index)}: '{column}' has {len(values)} entries but 'input_ids' has {length}. Give one 0/1 "
             "value per token."
         )
     return [int(bool(v)) for v in values]
@@ -511,7 +511,7 @@ def _and(mask: list[int], other: list[int] | None) -> list[int]:
     return [int(a and b) for a, b in zip(mask, other, strict=True)]
 
 
-def _with_eos(text: str, eos_token: str | None) -> str:
+def with_eos(text: str, eos_token: str | None) -> str:
     """``text`` ending with the EOS token (appended unless already there)."""
     if not eos_token or text.endswith(eos_token):
         return text
@@ -537,7 +537,7 @@ def _apply_template(
     )
 
 
-def _row_tools(row: Row, default: Any) -> Any:
+def row_tools(row: Row, default: Any) -> Any:
     """The row's ``tools`` column (JSON text allowed) or the default; ``None`` when empty."""
     tools = row.get("tools", None)
     if tools is None:
@@ -547,7 +547,7 @@ def _row_tools(row: Row, default: Any) -> Any:
     return tools or None
 
 
-def _row_template_kwargs(row: Row, default: Mapping[str, Any] | None) -> dict[str, Any]:
+def row_template_kwargs(row: Row, default: Mapping[str, Any] | None) -> dict[str, Any]:
     """Template variables: the defaults, then the row's own (``None`` values, Arrow's fill, skipped)."""
     merged = dict(default or {})
     own = row.get("chat_template_kwargs") or {}

@@ -211,7 +211,10 @@ def sequence_token_stats(
     logits = out.logits[:, :-1, :].float()  # [N, L - 1, V]
     logps = selective_log_softmax(logits, targets)
     entropy = entropy_from_logits(logits.detach()) if with_entropy else None
-    top = torch.log_softmax(logits.detach(), dim=-1).max(dim=-1).values if with_top else None
+    top = None
+    if with_top:  # the same arithmetic as logps, so the argmax target compares equal bit for bit
+        detached = logits.detach()
+        top = detached.max(dim=-1).values - torch.logsumexp(detached, dim=-1)
     result = SequenceStats(logps, entropy, top, getattr(out, "aux_loss", None))
     with torch.no_grad():
         if with_logit_mean:

@@ -285,10 +285,7 @@ class OnlineTrainer(BaseTrainer):
         for mode in ("train", "eval"):
             self._flush_completions(mode)
 
-    def _track_num_input_tokens(self, inputs: Any) -> None:
-        """Token counting happens at generation (``num_tokens``); nothing to do per micro-batch."""
-
-    def floating_point_ops(self, inputs: Any) -> int:
+    def _batch_tokens(self, inputs: Any) -> int:
         """FLOPs are not estimated for online steps (generation dominates and varies)."""
         return 0
 

@@ -23,7 +23,7 @@ from accelerate.utils import gather
 from transformers import PreTrainedModel, TrainerCallback
 
 from posttrain.core.batch import Sequences
-from posttrain.core.trainer import BaseTrainer
+from posttrain.core.trainer import BaseTrainer, refuse_logit_hooks
 from posttrain.data import packing, sft
 from posttrain.models import reference as model_options
 from posttrain.ops.logprobs import sequence_token_stats
@@ -88,7 +88,13 @@ class SFTTrainer(BaseTrainer):
         formatting_func: Callable[[dict], str] | None = None,
     ) -> None:
         args = args if args is not None else self.default_args(model, SFTConfig, "SFT")
-        _refuse_logit_hooks(compute_loss_func, compute_metrics, preprocess_logits_for_metrics)
+        refuse_logit_hooks(
+            "SFTTrainer",
+            "the loss, entropy and mean_token_accuracy",
+            compute_loss_func=compute_loss_func,
+            compute_metrics=compute_metrics,
+            preprocess_logits_for_metrics=preprocess_logits_for_metrics,
+        )
         if train_dataset is None:
             raise ValueError(
                 "SFTTrainer needs a train_dataset (text, messages, prompt/completion or input_ids)."
@@ -135,7 +141,9 @@ class SFTTrainer(BaseTrainer):
             dataset,
             self._tokenizer,
             dataset_text_field=a.dataset_text_field,
-            max_length=None if pack else a.max_length,  # a packed row is truncated once, as a bin
+            # bfd truncates each row to max_length (rows left without a target are dropped and counted);
+            # bfd_split and wrapped cut rows into pieces later, so nothing is truncated here
+            max_length=a.max_length if not pack or a.packing_strategy == "bfd" else None,
             truncation_mode=a.truncation_mode,
             completion_only_loss=a.completion_only_loss,
             assistant_only_loss=a.assistant_only_loss,
@@ -271,13 +279,6 @@ class SFTTrainer(BaseTrainer):
             m["aux_loss"] = float(stats.aux_loss.detach())
         self._metrics.add_all(mode, m)
 
-    def _track_num_input_tokens(self, inputs: Any) -> None:
-        """Tokens are counted in ``_record`` (padding excluded)."""
-
-    def floating_point_ops(self, inputs: Any) -> int:
-        """About 6 FLOPs per parameter per token (forward and backward), as transformers estimates."""
-        return 6 * int(inputs.input_ids.numel()) * self.model.num_parameters(exclude_embeddings=True)
-
     def prediction_step(
         self,
         model: torch.nn.Module,
@@ -290,24 +291,6 @@ class SFTTrainer(BaseTrainer):
         with torch.no_grad():
             loss = self.compute_loss(model, inputs)
         return loss.detach(), None, None
-
-
-def _refuse_logit_hooks(compute_loss_func: Any, compute_metrics: Any, preprocess_logits: Any) -> None:
-    given = [
-        name
-        for name, value in (
-            ("compute_loss_func", compute_loss_func),
-            ("compute_metrics", compute_metrics),
-            ("preprocess_logits_for_metrics", preprocess_logits),
-        )
-        if value is not None
-    ]
-    if given:
-        raise NotImplementedError(
-            f"{', '.join(given)} need the model's full [batch, length, vocabulary] logits, which posttrain's "
-            "SFTTrainer never builds (it takes the loss, entropy and accuracy from the hidden states in chunks). "
-            "Remove them; the loss, entropy and mean_token_accuracy are logged for train and eval."
-        )
 
 
 def _check_formats(train_dataset: Any, eval_dataset: Any, args: SFTConfig, formatting_func: Any) -> bool:

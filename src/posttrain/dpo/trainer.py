@@ -1,0 +1,461 @@
+"""DPOTrainer: Direct Preference Optimization and its published variants on the shared core.
+
+One step, per micro-batch of N pairs:
+
+```
+rows   = chosen + rejected stacked into one [2N, L] batch        # one forward, prompt included
+stats  = sequence_token_stats(policy, rows)                      # ops/logprobs: chunked, no [2N, L, V]
+logps  = sum of completion-token log-probs per row (LD-DPO: ld_logps)
+ref    = the same under the reference (a copy, the adapters-off base, or precomputed columns)
+loss   = dpo_loss(PairLogps(...), loss_type, ...)                # dpo/losses.py: one pure table
+```
+
+The loss of a micro-batch is its pairs' share of the optimizer step's pairs over every process,
+so gradient accumulation and several processes give the update of one large batch.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from accelerate.utils import gather
+from transformers import PreTrainedModel, TrainerCallback
+
+from posttrain.core.batch import Pairs, Sequences
+from posttrain.core.trainer import BaseTrainer, refuse_logit_hooks
+from posttrain.data import preference
+from posttrain.dpo import losses
+from posttrain.dpo.config import DPOConfig
+from posttrain.models import loading
+from posttrain.models import peft as peft_utils
+from posttrain.models import reference as model_options
+from posttrain.ops.logprobs import sequence_token_stats
+
+__all__ = ["DPOTrainer"]
+
+BCO_STATE = "bco_running_mean.pt"
+
+
+@dataclass
+class PairBatch:
+    """A collated micro-batch of preference pairs.
+
+    Attributes:
+        pairs: the chosen and the rejected rows (prompt + completion, right padded).
+        ref_chosen: [N] precomputed reference log-probs of the chosen completions, if any.
+        ref_rejected: [N] the same for the rejected completions.
+    """
+
+    pairs: Pairs
+    ref_chosen: torch.Tensor | None = None
+    ref_rejected: torch.Tensor | None = None
+
+    @property
+    def num_pairs(self) -> int:
+        return int(self.pairs.chosen.input_ids.shape[0])
+
+
+@dataclass
+class _Scores:
+    """Per-row results of scoring a stacked batch: chosen rows first, then rejected."""
+
+    logps: torch.Tensor  # [2N] summed (or LD-weighted) completion log-probs
+    lengths: torch.Tensor  # [2N] completion tokens
+    token_logps: torch.Tensor  # [2N, L - 1]
+    mask: torch.Tensor  # [2N, L - 1]
+    stats: Any  # SequenceStats
+
+
+class DPOTrainer(BaseTrainer):
+    """Trains a causal LM on preference pairs with the DPO family of losses; a drop-in for ``trl.DPOTrainer``.
+
+    Args:
+        model: a hub id, a local path, the embedded name, a ``PreTrainedModel`` or a ``PeftModel``.
+        ref_model: the reference; ``None`` means a frozen copy of ``model`` as given (the
+            adapters-off base with PEFT; none at all when the loss uses no reference or the
+            reference log-probs are precomputed).
+        args: a ``DPOConfig``; ``None`` builds the defaults with ``output_dir="<model>-DPO"``.
+        data_collator: maps tokenised rows to a ``PairBatch``; the default right-pads.
+        train_dataset: preference pairs: ``prompt``/``chosen``/``rejected`` or implicit-prompt
+            ``chosen``/``rejected``, standard or conversational (``data/preference.py``).
+        eval_dataset: the same, or a dict of them.
+        processing_class: the tokenizer; loaded from the model when ``None``.
+        compute_metrics: needs full logits: not supported (``NotImplementedError``).
+        callbacks: extra ``TrainerCallback`` objects.
+        optimizers: ``(optimizer, scheduler)``; AdamW with a linear schedule by default.
+        optimizer_cls_and_kwargs: an optimizer class and its keyword arguments.
+        preprocess_logits_for_metrics: needs full logits: not supported.
+        peft_config: a ``peft.PeftConfig``; only the adapter trains.
+    """
+
+    _tag_names = ["posttrain", "dpo"]
+
+    def __init__(
+        self,
+        model: str | PreTrainedModel | Any,
+        ref_model: str | PreTrainedModel | None = None,
+        args: DPOConfig | None = None,
+        data_collator: Callable[[list[dict[str, Any]]], PairBatch] | None = None,
+        train_dataset: Any = None,
+        eval_dataset: Any = None,
+        processing_class: Any = None,
+        compute_metrics: Callable | None = None,
+        callbacks: list[TrainerCallback] | None = None,
+        optimizers: tuple[Any, Any] = (None, None),
+        optimizer_cls_and_kwargs: tuple[type[torch.optim.Optimizer], dict[str, Any]] | None = None,
+        preprocess_logits_for_metrics: Callable | None = None,
+        peft_config: Any = None,
+    ) -> None:
+        args = args if args is not None else self.default_args(model, DPOConfig, "DPO")
+        refuse_logit_hooks(
+            "DPOTrainer",
+            "the loss, the rewards, the log-probs and the logits' means",
+            compute_metrics=compute_metrics,
+            preprocess_logits_for_metrics=preprocess_logits_for_metrics,
+        )
+        if train_dataset is None:
+            raise ValueError("DPOTrainer needs a train_dataset of preference pairs (chosen, rejected).")
+        _check_columns(train_dataset, eval_dataset)
+        super().__init__(
+            model,
+            args,
+            processing_class,
+            peft_config,
+            data_collator=data_collator or self._collate,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            callbacks=callbacks,
+            optimizers=optimizers,
+            optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
+        )
+        self._apply_pad_token(args.pad_token)
+        self._aux_loss_coef = model_options.set_router_aux_loss_coef(self.model, args.router_aux_loss_coef)
+        self.loss_types, self.loss_weights = losses.check_loss_settings(
+            args.loss_type,
+            args.loss_weights,
+            args.f_divergence_type,
+            args.label_smoothing,
+            args.ld_alpha,
+            args.use_weighting,
+        )
+        self._bco = losses.RunningMean() if "bco_pair" in self.loss_types else None
+        self.train_dataset = self._prepare(self.train_dataset)
+        if isinstance(self.eval_dataset, dict):
+            self.eval_dataset = {k: self._prepare(v) for k, v in self.eval_dataset.items()}
+        elif self.eval_dataset is not None:
+            self.eval_dataset = self._prepare(self.eval_dataset)
+        self.ref_model = self._setup_reference(ref_model)
+        if args.precompute_ref_log_probs and not _has_ref_columns(self.train_dataset):
+            self.train_dataset = self._precompute_reference(self.train_dataset)
+            self.ref_model = None  # no longer needed: the columns hold its log-probs
+
+    # ---- setup ---------------------------------------------------------------------------------
+
+    def _prepare(self, dataset: Any) -> Any:
+        a = self.args
+        return preference.prepare_preference_dataset(
+            dataset,
+            self._tokenizer,
+            max_length=a.max_length,
+            truncation_mode=a.truncation_mode,
+            num_proc=a.dataset_num_proc,
+        )
+
+    def _setup_reference(self, ref_model: Any) -> torch.nn.Module | None:
+        """The reference: given, loaded by name, or a frozen copy of the policy as given.
+
+        ``None`` when the loss uses no reference, when the dataset carries the reference's
+        log-probs, or for a PEFT policy (its reference is its own base, adapters off). The
+        reference's fault of reloading the model by name instead of copying the instance given
+        is not repeated: the copy is of the model handed over, in-memory changes included.
+        """
+        a = self.args
+        if not DPOConfig.uses_reference(self.loss_types) or _has_ref_columns(self.train_dataset):
+            return None
+        self._check_reference_sync()
+        if isinstance(ref_model, str):
+            ref_model = loading.load_policy(
+                loading.resolve_model_path(ref_model), a.model_init_kwargs, a.trust_remote_code
+            )
+        if ref_model is not None:
+            ref_model = model_options.create_reference(ref_model.to(self.accelerator.device))
+            if a.disable_dropout:
+                loading.disable_dropout(ref_model)
+            return ref_model
+        if peft_utils.is_peft_model(self.model):
+            return None
+        return self._create_reference()
+
+    @torch.no_grad()
+    def _precompute_reference(self, dataset: Any) -> Any:
+        """Score every training pair with the reference once; add ``ref_chosen_logps`` / ``ref_rejected_logps``."""
+        a = self.args
+        size = a.precompute_ref_batch_size or a.per_device_train_batch_size
+        rows = [dataset[i] for i in range(len(dataset))]
+        chosen: list[float] = []
+        rejected: list[float] = []
+        for start in range(0, len(rows), size):
+            batch = self._prepare_inputs(self._collate(rows[start : start + size]))
+            ref = self._reference_scores(self._stack(batch.pairs))
+            n = batch.num_pairs
+            chosen += ref[:n].tolist()
+            rejected += ref[n:].tolist()
+        return dataset.add_column("ref_chosen_logps", chosen).add_column("ref_rejected_logps", rejected)
+
+    # ---- data ----------------------------------------------------------------------------------
+
+    def _set_signature_columns_if_needed(self) -> None:
+        self._signature_columns = ["prompt_ids", "chosen_ids", "rejected_ids", *preference.REF_COLUMNS]
+
+    def _collate(self, rows: list[dict[str, Any]]) -> PairBatch:
+        pairs = preference.collate_pairs(rows, self._tokenizer.pad_token_id, self.args.pad_to_multiple_of)
+        ref = preference.collate_ref_logps(rows)
+        return PairBatch(pairs, *(ref if ref is not None else (None, None)))
+
+    def _prepare_inputs(self, inputs: PairBatch) -> PairBatch:  # type: ignore[override]
+        device = self.accelerator.device
+
+        def move(s: Sequences) -> Sequences:
+            return Sequences(s.input_ids.to(device), s.loss_mask.to(device), s.attention_mask.to(device))
+
+        ref = [t.to(device) if t is not None else None for t in (inputs.ref_chosen, inputs.ref_rejected)]
+        return PairBatch(Pairs(move(inputs.pairs.chosen), move(inputs.pairs.rejected)), *ref)
+
+    def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> torch.Tensor:
+        """Pairs in the optimizer step's micro-batches, summed over every process."""
+        local = sum(b.num_pairs for b in batch_samples)
+        return gather(torch.tensor([local], device=device)).sum()
+
+    @staticmethod
+    def _stack(pairs: Pairs) -> Sequences:
+        """Chosen rows then rejected rows, as one batch (both sides share the width)."""
+        c, r = pairs.chosen, pairs.rejected
+        return Sequences(
+            torch.cat([c.input_ids, r.input_ids]),
+            torch.cat([c.loss_mask, r.loss_mask]),
+            torch.cat([c.attention_mask, r.attention_mask]),
+        )
+
+    # ---- scoring -------------------------------------------------------------------------------
+
+    def _score(self, model: torch.nn.Module, rows: Sequences, train: bool) -> _Scores:
+        """Per-row completion log-probs of a stacked batch, with what the metrics and WPO need."""
+        positions = (rows.attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+        with self._offloading() if train else _nullcontext():
+            stats = sequence_token_stats(
+                model,
+                rows.input_ids,
+                rows.attention_mask,
+                positions,
+                with_entropy=train,
+                with_top=train,
+                with_logit_mean=train,
+                with_log_sq_norm=train and self.args.use_weighting,
+            )
+        mask = rows.loss_mask[:, 1:].to(stats.logps.dtype)  # [2N, L - 1]
+        lengths = mask.sum(dim=1)
+        return _Scores(self._sequence_logps(stats.logps, mask, lengths), lengths, stats.logps, mask, stats)
+
+    def _sequence_logps(
+        self, token_logps: torch.Tensor, mask: torch.Tensor, lengths: torch.Tensor
+    ) -> torch.Tensor:
+        """Summed completion log-probs; with LD-DPO, the tokens past the shorter side weighted by ld_alpha."""
+        if self.args.ld_alpha is None:
+            return (token_logps * mask).sum(dim=1)
+        n = lengths.shape[0] // 2
+        public = torch.minimum(lengths[:n], lengths[n:]).repeat(2)
+        return losses.ld_logps(token_logps, mask, public, self.args.ld_alpha)
+
+    @torch.no_grad()
+    def _reference_scores(self, rows: Sequences) -> torch.Tensor:
+        """[2N] the reference's completion log-probs (LD-weighted like the policy's)."""
+        if self.ref_model is not None:
+            return self._score(self.ref_model, rows, train=False).logps
+        with peft_utils.adapters_disabled(self.model) as base:
+            return self._score(base, rows, train=False).logps
+
+    # ---- loss ----------------------------------------------------------------------------------
+
+    def compute_loss(
+        self,
+        model: torch.nn.Module,
+        inputs: PairBatch,
+        return_outputs: bool = False,
+        num_items_in_batch: Any = None,
+    ) -> torch.Tensor:
+        """The micro-batch's pairs' share of the step's DPO loss.
+
+        ``num_items_in_batch`` is the step's pairs over every process; DDP averages gradients
+        over processes, so the share is multiplied by their number.
+        """
+        if return_outputs:
+            raise ValueError("DPOTrainer.compute_loss does not return model outputs (no logits are built).")
+        train = model.training
+        rows = self._stack(inputs.pairs)
+        scores = self._score(model, rows, train=True)
+        n = inputs.num_pairs
+        ref = self._reference_for(inputs, rows)
+        out = losses.dpo_loss(
+            losses.PairLogps(
+                scores.logps[:n], scores.logps[n:],
+                ref[:n] if ref is not None else None, ref[n:] if ref is not None else None,
+                scores.lengths[:n], scores.lengths[n:],
+            ),
+            self.loss_types,
+            beta=self.args.beta,
+            loss_weights=self.loss_weights,
+            label_smoothing=self.args.label_smoothing,
+            f_divergence_type=self.args.f_divergence_type,
+            f_alpha_divergence_coef=self.args.f_alpha_divergence_coef,
+            discopop_tau=self.args.discopop_tau,
+            pair_weights=self._wpo_weights(scores, n),
+            bco_delta=self._bco.value if self._bco is not None else 0.0,
+        )  # fmt: skip
+        loss = out.loss
+        if num_items_in_batch is not None and train:
+            loss = loss * (n / max(float(num_items_in_batch), 1.0)) * self.accelerator.num_processes
+        if self._aux_loss_coef and scores.stats.aux_loss is not None:
+            loss = (
+                loss + self._aux_loss_coef * scores.stats.aux_loss / self.current_gradient_accumulation_steps
+            )
+        if self._bco is not None and train:
+            self._bco.update(torch.cat([out.chosen_rewards, out.rejected_rewards]))
+        self._record("train" if train else "eval", scores, out, rows, n)
+        return loss
+
+    def _reference_for(self, inputs: PairBatch, rows: Sequences) -> torch.Tensor | None:
+        """[2N] reference log-probs: precomputed columns, else scored now; ``None`` when unused."""
+        if not DPOConfig.uses_reference(self.loss_types):
+            return None
+        if inputs.ref_chosen is not None:
+            return torch.cat([inputs.ref_chosen, inputs.ref_rejected]).to(torch.float32)
+        return self._reference_scores(rows)
+
+    def _wpo_weights(self, scores: _Scores, n: int) -> torch.Tensor | None:
+        """WPO: ``w_chosen * w_rejected`` per pair (no gradient), when ``use_weighting``."""
+        if not self.args.use_weighting:
+            return None
+        w = losses.wpo_weights(scores.token_logps.detach(), scores.stats.log_sq_norm, scores.mask)
+        return w[:n] * w[n:]
+
+    def _record(self, mode: str, scores: _Scores, out: Any, rows: Sequences, n: int) -> None:
+        """The reference's DPO metrics, averaged over every process's pairs."""
+        chosen_r, rejected_r = out.chosen_rewards.float(), out.rejected_rewards.float()
+        logps = scores.logps.detach().float()
+        mask = scores.mask
+        stats = scores.stats
+        per_row_logit = (
+            (stats.logit_mean * mask).sum(1) if stats.logit_mean is not None else torch.zeros_like(logps)
+        )
+        columns = torch.stack(
+            [
+                chosen_r,
+                rejected_r,
+                (chosen_r > rejected_r).float(),
+                chosen_r - rejected_r,
+                logps[:n],
+                logps[n:],
+                per_row_logit[:n],
+                per_row_logit[n:],
+                scores.lengths[:n],
+                scores.lengths[n:],
+            ],
+            dim=1,
+        )  # [N, 10]
+        g = self.gather_values(columns.reshape(-1)).view(-1, 10)
+        m = {
+            "rewards/chosen": g[:, 0].mean().item(),
+            "rewards/rejected": g[:, 1].mean().item(),
+            "rewards/accuracies": g[:, 2].mean().item(),
+            "rewards/margins": g[:, 3].mean().item(),
+            "logps/chosen": g[:, 4].mean().item(),
+            "logps/rejected": g[:, 5].mean().item(),
+            "logits/chosen": (g[:, 6].sum() / g[:, 8].sum().clamp(min=1)).item(),
+            "logits/rejected": (g[:, 7].sum() / g[:, 9].sum().clamp(min=1)).item(),
+        }
+        if stats.entropy is not None:
+            correct = (stats.logps.detach() == stats.top).to(mask.dtype)
+            local = torch.stack([(stats.entropy * mask).sum(), (correct * mask).sum(), mask.sum()])
+            entropy, hits, targets = gather(local.unsqueeze(0)).sum(dim=0).tolist()
+            m["entropy"] = entropy / max(targets, 1.0)
+            m["mean_token_accuracy"] = hits / max(targets, 1.0)
+        if mode == "train":
+            tokens = int(gather(rows.attention_mask.sum().reshape(1)).sum())
+            self.state.num_input_tokens_seen += tokens
+            m["num_tokens"] = float(self.state.num_input_tokens_seen)
+        if len(self.loss_types) > 1:
+            m.update({f"loss/{name}": float(value) for name, value in out.per_type.items()})
+        if stats.aux_loss is not None:
+            m["aux_loss"] = float(stats.aux_loss.detach())
+        self._metrics.add_all(mode, m)
+
+    def _batch_tokens(self, inputs: PairBatch) -> int:
+        return int(inputs.pairs.chosen.input_ids.numel() + inputs.pairs.rejected.input_ids.numel())
+
+    def prediction_step(
+        self,
+        model: torch.nn.Module,
+        inputs: Any,
+        prediction_loss_only: bool,
+        ignore_keys: list[str] | None = None,
+    ) -> tuple[torch.Tensor, None, None]:
+        """Evaluation: the batch's mean DPO loss and its metrics (``eval_`` prefixed)."""
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad():
+            loss = self.compute_loss(model, inputs)
+        return loss.detach(), None, None
+
+    # ---- per step and checkpoints ---------------------------------------------------------------
+
+    def _after_optimizer_step(self) -> None:
+        """TR-DPO's reference sync, once per optimizer step."""
+        self._sync_reference(self.ref_model)
+
+    def _save_extra_state(self, folder: str) -> dict[str, Any]:
+        """The synced reference (TR-DPO) and bco_pair's running reward mean."""
+        if self.ref_model is not None and self.args.sync_ref_model:
+            self._save_reference(folder, self.ref_model)
+        if self._bco is not None and self.args.should_save:
+            torch.save(self._bco.state_dict(), os.path.join(folder, BCO_STATE))
+        return {}
+
+    def _load_extra_state(self, folder: str, state: dict[str, Any] | None) -> None:
+        if self.ref_model is not None:
+            self._load_reference(folder, self.ref_model)
+        path = os.path.join(folder, BCO_STATE)
+        if self._bco is not None and os.path.isfile(path):
+            self._bco.load_state_dict(torch.load(path, map_location="cpu"))
+
+
+def _nullcontext() -> Any:
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+def _has_ref_columns(dataset: Any) -> bool:
+    columns = getattr(dataset, "column_names", None)
+    if columns is None and isinstance(dataset, list) and dataset:
+        columns = list(dataset[0])
+    return bool(columns) and all(c in columns for c in preference.REF_COLUMNS)
+
+
+def _check_columns(train_dataset: Any, eval_dataset: Any) -> None:
+    """The datasets' columns and first rows, before any model is loaded."""
+    evals = eval_dataset.items() if isinstance(eval_dataset, dict) else [("eval_dataset", eval_dataset)]
+    for name, dataset in [("train_dataset", train_dataset), *evals]:
+        if dataset is None:
+            continue
+        if not hasattr(dataset, "__len__"):
+            raise ValueError(
+                f"{name} is an IterableDataset; DPOTrainer tokenises the whole dataset first. Materialise it "
+                "(datasets.Dataset.from_list(list(stream)))."
+            )
+        if len(dataset) == 0:
+            raise ValueError(f"{name} is empty; pass a dataset with at least one preference pair.")
+        columns = list(getattr(dataset, "column_names", None) or dataset[0])
+        preference.detect_preference_format(columns, dataset[0])
