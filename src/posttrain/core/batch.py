@@ -51,6 +51,32 @@ class Pairs:
     chosen: Sequences
     rejected: Sequences
 
+    @property
+    def num_pairs(self) -> int:
+        return int(self.chosen.input_ids.shape[0])
+
+    def stacked(self) -> Sequences:
+        """The chosen rows then the rejected rows as one batch, for a single forward pass.
+
+        Both sides must have the same width (``data.preference.collate_pairs`` pads them so).
+        """
+        c, r = self.chosen, self.rejected
+        if c.input_ids.shape[1] != r.input_ids.shape[1]:
+            raise ValueError(
+                f"The chosen rows are {c.input_ids.shape[1]} tokens wide and the rejected ones "
+                f"{r.input_ids.shape[1]}; pad both sides to the same width to stack them."
+            )
+
+        def cat(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
+            return None if a is None or b is None else torch.cat([a, b])
+
+        return Sequences(
+            torch.cat([c.input_ids, r.input_ids]),
+            torch.cat([c.loss_mask, r.loss_mask]),
+            cat(c.attention_mask, r.attention_mask),
+            cat(c.position_ids, r.position_ids),
+        )
+
 
 @dataclass
 class Rollout:

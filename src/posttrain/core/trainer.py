@@ -250,6 +250,48 @@ class BaseTrainer(Trainer):
     def _after_optimizer_step(self) -> None:
         """A family's once-per-optimizer-step updates (after the step's last micro-batch)."""
 
+    def _token_metrics(self, mode: str, stats: Any, mask: torch.Tensor, rows: Any) -> dict[str, float]:
+        """The per-token metrics every offline trainer logs, over every process's target tokens.
+
+        ``entropy`` and ``mean_token_accuracy`` (when ``stats`` has them), ``num_tokens`` (train:
+        the tokens seen so far, padding excluded where rows are padded) and ``aux_loss`` (MoE).
+
+        Args:
+            mode: ``"train"`` or ``"eval"``.
+            stats: the ``SequenceStats`` of the micro-batch.
+            mask: [N, L - 1] 1 on the target tokens.
+            rows: the micro-batch's ``Sequences``.
+        """
+        device = self.accelerator.device
+        m: dict[str, float] = {}
+        if stats.entropy is not None and stats.top is not None:
+            correct = (stats.logps.detach() == stats.top).to(mask.dtype)
+            local = torch.stack([(stats.entropy * mask).sum(), (correct * mask).sum(), mask.sum()]).to(device)
+            entropy, hits, targets = gather(local.unsqueeze(0)).sum(dim=0).tolist()
+            m["entropy"] = entropy / max(targets, 1.0)
+            m["mean_token_accuracy"] = hits / max(targets, 1.0)
+        if mode == "train":
+            padded = rows.attention_mask is not None and rows.attention_mask.dim() == 2
+            tokens = int(rows.attention_mask.sum()) if padded else rows.input_ids.numel()
+            self.state.num_input_tokens_seen += int(gather(torch.tensor([tokens], device=device)).sum())
+            m["num_tokens"] = float(self.state.num_input_tokens_seen)
+        if stats.aux_loss is not None:
+            m["aux_loss"] = float(stats.aux_loss.detach())
+        return m
+
+    def prediction_step(
+        self,
+        model: torch.nn.Module,
+        inputs: Any,
+        prediction_loss_only: bool,
+        ignore_keys: list[str] | None = None,
+    ) -> tuple[torch.Tensor, None, None]:
+        """Evaluation: the batch's loss (its metrics are logged ``eval_``-prefixed); no logits."""
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad():
+            loss = self.compute_loss(model, inputs)
+        return loss.detach(), None, None
+
     def _track_num_input_tokens(self, inputs: Any) -> None:
         """The families count tokens themselves (``num_tokens``, padding excluded)."""
 

@@ -16,6 +16,7 @@ so gradient accumulation and several processes give the update of one large batc
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,7 +34,7 @@ from posttrain.dpo.config import DPOConfig
 from posttrain.models import loading
 from posttrain.models import peft as peft_utils
 from posttrain.models import reference as model_options
-from posttrain.ops.logprobs import sequence_token_stats
+from posttrain.ops.logprobs import RowScores, score_rows
 
 __all__ = ["DPOTrainer"]
 
@@ -56,18 +57,7 @@ class PairBatch:
 
     @property
     def num_pairs(self) -> int:
-        return int(self.pairs.chosen.input_ids.shape[0])
-
-
-@dataclass
-class _Scores:
-    """Per-row results of scoring a stacked batch: chosen rows first, then rejected."""
-
-    logps: torch.Tensor  # [2N] summed (or LD-weighted) completion log-probs
-    lengths: torch.Tensor  # [2N] completion tokens
-    token_logps: torch.Tensor  # [2N, L - 1]
-    mask: torch.Tensor  # [2N, L - 1]
-    stats: Any  # SequenceStats
+        return self.pairs.num_pairs
 
 
 class DPOTrainer(BaseTrainer):
@@ -200,7 +190,7 @@ class DPOTrainer(BaseTrainer):
         rejected: list[float] = []
         for start in range(0, len(rows), size):
             batch = self._prepare_inputs(self._collate(rows[start : start + size]))
-            ref = self._reference_scores(self._stack(batch.pairs))
+            ref = self._reference_scores(batch.pairs.stacked())
             n = batch.num_pairs
             chosen += ref[:n].tolist()
             rejected += ref[n:].tolist()
@@ -230,45 +220,23 @@ class DPOTrainer(BaseTrainer):
         local = sum(b.num_pairs for b in batch_samples)
         return gather(torch.tensor([local], device=device)).sum()
 
-    @staticmethod
-    def _stack(pairs: Pairs) -> Sequences:
-        """Chosen rows then rejected rows, as one batch (both sides share the width)."""
-        c, r = pairs.chosen, pairs.rejected
-        return Sequences(
-            torch.cat([c.input_ids, r.input_ids]),
-            torch.cat([c.loss_mask, r.loss_mask]),
-            torch.cat([c.attention_mask, r.attention_mask]),
-        )
-
     # ---- scoring -------------------------------------------------------------------------------
 
-    def _score(self, model: torch.nn.Module, rows: Sequences, train: bool) -> _Scores:
+    def _score(self, model: torch.nn.Module, rows: Sequences, train: bool) -> RowScores:
         """Per-row completion log-probs of a stacked batch, with what the metrics and WPO need."""
-        positions = (rows.attention_mask.cumsum(dim=1) - 1).clamp(min=0)
-        with self._offloading() if train else _nullcontext():
-            stats = sequence_token_stats(
-                model,
-                rows.input_ids,
-                rows.attention_mask,
-                positions,
-                with_entropy=train,
-                with_top=train,
-                with_logit_mean=train,
-                with_log_sq_norm=train and self.args.use_weighting,
+        with self._offloading() if train else contextlib.nullcontext():
+            scores = score_rows(
+                model, rows, with_metrics=train, with_log_sq_norm=train and self.args.use_weighting
             )
-        mask = rows.loss_mask[:, 1:].to(stats.logps.dtype)  # [2N, L - 1]
-        lengths = mask.sum(dim=1)
-        return _Scores(self._sequence_logps(stats.logps, mask, lengths), lengths, stats.logps, mask, stats)
+        if self.args.ld_alpha is not None:
+            scores.logps = self._ld_logps(scores)
+        return scores
 
-    def _sequence_logps(
-        self, token_logps: torch.Tensor, mask: torch.Tensor, lengths: torch.Tensor
-    ) -> torch.Tensor:
-        """Summed completion log-probs; with LD-DPO, the tokens past the shorter side weighted by ld_alpha."""
-        if self.args.ld_alpha is None:
-            return (token_logps * mask).sum(dim=1)
-        n = lengths.shape[0] // 2
-        public = torch.minimum(lengths[:n], lengths[n:]).repeat(2)
-        return losses.ld_logps(token_logps, mask, public, self.args.ld_alpha)
+    def _ld_logps(self, scores: RowScores) -> torch.Tensor:
+        """LD-DPO: the tokens past the shorter completion of each pair weighted by ``ld_alpha``."""
+        n = scores.lengths.shape[0] // 2
+        public = torch.minimum(scores.lengths[:n], scores.lengths[n:]).repeat(2)
+        return losses.ld_logps(scores.token_logps, scores.mask, public, self.args.ld_alpha)
 
     @torch.no_grad()
     def _reference_scores(self, rows: Sequences) -> torch.Tensor:
@@ -295,7 +263,7 @@ class DPOTrainer(BaseTrainer):
         if return_outputs:
             raise ValueError("DPOTrainer.compute_loss does not return model outputs (no logits are built).")
         train = model.training
-        rows = self._stack(inputs.pairs)
+        rows = inputs.pairs.stacked()
         scores = self._score(model, rows, train=True)
         n = inputs.num_pairs
         ref = self._reference_for(inputs, rows)
@@ -335,14 +303,14 @@ class DPOTrainer(BaseTrainer):
             return torch.cat([inputs.ref_chosen, inputs.ref_rejected]).to(torch.float32)
         return self._reference_scores(rows)
 
-    def _wpo_weights(self, scores: _Scores, n: int) -> torch.Tensor | None:
+    def _wpo_weights(self, scores: RowScores, n: int) -> torch.Tensor | None:
         """WPO: ``w_chosen * w_rejected`` per pair (no gradient), when ``use_weighting``."""
         if not self.args.use_weighting:
             return None
         w = losses.wpo_weights(scores.token_logps.detach(), scores.stats.log_sq_norm, scores.mask)
         return w[:n] * w[n:]
 
-    def _record(self, mode: str, scores: _Scores, out: Any, rows: Sequences, n: int) -> None:
+    def _record(self, mode: str, scores: RowScores, out: Any, rows: Sequences, n: int) -> None:
         """The reference's DPO metrics, averaged over every process's pairs."""
         chosen_r, rejected_r = out.chosen_rewards.float(), out.rejected_rewards.float()
         logps = scores.logps.detach().float()
@@ -377,37 +345,13 @@ class DPOTrainer(BaseTrainer):
             "logits/chosen": (g[:, 6].sum() / g[:, 8].sum().clamp(min=1)).item(),
             "logits/rejected": (g[:, 7].sum() / g[:, 9].sum().clamp(min=1)).item(),
         }
-        if stats.entropy is not None:
-            correct = (stats.logps.detach() == stats.top).to(mask.dtype)
-            local = torch.stack([(stats.entropy * mask).sum(), (correct * mask).sum(), mask.sum()])
-            entropy, hits, targets = gather(local.unsqueeze(0)).sum(dim=0).tolist()
-            m["entropy"] = entropy / max(targets, 1.0)
-            m["mean_token_accuracy"] = hits / max(targets, 1.0)
-        if mode == "train":
-            tokens = int(gather(rows.attention_mask.sum().reshape(1)).sum())
-            self.state.num_input_tokens_seen += tokens
-            m["num_tokens"] = float(self.state.num_input_tokens_seen)
+        m.update(self._token_metrics(mode, stats, mask, rows))
         if len(self.loss_types) > 1:
             m.update({f"loss/{name}": float(value) for name, value in out.per_type.items()})
-        if stats.aux_loss is not None:
-            m["aux_loss"] = float(stats.aux_loss.detach())
         self._metrics.add_all(mode, m)
 
     def _batch_tokens(self, inputs: PairBatch) -> int:
         return int(inputs.pairs.chosen.input_ids.numel() + inputs.pairs.rejected.input_ids.numel())
-
-    def prediction_step(
-        self,
-        model: torch.nn.Module,
-        inputs: Any,
-        prediction_loss_only: bool,
-        ignore_keys: list[str] | None = None,
-    ) -> tuple[torch.Tensor, None, None]:
-        """Evaluation: the batch's mean DPO loss and its metrics (``eval_`` prefixed)."""
-        inputs = self._prepare_inputs(inputs)
-        with torch.no_grad():
-            loss = self.compute_loss(model, inputs)
-        return loss.detach(), None, None
 
     # ---- per step and checkpoints ---------------------------------------------------------------
 
@@ -429,12 +373,6 @@ class DPOTrainer(BaseTrainer):
         path = os.path.join(folder, BCO_STATE)
         if self._bco is not None and os.path.isfile(path):
             self._bco.load_state_dict(torch.load(path, map_location="cpu"))
-
-
-def _nullcontext() -> Any:
-    import contextlib
-
-    return contextlib.nullcontext()
 
 
 def _has_ref_columns(dataset: Any) -> bool:

@@ -325,3 +325,57 @@ def _naive_output(
     if with_entropy:
         entropy = entropy_from_logits(logits if entropy_grad else logits.detach())
     return PolicyOutput(logps=logps, entropy=entropy, aux_loss=getattr(out, "aux_loss", None))
+
+
+@dataclass
+class RowScores:
+    """What scoring teacher-forced rows gives the offline preference trainers (DPO, KTO, ORPO, CPO).
+
+    Attributes:
+        logps: [N] the summed log-probs of each row's target tokens (``loss_mask``).
+        lengths: [N] each row's number of target tokens.
+        token_logps: [N, L - 1] per-token log-probs (position ``t`` scores token ``t + 1``).
+        mask: [N, L - 1] 1 on the target tokens, in ``token_logps``' dtype.
+        stats: the ``SequenceStats`` the scores came from (entropy, top, head summaries, aux loss).
+    """
+
+    logps: torch.Tensor
+    lengths: torch.Tensor
+    token_logps: torch.Tensor
+    mask: torch.Tensor
+    stats: SequenceStats
+
+
+def score_rows(
+    model: torch.nn.Module,
+    rows: Any,
+    *,
+    with_metrics: bool = False,
+    with_log_sq_norm: bool = False,
+    chunk_size: int | None = chunked.DEFAULT_CHUNK_SIZE,
+) -> RowScores:
+    """Score right-padded rows (a ``core.batch.Sequences``) under ``model``: summed target log-probs.
+
+    Args:
+        model: the policy or a reference.
+        rows: ``Sequences`` with ``input_ids``, ``loss_mask`` and a 2-D ``attention_mask``.
+        with_metrics: also entropy, top log-prob and mean logit per position (no gradient).
+        with_log_sq_norm: also ``log sum_v p_v^2`` per position (WPO).
+        chunk_size: as in ``sequence_token_stats``.
+    """
+    positions = rows.position_ids
+    if positions is None:
+        positions = (rows.attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+    stats = sequence_token_stats(
+        model,
+        rows.input_ids,
+        rows.attention_mask,
+        positions,
+        with_entropy=with_metrics,
+        with_top=with_metrics,
+        chunk_size=chunk_size,
+        with_logit_mean=with_metrics,
+        with_log_sq_norm=with_log_sq_norm,
+    )
+    mask = rows.loss_mask[:, 1:].to(stats.logps.dtype)  # [N, L - 1]
+    return RowScores((stats.logps * mask).sum(dim=1), mask.sum(dim=1), stats.logps, mask, stats)

@@ -265,32 +265,7 @@ class SFTTrainer(BaseTrainer):
 
     def _record(self, mode: str, stats: Any, mask: torch.Tensor, inputs: Sequences) -> None:
         """``entropy``, ``mean_token_accuracy`` (over every process's targets), ``num_tokens``, ``aux_loss``."""
-        device = self.accelerator.device
-        correct = (stats.logps.detach() == stats.top).to(mask.dtype)
-        local = torch.stack([(stats.entropy * mask).sum(), (correct * mask).sum(), mask.sum()]).to(device)
-        entropy, hits, targets = gather(local.unsqueeze(0)).sum(dim=0).tolist()
-        m = {"entropy": entropy / max(targets, 1.0), "mean_token_accuracy": hits / max(targets, 1.0)}
-        if mode == "train":
-            padded = inputs.attention_mask is not None and inputs.attention_mask.dim() == 2
-            tokens = int(inputs.attention_mask.sum()) if padded else inputs.input_ids.numel()
-            self.state.num_input_tokens_seen += int(gather(torch.tensor([tokens], device=device)).sum())
-            m["num_tokens"] = float(self.state.num_input_tokens_seen)
-        if stats.aux_loss is not None:
-            m["aux_loss"] = float(stats.aux_loss.detach())
-        self._metrics.add_all(mode, m)
-
-    def prediction_step(
-        self,
-        model: torch.nn.Module,
-        inputs: Any,
-        prediction_loss_only: bool,
-        ignore_keys: list[str] | None = None,
-    ) -> tuple[torch.Tensor, None, None]:
-        """Evaluation: the batch's loss over its own target tokens."""
-        inputs = self._prepare_inputs(inputs)
-        with torch.no_grad():
-            loss = self.compute_loss(model, inputs)
-        return loss.detach(), None, None
+        self._metrics.add_all(mode, self._token_metrics(mode, stats, mask, inputs))
 
 
 def _check_formats(train_dataset: Any, eval_dataset: Any, args: SFTConfig, formatting_func: Any) -> bool:
