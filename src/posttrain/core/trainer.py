@@ -27,6 +27,7 @@ import os
 import shutil
 import time
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -174,6 +175,39 @@ class BaseTrainer(Trainer):
                 self.model.config._name_or_path, a.model_init_kwargs, a.trust_remote_code
             ),
         )
+
+    def _offline_reference(self, ref_model: Any) -> torch.nn.Module | None:
+        """The frozen reference of an offline trainer (DPO, KTO): given, loaded by name, or a copy.
+
+        ``ref_model`` given as a model is used frozen (dropout off with ``disable_dropout``); a
+        name is loaded like the policy. Without one: ``None`` for a PEFT policy (its reference is
+        its own base, adapters off: ``_as_reference``), else a frozen copy of the policy *as
+        given*, in-memory changes included (the reference library reloads the model by name).
+        """
+        a = self.args
+        self._check_reference_sync()
+        if isinstance(ref_model, str):
+            ref_model = loading.load_policy(
+                loading.resolve_model_path(ref_model), a.model_init_kwargs, a.trust_remote_code
+            )
+        if ref_model is not None:
+            ref_model = model_options.create_reference(ref_model.to(self.accelerator.device))
+            if getattr(a, "disable_dropout", False):
+                loading.disable_dropout(ref_model)
+            return ref_model
+        if peft_utils.is_peft_model(self.model):
+            return None
+        return self._create_reference()
+
+    @contextlib.contextmanager
+    def _as_reference(self) -> Iterator[torch.nn.Module]:
+        """The model to score the reference with: ``self.ref_model``, else the adapters-off policy."""
+        reference = getattr(self, "ref_model", None)
+        if reference is not None:
+            yield reference
+            return
+        with peft_utils.adapters_disabled(self.model) as base:
+            yield base
 
     def _check_reference_sync(self) -> None:
         """TR-DPO (``sync_ref_model``) mixes the policy into the reference parameter by parameter.

@@ -31,8 +31,6 @@ from posttrain.core.trainer import BaseTrainer, refuse_logit_hooks
 from posttrain.data import preference
 from posttrain.dpo import losses
 from posttrain.dpo.config import DPOConfig
-from posttrain.models import loading
-from posttrain.models import peft as peft_utils
 from posttrain.models import reference as model_options
 from posttrain.ops.logprobs import RowScores, score_rows
 
@@ -138,7 +136,8 @@ class DPOTrainer(BaseTrainer):
             self.eval_dataset = {k: self._prepare(v) for k, v in self.eval_dataset.items()}
         elif self.eval_dataset is not None:
             self.eval_dataset = self._prepare(self.eval_dataset)
-        self.ref_model = self._setup_reference(ref_model)
+        needed = DPOConfig.uses_reference(self.loss_types) and not _has_ref_columns(self.train_dataset)
+        self.ref_model = self._offline_reference(ref_model) if needed else None
         if args.precompute_ref_log_probs and not _has_ref_columns(self.train_dataset):
             self.train_dataset = self._precompute_reference(self.train_dataset)
             self.ref_model = None  # no longer needed: the columns hold its log-probs
@@ -154,31 +153,6 @@ class DPOTrainer(BaseTrainer):
             truncation_mode=a.truncation_mode,
             num_proc=a.dataset_num_proc,
         )
-
-    def _setup_reference(self, ref_model: Any) -> torch.nn.Module | None:
-        """The reference: given, loaded by name, or a frozen copy of the policy as given.
-
-        ``None`` when the loss uses no reference, when the dataset carries the reference's
-        log-probs, or for a PEFT policy (its reference is its own base, adapters off). The
-        reference's fault of reloading the model by name instead of copying the instance given
-        is not repeated: the copy is of the model handed over, in-memory changes included.
-        """
-        a = self.args
-        if not DPOConfig.uses_reference(self.loss_types) or _has_ref_columns(self.train_dataset):
-            return None
-        self._check_reference_sync()
-        if isinstance(ref_model, str):
-            ref_model = loading.load_policy(
-                loading.resolve_model_path(ref_model), a.model_init_kwargs, a.trust_remote_code
-            )
-        if ref_model is not None:
-            ref_model = model_options.create_reference(ref_model.to(self.accelerator.device))
-            if a.disable_dropout:
-                loading.disable_dropout(ref_model)
-            return ref_model
-        if peft_utils.is_peft_model(self.model):
-            return None
-        return self._create_reference()
 
     @torch.no_grad()
     def _precompute_reference(self, dataset: Any) -> Any:
@@ -241,10 +215,8 @@ class DPOTrainer(BaseTrainer):
     @torch.no_grad()
     def _reference_scores(self, rows: Sequences) -> torch.Tensor:
         """[2N] the reference's completion log-probs (LD-weighted like the policy's)."""
-        if self.ref_model is not None:
-            return self._score(self.ref_model, rows, train=False).logps
-        with peft_utils.adapters_disabled(self.model) as base:
-            return self._score(base, rows, train=False).logps
+        with self._as_reference() as reference:
+            return self._score(reference, rows, train=False).logps
 
     # ---- loss ----------------------------------------------------------------------------------
 
