@@ -29,6 +29,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from posttrain.cli.dpo import dpo
 from posttrain.cli.grpo import grpo
 from posttrain.cli.options import CLIError, did_you_mean, one_paragraph
 from posttrain.cli.sft import sft
@@ -113,6 +114,7 @@ def report(argv: list[str]) -> None:
 COMMANDS: dict[str, Callable[[list[str]], Any]] = {
     "grpo": grpo,
     "sft": sft,
+    "dpo": dpo,
     "env": env,
     "plot": plot,
     "report": report,
@@ -130,7 +132,8 @@ def usage() -> str:
         "",
         "`posttrain COMMAND --help` lists a command's flags (`posttrain grpo --help`: every GRPOConfig field).",
         "With no flags, `posttrain grpo` trains the embedded SmolLM2-135M-Instruct on the built-in arithmetic task,",
-        "and `posttrain sft` fine-tunes it on worked arithmetic answers (held-out accuracy before and after).",
+        "`posttrain sft` fine-tunes it on worked arithmetic answers and `posttrain dpo` aligns it on arithmetic",
+        "preference pairs (both: held-out accuracy before and after).",
     ]
     return "\n".join(lines)
 

@@ -9,6 +9,7 @@ the process group) is the same for every trainer.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from posttrain.cli.launch import relaunch_if_requested
@@ -21,6 +22,62 @@ Builder = Callable[[list[str]], tuple[Any, Any]]
 #: Measures the trained model on the command's task: ``evaluate(trainer) -> {"accuracy": ...}``,
 #: or ``None`` when the run has no built-in task to measure.
 Evaluator = Callable[[Any], "dict[str, float] | None"]
+
+
+@dataclass
+class TaskScriptArguments:
+    """What an offline trainer's command trains on, besides its config's flags.
+
+    Attributes:
+        model_name_or_path: hub id, local folder, or an embedded name.
+        task_size: problems the built-in task generates (used without ``dataset_name``).
+        task_seed: seed of the built-in task.
+        dataset_name: a hub dataset id, or a local ``.json``/``.jsonl``/``.csv``/``.parquet``
+            file or a folder of such files, instead of the built-in task.
+        dataset_config: the hub dataset's configuration name.
+        dataset_train_split: the split to train on.
+        evaluate: measure the held-out accuracy before and after (built-in task only).
+    """
+
+    model_name_or_path: str = field(
+        default="smollm2-135m-instruct", metadata={"help": "Hub id, local folder, or embedded model name."}
+    )
+    task_size: int = field(default=2000, metadata={"help": "Problems the built-in task generates."})
+    task_seed: int = field(default=1, metadata={"help": "Seed of the built-in task."})
+    dataset_name: str | None = field(
+        default=None,
+        metadata={
+            "help": "Hub dataset id, or a local .json/.jsonl/.csv/.parquet file or folder of such files "
+            "in the trainer's format. Default: the built-in task."
+        },
+    )
+    dataset_config: str | None = field(
+        default=None, metadata={"help": "Configuration name of a hub dataset."}
+    )
+    dataset_train_split: str = field(default="train", metadata={"help": "Dataset split to train on."})
+    evaluate: bool = field(
+        default=True,
+        metadata={"help": "Print the built-in task's held-out accuracy before and after training."},
+    )
+
+
+def task_dataset(script: TaskScriptArguments, builtin: Callable[..., Any]) -> Any:
+    """The user's dataset split, or the built-in task's rows from ``builtin(n=..., seed=...)``."""
+    if script.dataset_name is not None:
+        from posttrain.cli.datasets import load_dataset_split
+
+        return load_dataset_split(script.dataset_name, script.dataset_config, script.dataset_train_split)
+    return builtin(n=script.task_size, seed=script.task_seed)
+
+
+def builtin_task_accuracy(trainer: Any) -> dict[str, float] | None:
+    """The held-out accuracy of the built-in arithmetic task, greedy (none for a user's dataset)."""
+    if not getattr(trainer, "builtin_task", False):
+        return None
+    from posttrain.data.tasks import arithmetic_heldout
+    from posttrain.rewards.evaluate import task_accuracy
+
+    return task_accuracy(trainer.model, trainer._tokenizer, arithmetic_heldout(), max_new_tokens=40)
 
 
 def run_training(command: str, argv: list[str], build: Builder, evaluate: Evaluator | None = None) -> Any:

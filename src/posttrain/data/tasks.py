@@ -219,6 +219,45 @@ def arithmetic_sft_dataset(n: int = 2000, seed: int = 1, few_shot: int = 0, **kw
     )
 
 
+def arithmetic_preference_dataset(n: int = 2000, seed: int = 2, few_shot: int = 0, **kwargs: Any) -> Dataset:
+    """Preference pairs on arithmetic problems, for DPO and the other preference trainers.
+
+    The prompts are those of :func:`arithmetic_sft_dataset` (its own ``seed``, the held-out
+    problems left out). ``chosen`` is the worked answer with the right result in the answer tag;
+    ``rejected`` alternates between the same worked answer with a wrong result in the tag (the
+    right result off by 1 to 9, drawn from the seed) and the right result without the tag, so
+    the pairs teach both correctness and the format.
+
+    Args:
+        n: Number of problems before the held-out ones are removed.
+        seed: Seed of the problems and of the wrong results.
+        few_shot: Worked examples in each prompt (as in :func:`arithmetic_dataset`).
+        **kwargs: Passed to :func:`arithmetic_dataset` (conversational only).
+
+    Returns:
+        A dataset with the columns ``prompt``, ``chosen``, ``rejected`` and ``solution``
+        (conversational: each answer is a one-message assistant list).
+    """
+    data = arithmetic_sft_dataset(n=n, seed=seed, few_shot=few_shot, **kwargs).remove_columns("completion")
+    rng = random.Random(seed)
+
+    def pair(row: dict[str, Any], index: int) -> dict[str, Any]:
+        solution = row["solution"]
+        chosen = _worked_answer(row["prompt"], solution)
+        expression = chosen[: chosen.index(" = ")]
+        if index % 2 == 0:
+            wrong = str(int(solution) + rng.choice([-1, 1]) * rng.randint(1, 9))
+            rejected = f"{expression} = {wrong}. <answer>{wrong}</answer>"
+        else:
+            rejected = f"{expression} = {solution}."
+        return {
+            "chosen": [{"role": "assistant", "content": chosen}],
+            "rejected": [{"role": "assistant", "content": rejected}],
+        }
+
+    return data.map(pair, with_indices=True)
+
+
 #: The seed and size of the held-out evaluation problems (disjoint from every training seed's use).
 HELDOUT_SEED, HELDOUT_SIZE = 20261201, 100
 
@@ -237,6 +276,7 @@ def arithmetic_heldout(n: int = HELDOUT_SIZE, few_shot: int = 0) -> Dataset:
 BUILTIN_TASKS: dict[str, Callable[..., Dataset]] = {
     "arithmetic": arithmetic_dataset,
     "arithmetic_sft": arithmetic_sft_dataset,
+    "arithmetic_preference": arithmetic_preference_dataset,
 }
 
 
@@ -266,6 +306,7 @@ __all__ = [
     "BUILTIN_TASKS",
     "arithmetic_dataset",
     "arithmetic_heldout",
+    "arithmetic_preference_dataset",
     "arithmetic_sft_dataset",
     "load_task",
 ]
