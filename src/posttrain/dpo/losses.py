@@ -87,6 +87,7 @@ class LossInputs:
         label_smoothing: ε.
         discopop_tau: τ of ``discopop``.
         bco_delta: δ of ``bco_pair``, the running mean of the rewards (0 = the reference's).
+        sft_tokens: the token count ``sft`` divides by; ``None``: the batch's chosen tokens.
     """
 
     logps: PairLogps
@@ -96,6 +97,7 @@ class LossInputs:
     label_smoothing: float = 0.0
     discopop_tau: float = 0.05
     bco_delta: float = 0.0
+    sft_tokens: Tensor | float | None = None
 
     @property
     def chosen_logratios(self) -> Tensor:
@@ -299,11 +301,11 @@ def _discopop(x: LossInputs) -> Tensor:
 
 
 def _sft(x: LossInputs) -> Tensor:
-    n_w, _ = x.lengths("sft")
     chosen = x.logps.chosen
+    tokens = x.sft_tokens if x.sft_tokens is not None else x.lengths("sft")[0].sum()
     # The token-level mean NLL of the chosen completions; one scalar, expanded so a pair weight
     # multiplies it like any per-pair loss.
-    return (-chosen.sum() / n_w.sum()).expand(chosen.shape[0])
+    return (-chosen.sum() / tokens).expand(chosen.shape[0])
 
 
 def _sigmoid_norm(x: LossInputs) -> Tensor:
@@ -541,6 +543,7 @@ def dpo_loss(
     discopop_tau: float = 0.05,
     pair_weights: Tensor | None = None,
     bco_delta: float = 0.0,
+    sft_tokens: Tensor | float | None = None,
 ) -> DPOLossOutput:
     """The DPO-family loss of a batch of pairs: ``sum_k w_k * mean(pair_weights * L_k)``.
 
@@ -559,6 +562,9 @@ def dpo_loss(
         pair_weights: [N] weights multiplying every per-pair loss (WPO: ``w_w * w_l`` from
             ``wpo_weights``); used as given, so pass them detached.
         bco_delta: δ of ``bco_pair`` (``RunningMean.value``); 0.0 is the reference's behaviour.
+        sft_tokens: what ``sft`` divides the chosen log-probs by instead of the batch's chosen
+            tokens: a trainer splitting a step into micro-batches and processes passes the share
+            that makes the step's ``sft`` term the mean over all of the step's chosen tokens.
 
     Returns:
         A ``DPOLossOutput``.
@@ -604,6 +610,7 @@ def dpo_loss(
         label_smoothing=label_smoothing,
         discopop_tau=discopop_tau,
         bco_delta=bco_delta,
+        sft_tokens=sft_tokens,
     )
 
     total: Tensor | None = None

@@ -57,6 +57,11 @@ class PairBatch:
     def num_pairs(self) -> int:
         return self.pairs.num_pairs
 
+    @property
+    def chosen_tokens(self) -> int:
+        """The chosen completions' target tokens."""
+        return int(self.pairs.chosen.loss_mask[:, 1:].sum())
+
 
 class DPOTrainer(BaseTrainer):
     """Trains a causal LM on preference pairs with the DPO family of losses; a drop-in for ``trl.DPOTrainer``.
@@ -190,9 +195,17 @@ class DPOTrainer(BaseTrainer):
         return PairBatch(Pairs(move(inputs.pairs.chosen), move(inputs.pairs.rejected)), *ref)
 
     def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> torch.Tensor:
-        """Pairs in the optimizer step's micro-batches, summed over every process."""
-        local = sum(b.num_pairs for b in batch_samples)
-        return gather(torch.tensor([local], device=device)).sum()
+        """Pairs in the optimizer step's micro-batches, summed over every process.
+
+        Also keeps the step's chosen completion tokens over every process, which the token-level
+        ``sft`` term divides by.
+        """
+        local = torch.tensor(
+            [sum(b.num_pairs for b in batch_samples), sum(b.chosen_tokens for b in batch_samples)],
+            device=device,
+        )
+        pairs, self._step_chosen_tokens = gather(local.unsqueeze(0)).sum(dim=0).tolist()
+        return torch.tensor(pairs, device=device)
 
     # ---- scoring -------------------------------------------------------------------------------
 
@@ -239,6 +252,10 @@ class DPOTrainer(BaseTrainer):
         scores = self._score(model, rows, train=True)
         n = inputs.num_pairs
         ref = self._reference_for(inputs, rows)
+        step = num_items_in_batch is not None and train
+        # sft's share: the micro-batch's chosen log-probs over the step's chosen tokens, once the
+        # pair share below (n / step pairs) is applied
+        sft_tokens = n * self._step_chosen_tokens / float(num_items_in_batch) if step else None
         out = losses.dpo_loss(
             losses.PairLogps(
                 scores.logps[:n], scores.logps[n:],
@@ -254,9 +271,10 @@ class DPOTrainer(BaseTrainer):
             discopop_tau=self.args.discopop_tau,
             pair_weights=self._wpo_weights(scores, n),
             bco_delta=self._bco.value if self._bco is not None else 0.0,
+            sft_tokens=sft_tokens,
         )  # fmt: skip
         loss = out.loss
-        if num_items_in_batch is not None and train:
+        if step:
             loss = loss * (n / max(float(num_items_in_batch), 1.0)) * self.accelerator.num_processes
         if self._aux_loss_coef and scores.stats.aux_loss is not None:
             loss = (
@@ -318,8 +336,11 @@ class DPOTrainer(BaseTrainer):
             "logits/rejected": (g[:, 7].sum() / g[:, 9].sum().clamp(min=1)).item(),
         }
         m.update(self._token_metrics(mode, stats, mask, rows))
-        if len(self.loss_types) > 1:
-            m.update({f"loss/{name}": float(value) for name, value in out.per_type.items()})
+        if len(self.loss_types) > 1:  # each type's mean over every process's pairs
+            names = list(out.per_type)
+            local = torch.stack([*(out.per_type[k].float() * n for k in names), torch.tensor(float(n))])
+            totals = gather(local.to(self.accelerator.device).unsqueeze(0)).sum(dim=0)
+            m.update({f"loss/{k}": (totals[i] / totals[-1]).item() for i, k in enumerate(names)})
         self._metrics.add_all(mode, m)
 
     def _batch_tokens(self, inputs: PairBatch) -> int:
