@@ -16,39 +16,23 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 from compare import host, model_folder  # noqa: E402
+from steps import run_step_script, summarise  # noqa: E402
 
 
 def run(
     library: str, model: str, steps: int, length: int, packing: int, batch: int, checkpointing: int
 ) -> dict:
-    cmd = [
-        sys.executable, os.path.join(HERE, "sft_step.py"),
-        "--library", library, "--model", model, "--steps", str(steps), "--max_length", str(length),
-        "--packing", str(packing), "--batch_size", str(batch), "--gradient_checkpointing", str(checkpointing),
-    ]  # fmt: skip
-    out = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if out.returncode != 0:
-        raise RuntimeError(f"{library} failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-def summarise(runs: list[dict]) -> dict:
-    rates = [n / t for r in runs for t, n in list(zip(r["step_times"], r["step_tokens"], strict=True))[1:]]
-    times = [t for r in runs for t in r["step_times"][1:]]
-    return {
-        "step_time_s": statistics.median(times),
-        "tokens_per_s": statistics.median(rates),
-        "peak_rss_mb": max(r["peak_rss_mb"] for r in runs),
-        "steps_measured": len(times),
-    }
+    return run_step_script(
+        os.path.join(HERE, "sft_step.py"),
+        ["--library", library, "--model", model, "--steps", str(steps), "--max_length", str(length),
+         "--packing", str(packing), "--batch_size", str(batch), "--gradient_checkpointing", str(checkpointing)],
+    )  # fmt: skip
 
 
 def main() -> None:

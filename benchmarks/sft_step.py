@@ -19,7 +19,6 @@ import random
 import resource
 import sys
 import tempfile
-import time
 
 WORDS = (
     "the model learns to predict each next token of the text it reads and the loss measures how "
@@ -53,7 +52,8 @@ def main() -> None:
     opts = parser.parse_args()
 
     from datasets import Dataset
-    from transformers import AutoTokenizer, TrainerCallback
+    from steps import StepClock
+    from transformers import AutoTokenizer
 
     if opts.library == "posttrain":
         from posttrain import SFTConfig, SFTTrainer
@@ -63,20 +63,7 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(opts.model)
     dataset = Dataset.from_dict({"text": texts(tok, opts.max_length)})
 
-    class Clock(TrainerCallback):
-        def __init__(self) -> None:
-            self.times: list[float] = []
-            self.tokens: list[int] = []
-
-        def on_step_begin(self, args, state, control, **kwargs):
-            self.times.append(time.perf_counter())
-            self.tokens.append(int(state.num_input_tokens_seen))
-
-        def on_step_end(self, args, state, control, **kwargs):
-            self.times.append(time.perf_counter())
-            self.tokens.append(int(state.num_input_tokens_seen))
-
-    clock = Clock()
+    clock = StepClock()
     with tempfile.TemporaryDirectory() as out:
         args = SFTConfig(
             output_dir=out,
@@ -99,9 +86,7 @@ def main() -> None:
             model=opts.model, args=args, train_dataset=dataset, processing_class=tok, callbacks=[clock]
         )
         trainer.train()
-    starts, ends = clock.times[0::2], clock.times[1::2]
-    step_times = [b - a for a, b in zip(starts, ends, strict=False)]
-    tokens = [b - a for a, b in zip(clock.tokens[0::2], clock.tokens[1::2], strict=False)]
+    step_times, tokens = clock.step_times(), clock.step_tokens()
     print(
         json.dumps(
             {
