@@ -1,0 +1,1 @@
+"""Contrastive Preference Optimization and its reference-free relatives (SimPO, AlphaPO)."""
