@@ -28,7 +28,7 @@ import shutil
 import time
 import warnings
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from accelerate.utils import gather
@@ -62,6 +62,10 @@ class BaseTrainer(Trainer):
         **trainer_kwargs: the rest of ``transformers.Trainer``'s arguments.
     """
 
+    #: What the family trains, routed to ``models.loading``: ``"causal_lm"`` (a language model
+    #: that generates) or ``"sequence_classification"`` (one score per row: reward models).
+    _model_kind: ClassVar[str] = "causal_lm"
+
     def __init__(
         self,
         model: Any,
@@ -93,16 +97,21 @@ class BaseTrainer(Trainer):
 
     # ---- model and tokenizer ---------------------------------------------------------------------
 
-    @staticmethod
+    @classmethod
     def _setup_model(
-        model: Any, args: Any, peft_config: Any = None, quantization_config: Any = None
+        cls, model: Any, args: Any, peft_config: Any = None, quantization_config: Any = None
     ) -> tuple[Any, str]:
-        """The policy to train and the name or path its tokenizer loads from."""
+        """The policy to train (of the family's ``_model_kind``) and the name or path its tokenizer loads from."""
         peft_utils.check_peft_arguments(model, peft_config, args, quantization_config)
         if isinstance(model, str):
             source = loading.resolve_model_path(model)
             policy = loading.load_policy(
-                source, args.model_init_kwargs, args.trust_remote_code, quantization_config, args.device
+                source,
+                args.model_init_kwargs,
+                args.trust_remote_code,
+                quantization_config,
+                args.device,
+                kind=cls._model_kind,
             )
         elif isinstance(model, PreTrainedModel):
             policy, source = model, model.config._name_or_path  # model_init_kwargs then unused
@@ -113,8 +122,7 @@ class BaseTrainer(Trainer):
                 f"model must be a hub id, a local path, an embedded name, a PreTrainedModel or a PeftModel; "
                 f"got {type(model).__name__}."
             )
-        if not hasattr(policy, "generate"):
-            raise TypeError("model must be a causal language model (it has no generate method).")
+        loading.check_model_kind(policy, cls._model_kind)
         if peft_config is not None or peft_utils.is_peft_model(policy):
             policy = peft_utils.wrap_policy(policy, peft_config, bool(args.activation_checkpointing))
         if getattr(args, "disable_dropout", False):

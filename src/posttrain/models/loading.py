@@ -1,8 +1,14 @@
-"""Loading the policy and its tokenizer from a hub id, a local path or an embedded name."""
+"""Loading the policy and its tokenizer from a hub id, a local path or an embedded name.
+
+The policy is of the kind its trainer family trains (``BaseTrainer._model_kind``): a causal LM
+(``"causal_lm"``), or a sequence classifier with one output (``"sequence_classification"``: a
+reward model; a causal LM checkpoint gets a new, untrained score head).
+"""
 
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -37,14 +43,23 @@ def _dtype(value: Any) -> Any:
     return value
 
 
+#: The kinds of model a trainer family trains (``BaseTrainer._model_kind``).
+MODEL_KINDS = ("causal_lm", "sequence_classification")
+
+
 def load_policy(
     name: str,
     init_kwargs: Mapping[str, Any] | None,
     trust_remote_code: bool,
     quantization_config: Any = None,
     device: torch.device | None = None,
+    kind: str = "causal_lm",
 ) -> Any:
-    """Load a causal LM by name with ``model_init_kwargs``; float32 unless a dtype is given.
+    """Load the policy by name with ``model_init_kwargs``; float32 unless a dtype is given.
+
+    ``kind="sequence_classification"`` loads ``AutoModelForSequenceClassification`` with
+    ``num_labels=1``; from a checkpoint that is not a sequence classifier (a causal LM) the
+    score head is new and randomly initialised, with a warning.
 
     Args:
         name: hub id, local path or embedded name.
@@ -54,6 +69,10 @@ def load_policy(
             quantized (QLoRA); ``init_kwargs["quantization_config"]`` is used when this is ``None``.
         device: the process's device. A quantized model is loaded straight onto it when it is
             an accelerator (each process onto its own), unless ``device_map`` is given.
+        kind: one of ``MODEL_KINDS``.
+
+    Raises:
+        ValueError: ``init_kwargs`` asks a sequence classifier for ``num_labels`` other than 1.
     """
     from transformers import AutoModelForCausalLM
 
@@ -64,7 +83,67 @@ def load_policy(
         kwargs["quantization_config"] = quantization_config
     if kwargs.get("quantization_config") is not None and device is not None and device.type != "cpu":
         kwargs.setdefault("device_map", {"": device})
+    if kind == "sequence_classification":
+        return _load_sequence_classifier(resolve_model_path(name), kwargs)
     return AutoModelForCausalLM.from_pretrained(resolve_model_path(name), **kwargs)
+
+
+def is_sequence_classifier(model: Any) -> bool:
+    """Whether ``model``'s class (or a base class) is a ``...ForSequenceClassification``."""
+    return any(cls.__name__.endswith("ForSequenceClassification") for cls in type(model).__mro__)
+
+
+def _load_sequence_classifier(path: str, kwargs: dict[str, Any]) -> Any:
+    """``AutoModelForSequenceClassification`` with one label; warns when the score head is new."""
+    from transformers import AutoModelForSequenceClassification
+
+    requested = kwargs.pop("num_labels", 1)
+    if requested != 1:
+        raise ValueError(
+            f"model_init_kwargs sets num_labels={requested!r}, but the model is loaded as a sequence classifier "
+            "with num_labels=1 (one score per text). Remove num_labels from model_init_kwargs."
+        )
+    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, **kwargs)
+    architectures = list(getattr(model.config, "architectures", None) or [])  # the checkpoint's
+    if architectures and not any(a.endswith("ForSequenceClassification") for a in architectures):
+        warnings.warn(
+            f"'{path}' is a {architectures[0]} checkpoint, not a sequence classifier: it was loaded as "
+            f"{type(model).__name__} with a new, randomly initialised score head, which training learns.",
+            UserWarning,
+            stacklevel=6,  # the line that built the trainer
+        )
+    return model
+
+
+def check_model_kind(model: Any, kind: str) -> None:
+    """Refuse a model (or a ``PeftModel``'s base) that is not of the trainer family's kind.
+
+    Raises:
+        TypeError: ``"causal_lm"`` and the model cannot generate.
+        ValueError: ``"sequence_classification"`` and the model is not a sequence classifier
+            with one label.
+    """
+    if kind not in MODEL_KINDS:
+        raise ValueError(f"Unknown model kind {kind!r}; a trainer's _model_kind is one of {MODEL_KINDS}.")
+    if kind == "causal_lm":
+        if not hasattr(model, "generate"):
+            raise TypeError("model must be a causal language model (it has no generate method).")
+        return
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if not is_sequence_classifier(base):
+        raise ValueError(
+            f"model is a {type(base).__name__}, which has no score head; this trainer trains a sequence classifier "
+            "(one score per text). Pass the model's hub id or folder instead (a causal LM checkpoint is loaded "
+            "with a new score head), or load it yourself with AutoModelForSequenceClassification.from_pretrained("
+            "name, num_labels=1); for a model built in memory, save it with save_pretrained and pass the folder."
+        )
+    num_labels = getattr(base.config, "num_labels", None)
+    if num_labels != 1:
+        raise ValueError(
+            f"model is a {type(base).__name__} with num_labels={num_labels}, but a reward model outputs one score "
+            "per text. Load it with num_labels=1 (AutoModelForSequenceClassification.from_pretrained(name, "
+            "num_labels=1)), or pass its name and the trainer does."
+        )
 
 
 def load_tokenizer(source: str, revision: str | None, trust_remote_code: bool) -> Any:

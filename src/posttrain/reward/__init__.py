@@ -1,0 +1,1 @@
+"""Reward modelling: a sequence classifier trained on preference pairs (``RewardConfig``, ``RewardTrainer``)."""
