@@ -345,6 +345,7 @@ def test_tr_dpo_sync_and_an_interrupted_run_resume_exactly(tmp_path, tok):
         ({"desirable_weight": -1.0}, "desirable_weight=-1.0 is invalid"),
         ({"sync_ref_model": True, "precompute_ref_log_probs": True}, "Use one of the two"),
     ],
+    ids=["loss_type", "batch_of_one", "both_weights_zero", "negative_weight", "sync_and_precompute"],
 )
 def test_bad_configs_fail_when_the_config_is_built(tmp_path, overrides, match):
     with pytest.raises(ValueError, match=match):
@@ -376,6 +377,16 @@ def test_a_batch_of_one_is_fine_without_the_kl_term(tmp_path):
         ),
         ({"prompt": ["a"], "completion": [""], "label": [True]}, "column 'completion' is empty"),
     ],
+    ids=[
+        "no_label",
+        "no_prompt",
+        "chosen_only",
+        "both_formats",
+        "int_label",
+        "none_label",
+        "mixed_formats",
+        "empty",
+    ],
 )
 def test_bad_datasets_fail_before_the_model_loads(tmp_path, tok, columns, match):
     with pytest.raises(ValueError, match=match):
@@ -403,3 +414,23 @@ def test_logit_hooks_are_refused(tmp_path, tok):
             processing_class=tok,
             compute_metrics=lambda p: {},
         )
+
+
+def test_missing_empty_and_streamed_datasets_fail_before_the_model_loads(tmp_path, tok):
+    with pytest.raises(ValueError, match="KTOTrainer needs a train_dataset"):
+        KTOTrainer("no/such-model", args=config(tmp_path), processing_class=tok)
+    with pytest.raises(ValueError, match="train_dataset is empty"):
+        KTOTrainer("no/such-model", args=config(tmp_path), train_dataset=examples(0), processing_class=tok)
+    stream = examples(4).to_iterable_dataset()
+    with pytest.raises(ValueError, match="train_dataset is an IterableDataset"):
+        KTOTrainer("no/such-model", args=config(tmp_path), train_dataset=stream, processing_class=tok)
+
+
+def test_examples_whose_prompt_fills_max_length_are_dropped(tok):
+    data = examples(4).to_list()
+    data[2]["prompt"] = "one two three four five six seven eight nine ten" * 3
+    with pytest.warns(UserWarning, match=r"1 of 4 examples have a prompt of max_length=16 tokens or more"):
+        kept = unpaired.prepare_unpaired_dataset(data, tok, max_length=16)
+    assert len(kept) == 3 and all(len(r["prompt_ids"]) + len(r["completion_ids"]) <= 16 for r in kept)
+    with pytest.raises(ValueError, match="All 4 examples of the KTO dataset have a prompt of max_length=2"):
+        unpaired.prepare_unpaired_dataset(data, tok, max_length=2)
