@@ -413,6 +413,11 @@ def test_bad_rows_are_named(tmp_path, tok):
         trainer_for(tmp_path, tok, dataset=data)
     with pytest.raises(ValueError, match="Row 1: 'margin' is None"):
         trainer_for(tmp_path, tok, dataset=pairs(3, margin=[1.0, None, 2.0]))
+    tokenised = Dataset.from_dict({"chosen_ids": [[5, 6], []], "rejected_ids": [[5], [7]]})
+    with pytest.raises(
+        ValueError, match="Row 1: 'chosen_ids' is empty, so there is no token to read a score from"
+    ):
+        trainer_for(tmp_path, tok, dataset=tokenised)
 
 
 def test_models_that_cannot_score_are_refused(tmp_path, tok, tiny_model_dir):
@@ -432,16 +437,21 @@ def test_models_that_cannot_score_are_refused(tmp_path, tok, tiny_model_dir):
 def test_bad_trainer_arguments(tmp_path, tok):
     with pytest.raises(ValueError, match="eos_token='<nope>' is not a token"):
         trainer_for(tmp_path, tok, eos_token="<nope>")
-    with pytest.raises(NotImplementedError, match="compute_metrics"):
+    with pytest.raises(
+        NotImplementedError, match="compute_metrics, preprocess_logits_for_metrics are not supported"
+    ):
         RewardTrainer(
             reward_model(tok),
             args=config(tmp_path),
             train_dataset=pairs(),
             processing_class=tok,
             compute_metrics=lambda p: {},
+            preprocess_logits_for_metrics=lambda logits, labels: logits,
         )
     model = reward_model(tok)
     model.config.pad_token_id = 0
     with pytest.warns(UserWarning, match="pad_token_id=0 is replaced"):
         trainer = trainer_for(tmp_path, tok, model=model)
     assert trainer.model.config.pad_token_id == tok.pad_token_id
+    with pytest.raises(ValueError, match="does not return model outputs"):
+        trainer.compute_loss(trainer.model, first_batch(trainer), return_outputs=True)

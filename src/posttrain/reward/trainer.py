@@ -39,7 +39,7 @@ from accelerate.utils import gather
 from transformers import PreTrainedModel, TrainerCallback, set_seed
 
 from posttrain.core.batch import Pairs, Sequences
-from posttrain.core.trainer import BaseTrainer, refuse_logit_hooks
+from posttrain.core.trainer import BaseTrainer
 from posttrain.data import chat
 from posttrain.data.packing import collate_padded
 from posttrain.data.preference import _pair_kind
@@ -96,7 +96,8 @@ class RewardTrainer(BaseTrainer):
             float ``margin`` column.
         eval_dataset: the same, or a dict of them.
         processing_class: the tokenizer; loaded from the model when ``None``.
-        compute_metrics: needs logits of the evaluation set: not supported (``NotImplementedError``).
+        compute_metrics: needs the evaluation's rewards as predictions: not supported
+            (``NotImplementedError``); the metrics are logged instead.
         callbacks: extra ``TrainerCallback`` objects.
         optimizers: ``(optimizer, scheduler)``; AdamW with a linear schedule by default.
         optimizer_cls_and_kwargs: an optimizer class and its keyword arguments.
@@ -130,12 +131,7 @@ class RewardTrainer(BaseTrainer):
         peft_config: Any = None,
     ) -> None:
         args = args if args is not None else self.default_args(model, RewardConfig, "Reward")
-        refuse_logit_hooks(
-            "RewardTrainer",
-            "the loss, accuracy, margin and the rewards' min, mean and max",
-            compute_metrics=compute_metrics,
-            preprocess_logits_for_metrics=preprocess_logits_for_metrics,
-        )
+        _refuse_prediction_hooks(compute_metrics, preprocess_logits_for_metrics)
         if train_dataset is None:
             raise ValueError("RewardTrainer needs a train_dataset of preference pairs (chosen, rejected).")
         _check_datasets(train_dataset, eval_dataset)
@@ -280,6 +276,25 @@ class RewardTrainer(BaseTrainer):
             self.state.num_input_tokens_seen += int(gather(tokens).sum())
             m["num_tokens"] = float(self.state.num_input_tokens_seen)
         self._metrics.add_all(mode, m)
+
+
+def _refuse_prediction_hooks(compute_metrics: Any, preprocess_logits_for_metrics: Any) -> None:
+    """Refuse the ``transformers.Trainer`` hooks that need the evaluation's predictions.
+
+    Raises:
+        NotImplementedError: naming every hook given.
+    """
+    hooks = {
+        "compute_metrics": compute_metrics,
+        "preprocess_logits_for_metrics": preprocess_logits_for_metrics,
+    }
+    given = [name for name, value in hooks.items() if value is not None]
+    if given:
+        raise NotImplementedError(
+            f"{', '.join(given)} are not supported by posttrain's RewardTrainer: evaluation returns the loss, not "
+            "the rewards as predictions. Remove them; accuracy, margin and min_reward / mean_reward / max_reward "
+            "are logged for train and eval (eval_-prefixed)."
+        )
 
 
 # ----------------------------------------------------------------------------- PEFT
