@@ -352,7 +352,9 @@ def test_public_import() -> None:
 def test_field_set_equals_spec() -> None:
     assert len(SPEC_DEFAULTS) == 191
     extensions = set(FIELDS) - set(SPEC_DEFAULTS)
-    assert extensions == set(POSTTRAIN_EXTENSIONS), "fields neither in the spec nor declared as extensions"
+    assert extensions == set(POSTTRAIN_EXTENSIONS) | set(core_config.BASE_EXTENSIONS), (
+        "fields neither in the spec nor declared as extensions"
+    )
     assert set(SPEC_DEFAULTS) - set(FIELDS) == set(), "spec parameters missing from GRPOConfig"
 
 
@@ -370,7 +372,7 @@ def test_annotation_matches_spec(name: str) -> None:
 
 def test_declares_only_grpo_fields_and_changed_defaults() -> None:
     declared = set(DECLARED)
-    assert declared == set(SPEC_ANNOTATIONS) | set(POSTTRAIN_EXTENSIONS)
+    assert declared == set(SPEC_ANNOTATIONS) | set(POSTTRAIN_EXTENSIONS) | set(core_config.BASE_EXTENSIONS)
     assert declared & set(TA_FIELDS) == OVERRIDDEN
     for name in OVERRIDDEN:  # each override really changes the transformers default
         assert field_default(TA_FIELDS[name]) != SPEC_DEFAULTS[name], name
@@ -395,6 +397,18 @@ def test_changed_defaults_after_construction(tmp_path) -> None:
     assert config.activation_checkpointing is True
     assert config.remove_unused_columns is False
     assert config.report_to == []
+
+
+def test_warmup_ratio_runs_as_a_fractional_warmup_steps(tmp_path) -> None:
+    """transformers 5 removed warmup_ratio (the reference raises TypeError on it); posttrain passes it on."""
+    config = make(tmp_path, warmup_ratio=0.1)
+    assert config.warmup_steps == 0.1 and config.get_warmup_steps(1000) == 100
+    with pytest.raises(ValueError, match="warmup_ratio=0.1 and warmup_steps=5 are both set"):
+        make(tmp_path, warmup_ratio=0.1, warmup_steps=5)
+    with pytest.raises(
+        ValueError, match=r"warmup_ratio=1.5 is invalid: it must be None or a number in \[0, 1\)"
+    ):
+        make(tmp_path, warmup_ratio=1.5)
 
 
 def test_gradient_checkpointing_can_be_turned_off(tmp_path) -> None:

@@ -293,8 +293,6 @@ PAPERS: dict[str, Paper] = {
             "max_grad_norm": 10.0,
             "warmup_ratio": 0.1,
         },
-        # transformers 5 has no warmup_ratio; a warmup_steps below 1 is the same ratio.
-        replaced={"warmup_ratio": "warmup_steps"},
     ),
 }
 
@@ -438,14 +436,12 @@ def test_recipe_builds_a_dpo_config(name, tmp_path):
 
 
 def test_the_index_examples_do_not_all_run_as_written(tmp_path):
-    """The two departures are needed: the index's own EXO and UDPO configs fail (reference item 3)."""
+    """EXO's departure is needed (its index config fails); UDPO's warmup_ratio runs as written here
+    (the reference raises TypeError on it: transformers 5 removed the field)."""
     with pytest.raises(ValueError, match="label_smoothing"):
         DPOConfig(output_dir=str(tmp_path), **PAPERS["exo"].index_values)
-    with pytest.raises(TypeError, match="warmup_ratio"):
-        DPOConfig(output_dir=str(tmp_path), **PAPERS["udpo"].index_values)
-    # ...and the recipe's warmup_steps 0.1 is the index's 10% warm-up.
-    config = DPOConfig(output_dir=str(tmp_path), **_load("udpo"))
-    assert config.get_warmup_steps(1000) == 100
+    config = DPOConfig(output_dir=str(tmp_path), **PAPERS["udpo"].index_values)
+    assert config.warmup_steps == 0.1 and config.get_warmup_steps(1000) == 100
 
 
 @pytest.mark.parametrize("name", RECIPES)
@@ -499,7 +495,12 @@ def test_cli_trains_a_recipe(tmp_path, tiny_model_dir, no_plots):
     )  # fmt: skip
     assert trainer.state.global_step == 1
     args = trainer.args
-    assert args.loss_type == ["udpo"] and args.label_smoothing == 4 / 9 and args.warmup_steps == 0.1
+    assert (
+        args.loss_type == ["udpo"]
+        and args.label_smoothing == 4 / 9
+        and args.warmup_steps == 0.1
+        and args.warmup_ratio == 0.1
+    )
     assert args.per_device_train_batch_size == 4 and args.max_grad_norm == 10.0
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert losses and all(math.isfinite(loss) for loss in losses)

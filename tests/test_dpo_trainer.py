@@ -148,6 +148,7 @@ def test_precomputed_reference_log_probs_give_the_live_reference_loss(tmp_path, 
         ref_model=build_tiny_model(tok, seed=4),
         args=config(tmp_path / "pre", precompute_ref_log_probs=True),
         train_dataset=pairs(),
+        eval_dataset=pairs(4),
         processing_class=tok,
     )
     assert pre.ref_model is None and "ref_chosen_logps" in pre.train_dataset.column_names
@@ -221,7 +222,9 @@ def test_an_interrupted_run_resumes_exactly(tmp_path, tok):
     full.train()
     resumed = trainer_for(tmp_path / "resumed", tok, **common)
     resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-2"))
-    for (name, a), (_, b) in zip(full.model.named_parameters(), resumed.model.named_parameters(), strict=True):
+    for (name, a), (_, b) in zip(
+        full.model.named_parameters(), resumed.model.named_parameters(), strict=True
+    ):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
     assert resumed._bco.value == pytest.approx(full._bco.value, rel=1e-12)
     tail = [h["loss"] for h in full.state.log_history if "loss" in h][2:]

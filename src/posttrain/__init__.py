@@ -19,15 +19,31 @@ _LAZY = {
     "BEMACallback": "posttrain.sft.bema",
     "DPOConfig": "posttrain.dpo.config",
     "DPOTrainer": "posttrain.dpo.trainer",
+    "KTOConfig": "posttrain.kto.config",
+    "KTOTrainer": "posttrain.kto.trainer",
+    "ORPOConfig": "posttrain.orpo.config",
+    "ORPOTrainer": "posttrain.orpo.trainer",
+    "CPOConfig": "posttrain.cpo.config",
+    "CPOTrainer": "posttrain.cpo.trainer",
+    "RewardConfig": "posttrain.reward.config",
+    "RewardTrainer": "posttrain.reward.trainer",
 }
 
 __all__ = [*_LAZY, "__version__"]
 
 if TYPE_CHECKING:  # pragma: no cover
+    from posttrain.cpo.config import CPOConfig  # noqa: F401
+    from posttrain.cpo.trainer import CPOTrainer  # noqa: F401
     from posttrain.dpo.config import DPOConfig  # noqa: F401
     from posttrain.dpo.trainer import DPOTrainer  # noqa: F401
     from posttrain.grpo.config import GRPOConfig  # noqa: F401
     from posttrain.grpo.trainer import GRPOTrainer  # noqa: F401
+    from posttrain.kto.config import KTOConfig  # noqa: F401
+    from posttrain.kto.trainer import KTOTrainer  # noqa: F401
+    from posttrain.orpo.config import ORPOConfig  # noqa: F401
+    from posttrain.orpo.trainer import ORPOTrainer  # noqa: F401
+    from posttrain.reward.config import RewardConfig  # noqa: F401
+    from posttrain.reward.trainer import RewardTrainer  # noqa: F401
     from posttrain.sft.bema import BEMACallback  # noqa: F401
     from posttrain.sft.config import SFTConfig  # noqa: F401
     from posttrain.sft.trainer import SFTTrainer  # noqa: F401

@@ -127,6 +127,10 @@ def bf16_supported(use_cpu: bool) -> bool:
     return use_cpu or is_torch_bf16_gpu_available() or is_torch_xla_available()
 
 
+#: Fields the base config adds to every reference config (features the reference lost or lacks).
+BASE_EXTENSIONS = ("warmup_ratio",)
+
+
 @dataclass
 class BaseConfig(TrainingArguments):
     """What every posttrain config shares; a family's config subclasses it.
@@ -187,6 +191,13 @@ class BaseConfig(TrainingArguments):
         default=False,
         metadata={"help": "Allow loading models, reward models and tokenizers that ship custom Python code."},
     )
+    warmup_ratio: float | None = field(
+        default=None,
+        metadata={
+            "help": "Share of the steps that warm up, in [0, 1); passed on as warmup_steps (transformers 5 "
+            "removed warmup_ratio and reads a warmup_steps below 1 as that share)."
+        },
+    )
 
     def __post_init__(self) -> None:
         """Normalise, validate, set up ``TrainingArguments``, then derive the family's values.
@@ -203,11 +214,36 @@ class BaseConfig(TrainingArguments):
             if not rule.ok(value):
                 raise ValueError(f"{rule.name}={value!r} is invalid: it must be {rule.must}; {rule.fix}.")
         self._check_combinations()
+        self._apply_warmup_ratio()
         self._check_selective_checkpointing()
         self._reject_unbuilt_options()
         self._resolve_changed_defaults()
         super().__post_init__()
         self._derive()
+
+    def _apply_warmup_ratio(self) -> None:
+        """Pass ``warmup_ratio`` on as a fractional ``warmup_steps``, so the papers' configs run as written.
+
+        A config rebuilt from its own values (``warmup_steps`` already equal to ``warmup_ratio``,
+        e.g. ``dataclasses.replace``) passes.
+
+        Raises:
+            ValueError: ``warmup_ratio`` outside [0, 1), or with a different non-zero ``warmup_steps``.
+        """
+        if self.warmup_ratio is None:
+            return
+        ratio = self.warmup_ratio
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio < 1:
+            raise ValueError(
+                f"warmup_ratio={ratio!r} is invalid: it must be None or a number in [0, 1); give the share of the "
+                "training steps that warm the learning rate up, such as 0.1, or use warmup_steps."
+            )
+        if self.warmup_steps and self.warmup_steps != ratio:
+            raise ValueError(
+                f"warmup_ratio={ratio} and warmup_steps={self.warmup_steps} are both set; give one of "
+                "them (warmup_ratio is passed on as a fractional warmup_steps, transformers 5's form)."
+            )
+        self.warmup_steps = float(ratio)
 
     # ---- hooks of a family's config ------------------------------------------------------------
 

@@ -7,10 +7,11 @@ metrics). The loss is ``cpo/losses.cpo_loss`` for ``args.loss_type``.
 
 from __future__ import annotations
 
+from posttrain.core.pairs import StepCounts
 from posttrain.cpo import losses
 from posttrain.cpo.config import CPOConfig
 from posttrain.dpo.losses import PairLogps
-from posttrain.orpo.trainer import ReferenceFreeTrainer, StepCounts
+from posttrain.orpo.trainer import ReferenceFreeTrainer
 
 __all__ = ["CPOTrainer"]
 
@@ -29,11 +30,6 @@ class CPOTrainer(ReferenceFreeTrainer):
     _tag_names = ["posttrain", "cpo"]
     _config_class = CPOConfig
     _suffix = "CPO"
-
-    @property
-    def loss_types(self) -> tuple[str, ...]:  # type: ignore[override]
-        """The loss type trained (``args.loss_type``)."""
-        return (self.args.loss_type,)
 
     def _pair_loss(self, logps: PairLogps, step: StepCounts | None) -> losses.CPOLossOutput:
         a = self.args

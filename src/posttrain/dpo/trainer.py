@@ -19,15 +19,15 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from accelerate.utils import gather
 from transformers import PreTrainedModel, TrainerCallback
 
-from posttrain.core.batch import Pairs, Sequences
-from posttrain.core.trainer import BaseTrainer, refuse_logit_hooks
+from posttrain.core.batch import Sequences
+from posttrain.core.pairs import PairBatch, PairTrainer, StepCounts, check_pair_columns
+from posttrain.core.trainer import refuse_logit_hooks
 from posttrain.data import preference
 from posttrain.dpo import losses
 from posttrain.dpo.config import DPOConfig
@@ -39,31 +39,7 @@ __all__ = ["DPOTrainer"]
 BCO_STATE = "bco_running_mean.pt"
 
 
-@dataclass
-class PairBatch:
-    """A collated micro-batch of preference pairs.
-
-    Attributes:
-        pairs: the chosen and the rejected rows (prompt + completion, right padded).
-        ref_chosen: [N] precomputed reference log-probs of the chosen completions, if any.
-        ref_rejected: [N] the same for the rejected completions.
-    """
-
-    pairs: Pairs
-    ref_chosen: torch.Tensor | None = None
-    ref_rejected: torch.Tensor | None = None
-
-    @property
-    def num_pairs(self) -> int:
-        return self.pairs.num_pairs
-
-    @property
-    def chosen_tokens(self) -> int:
-        """The chosen completions' target tokens."""
-        return int(self.pairs.chosen.loss_mask[:, 1:].sum())
-
-
-class DPOTrainer(BaseTrainer):
+class DPOTrainer(PairTrainer):
     """Trains a causal LM on preference pairs with the DPO family of losses; a drop-in for ``trl.DPOTrainer``.
 
     Args:
@@ -110,9 +86,7 @@ class DPOTrainer(BaseTrainer):
             compute_metrics=compute_metrics,
             preprocess_logits_for_metrics=preprocess_logits_for_metrics,
         )
-        if train_dataset is None:
-            raise ValueError("DPOTrainer needs a train_dataset of preference pairs (chosen, rejected).")
-        _check_columns(train_dataset, eval_dataset)
+        check_pair_columns("DPOTrainer", train_dataset, eval_dataset)
         super().__init__(
             model,
             args,
@@ -136,28 +110,18 @@ class DPOTrainer(BaseTrainer):
             args.use_weighting,
         )
         self._bco = losses.RunningMean() if "bco_pair" in self.loss_types else None
-        self.train_dataset = self._prepare(self.train_dataset)
-        if isinstance(self.eval_dataset, dict):
-            self.eval_dataset = {k: self._prepare(v) for k, v in self.eval_dataset.items()}
-        elif self.eval_dataset is not None:
-            self.eval_dataset = self._prepare(self.eval_dataset)
+        self._prepare_pair_datasets()
         needed = DPOConfig.uses_reference(self.loss_types) and not _has_ref_columns(self.train_dataset)
         self.ref_model = self._offline_reference(ref_model) if needed else None
         if args.precompute_ref_log_probs and not _has_ref_columns(self.train_dataset):
             self.train_dataset = self._precompute_reference(self.train_dataset)
+            if isinstance(self.eval_dataset, dict):
+                self.eval_dataset = {k: self._precompute_reference(v) for k, v in self.eval_dataset.items()}
+            elif self.eval_dataset is not None:
+                self.eval_dataset = self._precompute_reference(self.eval_dataset)
             self.ref_model = None  # no longer needed: the columns hold its log-probs
 
     # ---- setup ---------------------------------------------------------------------------------
-
-    def _prepare(self, dataset: Any) -> Any:
-        a = self.args
-        return preference.prepare_preference_dataset(
-            dataset,
-            self._tokenizer,
-            max_length=a.max_length,
-            truncation_mode=a.truncation_mode,
-            num_proc=a.dataset_num_proc,
-        )
 
     @torch.no_grad()
     def _precompute_reference(self, dataset: Any) -> Any:
@@ -174,38 +138,6 @@ class DPOTrainer(BaseTrainer):
             chosen += ref[:n].tolist()
             rejected += ref[n:].tolist()
         return dataset.add_column("ref_chosen_logps", chosen).add_column("ref_rejected_logps", rejected)
-
-    # ---- data ----------------------------------------------------------------------------------
-
-    def _set_signature_columns_if_needed(self) -> None:
-        self._signature_columns = ["prompt_ids", "chosen_ids", "rejected_ids", *preference.REF_COLUMNS]
-
-    def _collate(self, rows: list[dict[str, Any]]) -> PairBatch:
-        pairs = preference.collate_pairs(rows, self._tokenizer.pad_token_id, self.args.pad_to_multiple_of)
-        ref = preference.collate_ref_logps(rows)
-        return PairBatch(pairs, *(ref if ref is not None else (None, None)))
-
-    def _prepare_inputs(self, inputs: PairBatch) -> PairBatch:  # type: ignore[override]
-        device = self.accelerator.device
-
-        def move(s: Sequences) -> Sequences:
-            return Sequences(s.input_ids.to(device), s.loss_mask.to(device), s.attention_mask.to(device))
-
-        ref = [t.to(device) if t is not None else None for t in (inputs.ref_chosen, inputs.ref_rejected)]
-        return PairBatch(Pairs(move(inputs.pairs.chosen), move(inputs.pairs.rejected)), *ref)
-
-    def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> torch.Tensor:
-        """Pairs in the optimizer step's micro-batches, summed over every process.
-
-        Also keeps the step's chosen completion tokens over every process, which the token-level
-        ``sft`` term divides by.
-        """
-        local = torch.tensor(
-            [sum(b.num_pairs for b in batch_samples), sum(b.chosen_tokens for b in batch_samples)],
-            device=device,
-        )
-        pairs, self._step_chosen_tokens = gather(local.unsqueeze(0)).sum(dim=0).tolist()
-        return torch.tensor(pairs, device=device)
 
     # ---- scoring -------------------------------------------------------------------------------
 
@@ -252,10 +184,10 @@ class DPOTrainer(BaseTrainer):
         scores = self._score(model, rows, train=True)
         n = inputs.num_pairs
         ref = self._reference_for(inputs, rows)
-        step = num_items_in_batch is not None and train
+        step: StepCounts | None = num_items_in_batch if train else None
         # sft's share: the micro-batch's chosen log-probs over the step's chosen tokens, once the
         # pair share below (n / step pairs) is applied
-        sft_tokens = n * self._step_chosen_tokens / float(num_items_in_batch) if step else None
+        sft_tokens = n * step.chosen_tokens / step.pairs if step is not None else None
         out = losses.dpo_loss(
             losses.PairLogps(
                 scores.logps[:n], scores.logps[n:],
@@ -274,8 +206,8 @@ class DPOTrainer(BaseTrainer):
             sft_tokens=sft_tokens,
         )  # fmt: skip
         loss = out.loss
-        if step:
-            loss = loss * (n / max(float(num_items_in_batch), 1.0)) * self.accelerator.num_processes
+        if step is not None:
+            loss = loss * (n / max(step.pairs, 1.0)) * self.accelerator.num_processes
         if self._aux_loss_coef and scores.stats.aux_loss is not None:
             loss = (
                 loss + self._aux_loss_coef * scores.stats.aux_loss / self.current_gradient_accumulation_steps
@@ -302,49 +234,13 @@ class DPOTrainer(BaseTrainer):
 
     def _record(self, mode: str, scores: RowScores, out: Any, rows: Sequences, n: int) -> None:
         """The reference's DPO metrics, averaged over every process's pairs."""
-        chosen_r, rejected_r = out.chosen_rewards.float(), out.rejected_rewards.float()
-        logps = scores.logps.detach().float()
-        mask = scores.mask
-        stats = scores.stats
-        per_row_logit = (
-            (stats.logit_mean * mask).sum(1) if stats.logit_mean is not None else torch.zeros_like(logps)
-        )
-        columns = torch.stack(
-            [
-                chosen_r,
-                rejected_r,
-                (chosen_r > rejected_r).float(),
-                chosen_r - rejected_r,
-                logps[:n],
-                logps[n:],
-                per_row_logit[:n],
-                per_row_logit[n:],
-                scores.lengths[:n],
-                scores.lengths[n:],
-            ],
-            dim=1,
-        )  # [N, 10]
-        g = self.gather_values(columns.reshape(-1)).view(-1, 10)
-        m = {
-            "rewards/chosen": g[:, 0].mean().item(),
-            "rewards/rejected": g[:, 1].mean().item(),
-            "rewards/accuracies": g[:, 2].mean().item(),
-            "rewards/margins": g[:, 3].mean().item(),
-            "logps/chosen": g[:, 4].mean().item(),
-            "logps/rejected": g[:, 5].mean().item(),
-            "logits/chosen": (g[:, 6].sum() / g[:, 8].sum().clamp(min=1)).item(),
-            "logits/rejected": (g[:, 7].sum() / g[:, 9].sum().clamp(min=1)).item(),
-        }
-        m.update(self._token_metrics(mode, stats, mask, rows))
+        m = self._pair_metrics(mode, scores, scores.logps, out.chosen_rewards, out.rejected_rewards, rows)
         if len(self.loss_types) > 1:  # each type's mean over every process's pairs
             names = list(out.per_type)
             local = torch.stack([*(out.per_type[k].float() * n for k in names), torch.tensor(float(n))])
             totals = gather(local.to(self.accelerator.device).unsqueeze(0)).sum(dim=0)
             m.update({f"loss/{k}": (totals[i] / totals[-1]).item() for i, k in enumerate(names)})
         self._metrics.add_all(mode, m)
-
-    def _batch_tokens(self, inputs: PairBatch) -> int:
-        return int(inputs.pairs.chosen.input_ids.numel() + inputs.pairs.rejected.input_ids.numel())
 
     # ---- per step and checkpoints ---------------------------------------------------------------
 
@@ -373,20 +269,3 @@ def _has_ref_columns(dataset: Any) -> bool:
     if columns is None and isinstance(dataset, list) and dataset:
         columns = list(dataset[0])
     return bool(columns) and all(c in columns for c in preference.REF_COLUMNS)
-
-
-def _check_columns(train_dataset: Any, eval_dataset: Any) -> None:
-    """The datasets' columns and first rows, before any model is loaded."""
-    evals = eval_dataset.items() if isinstance(eval_dataset, dict) else [("eval_dataset", eval_dataset)]
-    for name, dataset in [("train_dataset", train_dataset), *evals]:
-        if dataset is None:
-            continue
-        if not hasattr(dataset, "__len__"):
-            raise ValueError(
-                f"{name} is an IterableDataset; DPOTrainer tokenises the whole dataset first. Materialise it "
-                "(datasets.Dataset.from_list(list(stream)))."
-            )
-        if len(dataset) == 0:
-            raise ValueError(f"{name} is empty; pass a dataset with at least one preference pair.")
-        columns = list(getattr(dataset, "column_names", None) or dataset[0])
-        preference.detect_preference_format(columns, dataset[0])

@@ -92,12 +92,6 @@ class ReferenceFreeConfig(OfflineConfig):
     is_encoder_decoder: bool | None = field(
         default=None, metadata={"help": "True is not built: posttrain trains causal language models."}
     )
-    warmup_ratio: float | None = field(
-        default=None,
-        metadata={
-            "help": "Share of the steps that warm up, in [0, 1); passed on as warmup_steps (transformers 5)."
-        },
-    )
 
     def _normalise_family(self) -> None:
         """``max_length=None`` becomes 512, with a warning, as in the reference."""
@@ -110,25 +104,6 @@ class ReferenceFreeConfig(OfflineConfig):
                 stacklevel=4,
             )
             self.max_length = DEFAULT_MAX_LENGTH
-
-    def _check_combinations(self) -> None:
-        """Refuse ``warmup_ratio`` with ``warmup_steps``; pass ``warmup_ratio`` on as ``warmup_steps``.
-
-        A config rebuilt from its own values (``warmup_steps`` already equal to ``warmup_ratio``,
-        e.g. ``dataclasses.replace``) passes.
-
-        Raises:
-            ValueError: ``warmup_ratio`` and a different non-zero ``warmup_steps`` are both given.
-        """
-        super()._check_combinations()
-        if self.warmup_ratio is None:
-            return
-        if self.warmup_steps and self.warmup_steps != self.warmup_ratio:
-            raise ValueError(
-                f"warmup_ratio={self.warmup_ratio} and warmup_steps={self.warmup_steps} are both set; give one of "
-                "them (warmup_ratio is passed on as a fractional warmup_steps, transformers 5's form)."
-            )
-        self.warmup_steps = float(self.warmup_ratio)
 
 
 @dataclass

@@ -13,16 +13,13 @@ The preference term is divided by the optimizer step's pairs and the chosen comp
 the step's chosen completion tokens, both over every process (``StepCounts``), so gradient
 accumulation and several processes give the update of one large batch.
 
-The pair batches, their move to the device and the rewards/logps/logits metrics are
-``DPOTrainer``'s (``PairBatch``, ``_prepare_inputs``, ``_batch_tokens``, ``_record``), used
-here as they are rather than written twice.
+The pair batches, their move to the device, the step's counts and the rewards/logps/logits
+metrics are the core's (``core/pairs.py``, shared with DPO).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -30,32 +27,18 @@ from accelerate.utils import gather
 from transformers import PreTrainedModel, TrainerCallback
 
 from posttrain.core.batch import Sequences
-from posttrain.core.trainer import BaseTrainer, refuse_logit_hooks
-from posttrain.data import preference
+from posttrain.core.pairs import PairBatch, PairTrainer, StepCounts, check_pair_columns
+from posttrain.core.trainer import refuse_logit_hooks
 from posttrain.dpo.losses import PairLogps
-from posttrain.dpo.trainer import DPOTrainer, PairBatch, _check_columns
 from posttrain.models import reference as model_options
 from posttrain.ops.logprobs import RowScores, score_rows
 from posttrain.orpo import losses
 from posttrain.orpo.config import ORPOConfig, ReferenceFreeConfig
 
-__all__ = ["ORPOTrainer", "ReferenceFreeTrainer", "StepCounts"]
+__all__ = ["ORPOTrainer", "ReferenceFreeTrainer"]
 
 
-@dataclass(frozen=True)
-class StepCounts:
-    """What one optimizer step holds over every process: the losses' denominators.
-
-    Attributes:
-        pairs: preference pairs.
-        chosen_tokens: completion tokens of the chosen sides (the NLL's tokens).
-    """
-
-    pairs: float
-    chosen_tokens: float
-
-
-class ReferenceFreeTrainer(BaseTrainer):
+class ReferenceFreeTrainer(PairTrainer):
     """Preference pairs trained with no reference model and an NLL on the chosen side (ORPO, CPO).
 
     A family subclass sets ``_config_class`` and ``_suffix`` and writes ``_pair_loss``.
@@ -78,16 +61,8 @@ class ReferenceFreeTrainer(BaseTrainer):
         optimizer_cls_and_kwargs: an optimizer class and its keyword arguments.
     """
 
-    loss_is_scaled_for_ga = True  # compute_loss divides by the step's pairs and tokens itself
     _config_class: ClassVar[type[ReferenceFreeConfig]] = ReferenceFreeConfig
     _suffix: ClassVar[str] = ""
-    #: The loss type(s) trained (``DPOTrainer._record`` reads how many).
-    loss_types: tuple[str, ...] = ()
-
-    # DPOTrainer's generic pair handling, used as it is (see the module doc).
-    _prepare_inputs = DPOTrainer._prepare_inputs
-    _batch_tokens = DPOTrainer._batch_tokens
-    _record_pair_metrics = DPOTrainer._record
 
     def __init__(
         self,
@@ -108,9 +83,7 @@ class ReferenceFreeTrainer(BaseTrainer):
         name = type(self).__name__
         args = args if args is not None else self.default_args(model, self._config_class, self._suffix)
         self._check_arguments(name, model_init, compute_metrics, preprocess_logits_for_metrics)
-        if train_dataset is None:
-            raise ValueError(f"{name} needs a train_dataset of preference pairs (chosen, rejected).")
-        _check_columns(train_dataset, eval_dataset)
+        check_pair_columns(name, train_dataset, eval_dataset)
         super().__init__(
             model,
             args,
@@ -126,11 +99,7 @@ class ReferenceFreeTrainer(BaseTrainer):
         self._check_decoder_only()
         self._apply_pad_token(args.pad_token)
         self._aux_loss_coef = model_options.set_router_aux_loss_coef(self.model, args.router_aux_loss_coef)
-        self.train_dataset = self._prepare(self.train_dataset)
-        if isinstance(self.eval_dataset, dict):
-            self.eval_dataset = {k: self._prepare(v) for k, v in self.eval_dataset.items()}
-        elif self.eval_dataset is not None:
-            self.eval_dataset = self._prepare(self.eval_dataset)
+        self._prepare_pair_datasets()
 
     # ---- setup ---------------------------------------------------------------------------------
 
@@ -162,36 +131,6 @@ class ReferenceFreeTrainer(BaseTrainer):
                 f"{type(self.model).__name__} is an encoder-decoder model; posttrain's {type(self).__name__} trains "
                 "causal language models only. Pass a decoder-only model (AutoModelForCausalLM)."
             )
-
-    def _prepare(self, dataset: Any) -> Any:
-        a = self.args
-        return preference.prepare_preference_dataset(
-            dataset, self._tokenizer, max_length=a.max_length, num_proc=a.dataset_num_proc
-        )
-
-    # ---- data ----------------------------------------------------------------------------------
-
-    def _set_signature_columns_if_needed(self) -> None:
-        self._signature_columns = list(preference.OUTPUT_COLUMNS)
-
-    def _pad_token_id(self) -> int:
-        """The token that pads the batches (the tokenizer's)."""
-        return self._tokenizer.pad_token_id
-
-    def _collate(self, rows: list[dict[str, Any]]) -> PairBatch:
-        return PairBatch(preference.collate_pairs(rows, self._pad_token_id(), self.args.pad_to_multiple_of))
-
-    def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> StepCounts:
-        """The pairs and chosen completion tokens of the optimizer step's micro-batches, over every process."""
-        local = torch.tensor(
-            [
-                sum(b.num_pairs for b in batch_samples),
-                sum(b.pairs.chosen.num_targets for b in batch_samples),
-            ],
-            device=device,
-        )
-        pairs, tokens = gather(local.unsqueeze(0)).sum(dim=0).tolist()
-        return StepCounts(float(pairs), float(tokens))
 
     # ---- loss ----------------------------------------------------------------------------------
 
@@ -244,11 +183,11 @@ class ReferenceFreeTrainer(BaseTrainer):
         Every value is averaged over every process's pairs (``nll_loss``: over their chosen tokens).
         """
         used = torch.cat([out.chosen_logps, out.rejected_logps])
-        self._record_pair_metrics(mode, dataclasses.replace(scores, logps=used), out, rows, n)
+        m = self._pair_metrics(mode, scores, used, out.chosen_rewards, out.rejected_rewards, rows)
         device = self.accelerator.device
         nll = torch.stack([-scores.logps[:n].detach().sum(), scores.lengths[:n].sum()]).float().to(device)
         nll_sum, tokens = gather(nll.unsqueeze(0)).sum(dim=0).tolist()
-        m = {"nll_loss": nll_sum / max(tokens, 1.0)}
+        m["nll_loss"] = nll_sum / max(tokens, 1.0)
         for name, values in out.pair_metrics.items():
             m[name] = self.gather_values(values.float()).mean().item()
         self._metrics.add_all(mode, m)
@@ -269,7 +208,6 @@ class ORPOTrainer(ReferenceFreeTrainer):
     _tag_names = ["posttrain", "orpo"]
     _config_class = ORPOConfig
     _suffix = "ORPO"
-    loss_types = ("orpo",)
 
     def _pad_token_id(self) -> int:
         value = self.args.padding_value

@@ -1,0 +1,185 @@
+"""What every trainer on preference pairs shares (DPO, ORPO, CPO; online DPO to come).
+
+``PairTrainer`` holds the pair data path (tokenising with ``data/preference.py``, collation into
+a ``PairBatch``, the move to the device), the optimizer step's denominators over every process
+(``StepCounts``: pairs and chosen completion tokens) and the reference's pair metrics
+(``rewards/*``, ``logps/*``, ``logits/*`` and the per-token ones). A family adds its loss.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from accelerate.utils import gather
+
+from posttrain.core.batch import Pairs, Sequences
+from posttrain.core.trainer import BaseTrainer
+from posttrain.data import preference
+
+
+@dataclass
+class PairBatch:
+    """A collated micro-batch of preference pairs.
+
+    Attributes:
+        pairs: the chosen and the rejected rows (prompt + completion, right padded).
+        ref_chosen: [N] precomputed reference log-probs of the chosen completions, if any.
+        ref_rejected: [N] the same for the rejected completions.
+    """
+
+    pairs: Pairs
+    ref_chosen: torch.Tensor | None = None
+    ref_rejected: torch.Tensor | None = None
+
+    @property
+    def num_pairs(self) -> int:
+        return self.pairs.num_pairs
+
+    @property
+    def chosen_tokens(self) -> int:
+        """The chosen completions' target tokens."""
+        return self.pairs.chosen.num_targets
+
+
+@dataclass(frozen=True)
+class StepCounts:
+    """What one optimizer step holds over every process: the losses' denominators.
+
+    Attributes:
+        pairs: preference pairs.
+        chosen_tokens: completion tokens of the chosen sides (an NLL term's tokens).
+    """
+
+    pairs: float
+    chosen_tokens: float
+
+
+class PairTrainer(BaseTrainer):
+    """The pair data path, the step's denominators and the pair metrics, for the pair families."""
+
+    loss_is_scaled_for_ga = True  # the families divide by the step's pairs and tokens themselves
+
+    # ---- data ----------------------------------------------------------------------------------
+
+    def _prepare_pair_datasets(self) -> None:
+        """Tokenise the train and eval datasets (``data/preference.py``) with the config's limits."""
+        self.train_dataset = self._prepare_pairs(self.train_dataset)
+        if isinstance(self.eval_dataset, dict):
+            self.eval_dataset = {k: self._prepare_pairs(v) for k, v in self.eval_dataset.items()}
+        elif self.eval_dataset is not None:
+            self.eval_dataset = self._prepare_pairs(self.eval_dataset)
+
+    def _prepare_pairs(self, dataset: Any) -> Any:
+        a = self.args
+        return preference.prepare_preference_dataset(
+            dataset,
+            self._tokenizer,
+            max_length=a.max_length,
+            truncation_mode=getattr(a, "truncation_mode", "keep_start"),
+            num_proc=a.dataset_num_proc,
+        )
+
+    def _set_signature_columns_if_needed(self) -> None:
+        self._signature_columns = [*preference.OUTPUT_COLUMNS, *preference.REF_COLUMNS]
+
+    def _pad_token_id(self) -> int:
+        """The token that pads the batches (the tokenizer's)."""
+        return self._tokenizer.pad_token_id
+
+    def _collate(self, rows: list[dict[str, Any]]) -> PairBatch:
+        pairs = preference.collate_pairs(rows, self._pad_token_id(), self.args.pad_to_multiple_of)
+        ref = preference.collate_ref_logps(rows)
+        return PairBatch(pairs, *(ref if ref is not None else (None, None)))
+
+    def _prepare_inputs(self, inputs: PairBatch) -> PairBatch:  # type: ignore[override]
+        device = self.accelerator.device
+
+        def move(s: Sequences) -> Sequences:
+            return Sequences(s.input_ids.to(device), s.loss_mask.to(device), s.attention_mask.to(device))
+
+        ref = [t.to(device) if t is not None else None for t in (inputs.ref_chosen, inputs.ref_rejected)]
+        return PairBatch(Pairs(move(inputs.pairs.chosen), move(inputs.pairs.rejected)), *ref)
+
+    def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> StepCounts:
+        """The pairs and chosen completion tokens of the optimizer step's micro-batches, over every process."""
+        local = torch.tensor(
+            [sum(b.num_pairs for b in batch_samples), sum(b.chosen_tokens for b in batch_samples)],
+            device=device,
+        )
+        pairs, tokens = gather(local.unsqueeze(0)).sum(dim=0).tolist()
+        return StepCounts(float(pairs), float(tokens))
+
+    def _batch_tokens(self, inputs: PairBatch) -> int:
+        return int(inputs.pairs.chosen.input_ids.numel() + inputs.pairs.rejected.input_ids.numel())
+
+    # ---- metrics -------------------------------------------------------------------------------
+
+    def _pair_metrics(
+        self,
+        mode: str,
+        scores: Any,
+        logps: torch.Tensor,
+        chosen_rewards: torch.Tensor,
+        rejected_rewards: torch.Tensor,
+        rows: Sequences,
+    ) -> dict[str, float]:
+        """The reference's pair metrics, averaged over every process's pairs.
+
+        Args:
+            mode: ``"train"`` or ``"eval"``.
+            scores: the stacked batch's ``RowScores`` (chosen rows first).
+            logps: [2N] the log-probs the loss used (summed or per-token means), for ``logps/*``.
+            chosen_rewards, rejected_rewards: [N] the family's implicit rewards.
+            rows: the stacked batch.
+        """
+        n = chosen_rewards.shape[0]
+        chosen_r, rejected_r = chosen_rewards.detach().float(), rejected_rewards.detach().float()
+        logps = logps.detach().float()
+        mask, stats = scores.mask, scores.stats
+        per_row_logit = (
+            (stats.logit_mean * mask).sum(1) if stats.logit_mean is not None else torch.zeros_like(logps)
+        )
+        columns = torch.stack(
+            [chosen_r, rejected_r, (chosen_r > rejected_r).float(), chosen_r - rejected_r, logps[:n], logps[n:],
+             per_row_logit[:n].float(), per_row_logit[n:].float(), scores.lengths[:n].float(),
+             scores.lengths[n:].float()],
+            dim=1,
+        )  # fmt: skip
+        g = self.gather_values(columns.reshape(-1)).view(-1, columns.shape[1])
+        m = {
+            "rewards/chosen": g[:, 0].mean().item(),
+            "rewards/rejected": g[:, 1].mean().item(),
+            "rewards/accuracies": g[:, 2].mean().item(),
+            "rewards/margins": g[:, 3].mean().item(),
+            "logps/chosen": g[:, 4].mean().item(),
+            "logps/rejected": g[:, 5].mean().item(),
+            "logits/chosen": (g[:, 6].sum() / g[:, 8].sum().clamp(min=1)).item(),
+            "logits/rejected": (g[:, 7].sum() / g[:, 9].sum().clamp(min=1)).item(),
+        }
+        m.update(self._token_metrics(mode, stats, mask, rows))
+        return m
+
+
+def check_pair_columns(trainer: str, train_dataset: Any, eval_dataset: Any) -> None:
+    """The datasets' columns and first rows, before any model is loaded.
+
+    Raises:
+        ValueError: no train dataset, a streamed or empty one, or columns that hold no pairs.
+    """
+    if train_dataset is None:
+        raise ValueError(f"{trainer} needs a train_dataset of preference pairs (chosen, rejected).")
+    evals = eval_dataset.items() if isinstance(eval_dataset, dict) else [("eval_dataset", eval_dataset)]
+    for name, dataset in [("train_dataset", train_dataset), *evals]:
+        if dataset is None:
+            continue
+        if not hasattr(dataset, "__len__"):
+            raise ValueError(
+                f"{name} is an IterableDataset; {trainer} tokenises the whole dataset first. Materialise it "
+                "(datasets.Dataset.from_list(list(stream)))."
+            )
+        if len(dataset) == 0:
+            raise ValueError(f"{name} is empty; pass a dataset with at least one preference pair.")
+        columns = list(getattr(dataset, "column_names", None) or dataset[0])
+        preference.detect_preference_format(columns, dataset[0])
