@@ -77,7 +77,13 @@ def builtin_task_accuracy(trainer: Any) -> dict[str, float] | None:
     from posttrain.data.tasks import arithmetic_heldout
     from posttrain.rewards.evaluate import task_accuracy
 
-    return task_accuracy(trainer.model, trainer._tokenizer, arithmetic_heldout(), max_new_tokens=40)
+    return task_accuracy(
+        trainer.model,
+        trainer._tokenizer,
+        arithmetic_heldout(),
+        max_new_tokens=40,
+        progress="held-out accuracy" if trainer.is_world_process_zero() else None,
+    )
 
 
 def run_training(command: str, argv: list[str], build: Builder, evaluate: Evaluator | None = None) -> Any:

@@ -15,7 +15,12 @@ from posttrain.rewards.answer import answer_accuracy_reward, answer_format_rewar
 
 @torch.no_grad()
 def task_accuracy(
-    model: Any, tokenizer: Any, dataset: Any, max_new_tokens: int = 64, batch_size: int = 25
+    model: Any,
+    tokenizer: Any,
+    dataset: Any,
+    max_new_tokens: int = 64,
+    batch_size: int = 25,
+    progress: str | None = None,
 ) -> dict[str, float]:
     """Greedy completions of every prompt of ``dataset``, scored against its ``solution`` column.
 
@@ -25,6 +30,7 @@ def task_accuracy(
         dataset: rows with ``prompt`` (standard or conversational) and ``solution``.
         max_new_tokens: the most tokens of a completion.
         batch_size: prompts generated at once.
+        progress: a label for a progress bar over the prompts (none when ``None``).
 
     Returns:
         ``{"accuracy": ..., "format": ...}``: the share of right answers and of completions with an
@@ -40,6 +46,11 @@ def task_accuracy(
     )
     device = next(model.parameters()).device
     completions: list[str] = []
+    bar = None
+    if progress is not None:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(dataset), desc=progress, unit="problem")
     try:
         for start in range(0, len(dataset), batch_size):
             prompts = dataset["prompt"][start : start + batch_size]
@@ -54,8 +65,12 @@ def task_accuracy(
                 input_ids=prompt_ids.to(device), attention_mask=mask.to(device), generation_config=config
             )
             completions += tokenizer.batch_decode(out[:, prompt_ids.shape[1] :], skip_special_tokens=True)
+            if bar is not None:
+                bar.update(len(prompts))
     finally:
         model.train(was_training)
+        if bar is not None:
+            bar.close()
     right = answer_accuracy_reward(completions, list(dataset["solution"]))
     formatted = answer_format_reward(completions)
     return {
