@@ -2,10 +2,17 @@
 processes (DDP, gloo) and, for comparison, the same global batches on one process.
 
 Usage: ``preference_ddp_train.py OUT_DIR FAMILY`` (a key of :data:`FAMILIES`). Each rank trains
-3 SGD steps of 2 pairs (the 12 pairs of :func:`dataset`, rows of varied lengths so the ranks'
-batches differ) and writes OUT_DIR/rank{r}.json with a digest of its parameters and its logs;
-rank 0 writes OUT_DIR/ddp.pt with the parameters. SGD without clipping keeps the update linear
-in the gradient, so a wrong loss scale across processes shows in the parameters.
+3 SGD steps of 2 rows (the 12 pairs of :func:`dataset`, rows of varied lengths so the ranks'
+batches differ; KTO splits them into 24 examples, 12 chosen then 12 rejected, and a row is one
+example) and writes OUT_DIR/rank{r}.json with a digest of its parameters and its logs; rank 0
+writes OUT_DIR/ddp.pt with the parameters. SGD without clipping keeps the update linear in the
+gradient, so a wrong loss scale across processes shows in the parameters.
+
+The families: DPO (sigmoid + SFT), KTO (``kto``, with its KL reference point z₀, and
+``apo_zero_unpaired``, without it), ORPO, CPO (SimPO with the chosen NLL) and reward modelling
+(Bradley-Terry with centering, on a sequence classifier: :data:`MODELS`). Their settings make
+every term of the loss count: KTO's ``desirable_weight=1.3`` with ``learning_rate=0.5`` makes
+z₀ positive at step 3 (it is clamped to 0 while the pairs' mean log-ratio is negative).
 """
 
 from __future__ import annotations
@@ -61,15 +68,83 @@ def _dpo() -> tuple[Any, Any, dict[str, Any]]:
     return DPOConfig, DPOTrainer, {"beta": 0.5, "loss_type": ["sigmoid", "sft"]}
 
 
+def _kto() -> tuple[Any, Any, dict[str, Any]]:
+    """KTO with its KL reference point z₀, estimated per micro-batch (the ranks' batches differ)."""
+    from posttrain import KTOConfig, KTOTrainer
+
+    return KTOConfig, KTOTrainer, {"beta": 0.5, "loss_type": "kto", "desirable_weight": 1.3}
+
+
+def _kto_apo_zero_unpaired() -> tuple[Any, Any, dict[str, Any]]:
+    """KTO's trainer without z₀ (APO-zero on unpaired data): every example's loss is its own."""
+    from posttrain import KTOConfig, KTOTrainer
+
+    return KTOConfig, KTOTrainer, {"beta": 0.5, "loss_type": "apo_zero_unpaired", "desirable_weight": 1.2}
+
+
+def _orpo() -> tuple[Any, Any, dict[str, Any]]:
+    from posttrain import ORPOConfig, ORPOTrainer
+
+    return ORPOConfig, ORPOTrainer, {"beta": 0.5}
+
+
+def _cpo() -> tuple[Any, Any, dict[str, Any]]:
+    """SimPO's length-normalised margin loss plus the chosen completions' NLL (cpo_alpha > 0)."""
+    from posttrain import CPOConfig, CPOTrainer
+
+    own = {"loss_type": "simpo", "beta": 2.0, "simpo_gamma": 0.5, "cpo_alpha": 0.5}
+    return CPOConfig, CPOTrainer, own
+
+
+def _reward() -> tuple[Any, Any, dict[str, Any]]:
+    """Bradley-Terry with the centering term, so both of its parts are exercised."""
+    from posttrain import RewardConfig, RewardTrainer
+
+    return RewardConfig, RewardTrainer, {"center_rewards_coefficient": 0.01, "learning_rate": 0.05}
+
+
 #: family -> () -> (config class, trainer class, the family's config fields)
-FAMILIES = {"dpo": _dpo}
+FAMILIES = {
+    "dpo": _dpo,
+    "kto": _kto,
+    "kto_apo_zero_unpaired": _kto_apo_zero_unpaired,
+    "orpo": _orpo,
+    "cpo": _cpo,
+    "reward": _reward,
+}
 
 
-def train(out_dir: str, family: str, **overrides: Any) -> Any:
-    """Train ``family`` on :func:`dataset` from the same initial weights; return the trainer."""
-    config_class, trainer_class, own = FAMILIES[family]()
+def build_reward_model(tok: Any, seed: int = 0) -> Any:
+    """The tiny Llama of ``conftest.build_tiny_model`` as a one-label sequence classifier.
+
+    The same seed gives the same weights on every rank; the score head is drawn with unit scale
+    (as in tests/test_reward_trainer.py) so the body's gradients are not vanishingly small.
+    """
+    from transformers import LlamaForSequenceClassification
+
+    config = build_tiny_model(tok, seed=seed).config
+    config.num_labels = 1
+    config.pad_token_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    torch.manual_seed(seed)
+    model = LlamaForSequenceClassification(config)
+    with torch.no_grad():
+        model.score.weight.normal_(0.0, 1.0)
+    return model
+
+
+#: family -> (tokenizer, seed) -> the initial model; a causal LM unless named here
+MODELS = {"reward": build_reward_model}
+
+
+def train(out_dir: str, family: str, trainer_class: type | None = None, **overrides: Any) -> Any:
+    """Train ``family`` on :func:`dataset` from the same initial weights; return the trainer.
+
+    ``trainer_class`` replaces the family's trainer class (a subclass of it, for the comparison).
+    """
+    config_class, family_trainer, own = FAMILIES[family]()
+    trainer_class = trainer_class or family_trainer
     tok = build_tiny_tokenizer()
-    model = build_tiny_model(tok, seed=0)
+    model = MODELS.get(family, build_tiny_model)(tok, seed=0)
     args = config_class(output_dir=out_dir, **{**BASE_ARGS, **own, **overrides})
     trainer = trainer_class(model=model, args=args, train_dataset=dataset(), processing_class=tok)
     trainer.train()
