@@ -27,7 +27,7 @@ import os
 import shutil
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
 import torch
@@ -292,6 +292,14 @@ class BaseTrainer(Trainer):
     def _after_optimizer_step(self) -> None:
         """A family's once-per-optimizer-step updates (after the step's last micro-batch)."""
 
+    def _map_datasets(self, prepare: Callable[[Any], Any]) -> None:
+        """Apply ``prepare`` to the train dataset and to the eval dataset (each one of a dict)."""
+        self.train_dataset = prepare(self.train_dataset)
+        if isinstance(self.eval_dataset, dict):
+            self.eval_dataset = {k: prepare(v) for k, v in self.eval_dataset.items()}
+        elif self.eval_dataset is not None:
+            self.eval_dataset = prepare(self.eval_dataset)
+
     def _token_metrics(self, mode: str, stats: Any, mask: torch.Tensor, rows: Any) -> dict[str, float]:
         """The per-token metrics every offline trainer logs, over every process's target tokens.
 
@@ -475,6 +483,35 @@ class BaseTrainer(Trainer):
         path = os.path.join(folder, REFERENCE_STATE)
         if os.path.isfile(path):
             reference.load_state_dict(torch.load(path, map_location=self._load_location))
+
+
+def check_offline_datasets(
+    trainer: str, train_dataset: Any, eval_dataset: Any, item: str, check_first: Callable[[str, Any], None]
+) -> None:
+    """Check an offline trainer's datasets (train, eval or a dict of evals) before any model loads.
+
+    Args:
+        trainer: the trainer's name, for the messages.
+        train_dataset, eval_dataset: as given to the trainer (``None`` datasets are skipped).
+        item: what one row is (``"example"``, ``"preference pair"``), for the messages.
+        check_first: ``check_first(name, dataset)`` checks a map-style, non-empty dataset's
+            columns and first row, raising ``ValueError`` with the family's message.
+
+    Raises:
+        ValueError: a streamed (``IterableDataset``) or empty dataset, or what ``check_first`` raises.
+    """
+    evals = eval_dataset.items() if isinstance(eval_dataset, dict) else [("eval_dataset", eval_dataset)]
+    for name, dataset in [("train_dataset", train_dataset), *evals]:
+        if dataset is None:
+            continue
+        if not hasattr(dataset, "__len__"):
+            raise ValueError(
+                f"{name} is an IterableDataset; {trainer} tokenises the whole dataset first. Materialise it "
+                "(datasets.Dataset.from_list(list(stream)))."
+            )
+        if len(dataset) == 0:
+            raise ValueError(f"{name} is empty; pass a dataset with at least one {item}.")
+        check_first(name, dataset)
 
 
 def refuse_logit_hooks(trainer: str, logged: str, **hooks: Any) -> None:

@@ -7,11 +7,11 @@ metrics). The loss is ``cpo/losses.cpo_loss`` for ``args.loss_type``.
 
 from __future__ import annotations
 
-from posttrain.core.pairs import StepCounts
 from posttrain.cpo import losses
 from posttrain.cpo.config import CPOConfig
 from posttrain.dpo.losses import PairLogps
 from posttrain.orpo.trainer import ReferenceFreeTrainer
+from posttrain.pairs.trainer import StepCounts
 
 __all__ = ["CPOTrainer"]
 

@@ -124,7 +124,7 @@ def detect_preference_format(column_names: Sequence[str], first_row: Row) -> str
             f"{columns}. Preference training needs 'chosen' and 'rejected' columns (and optionally 'prompt'): "
             "rename yours, e.g. dataset.rename_column('response_a', 'chosen')." + hint
         )
-    _pair_kind(extract_prompt(first_row, 0), 0)
+    pair_kind(extract_prompt(first_row, 0), 0)
     return "explicit" if "prompt" in columns else "implicit"
 
 
@@ -142,7 +142,7 @@ def _is_empty(value: Any) -> bool:
     return value is None or (isinstance(value, (str, Sequence)) and len(value) == 0)
 
 
-def _pair_kind(row: Row, index: int | None) -> str:
+def pair_kind(row: Row, index: int | None) -> str:
     """Check a row's ``prompt`` (when present), ``chosen`` and ``rejected``; return their kind.
 
     Raises:
@@ -209,7 +209,7 @@ def extract_prompt(row: Row, index: int | None = None) -> dict[str, Any]:
     if row.get("prompt") is not None:
         return dict(row)
     pair = {c: row.get(c) for c in COMPLETION_COLUMNS}
-    kind = _pair_kind(pair, index)
+    kind = pair_kind(pair, index)
     chosen, rejected = pair["chosen"], pair["rejected"]
     if kind == "standard":
         cut = min(common_prefix_length(chosen, rejected), len(chosen) - 1, len(rejected) - 1)
@@ -319,7 +319,7 @@ def tokenize_pair(
 def _encode_pair(row: Row, opts: _Options, index: int | None) -> dict[str, Any]:
     """The untruncated ``prompt_ids`` / ``chosen_ids`` / ``rejected_ids`` of a row, ref columns carried."""
     row = extract_prompt(row, index)
-    kind = _pair_kind(row, index)
+    kind = pair_kind(row, index)
     if kind == "standard":
         prompt_ids, sides = _encode_standard(row, opts)
     else:

@@ -26,13 +26,13 @@ from accelerate.utils import gather
 from transformers import PreTrainedModel, TrainerCallback
 
 from posttrain.core.batch import Sequences
-from posttrain.core.pairs import PairBatch, PairTrainer, StepCounts, check_pair_columns
 from posttrain.core.trainer import refuse_logit_hooks
 from posttrain.data import preference
 from posttrain.dpo import losses
 from posttrain.dpo.config import DPOConfig
 from posttrain.models import reference as model_options
 from posttrain.ops.logprobs import RowScores, score_rows
+from posttrain.pairs.trainer import PairBatch, PairTrainer, StepCounts, check_pair_columns
 
 __all__ = ["DPOTrainer"]
 

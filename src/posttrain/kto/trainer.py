@@ -29,7 +29,7 @@ from accelerate.utils import gather
 from transformers import PreTrainedModel, TrainerCallback
 
 from posttrain.core.batch import Sequences
-from posttrain.core.trainer import BaseTrainer, refuse_logit_hooks
+from posttrain.core.trainer import BaseTrainer, check_offline_datasets, refuse_logit_hooks
 from posttrain.data import unpaired
 from posttrain.data.unpaired import UnpairedBatch
 from posttrain.kto import losses
@@ -109,11 +109,7 @@ class KTOTrainer(BaseTrainer):
         self._apply_pad_token(args.pad_token)
         self._aux_loss_coef = model_options.set_router_aux_loss_coef(self.model, args.router_aux_loss_coef)
         self.loss_spec = losses.LOSS_TYPES[args.loss_type]
-        self.train_dataset = self._prepare(self.train_dataset)
-        if isinstance(self.eval_dataset, dict):
-            self.eval_dataset = {k: self._prepare(v) for k, v in self.eval_dataset.items()}
-        elif self.eval_dataset is not None:
-            self.eval_dataset = self._prepare(self.eval_dataset)
+        self._map_datasets(self._prepare)
         self._warn_on_imbalance()
         self.ref_model = self._offline_reference(ref_model)
         if args.precompute_ref_log_probs:
@@ -337,17 +333,10 @@ class KTOTrainer(BaseTrainer):
 
 def _check_datasets(train_dataset: Any, eval_dataset: Any) -> None:
     """The datasets' columns, first rows and labels, before any model is loaded."""
-    evals = eval_dataset.items() if isinstance(eval_dataset, dict) else [("eval_dataset", eval_dataset)]
-    for name, dataset in [("train_dataset", train_dataset), *evals]:
-        if dataset is None:
-            continue
-        if not hasattr(dataset, "__len__"):
-            raise ValueError(
-                f"{name} is an IterableDataset; KTOTrainer tokenises the whole dataset first. Materialise it "
-                "(datasets.Dataset.from_list(list(stream)))."
-            )
-        if len(dataset) == 0:
-            raise ValueError(f"{name} is empty; pass a dataset with at least one example.")
+
+    def first_row(name: str, dataset: Any) -> None:
         columns = list(getattr(dataset, "column_names", None) or dataset[0])
         if unpaired.detect_unpaired_format(columns, dataset[0]) == "unpaired":
             unpaired.check_labels(unpaired.column_values(dataset, "label"), name)
+
+    check_offline_datasets("KTOTrainer", train_dataset, eval_dataset, "example", first_row)

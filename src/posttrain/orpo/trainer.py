@@ -14,7 +14,7 @@ the step's chosen completion tokens, both over every process (``StepCounts``), s
 accumulation and several processes give the update of one large batch.
 
 The pair batches, their move to the device, the step's counts and the rewards/logps/logits
-metrics are the core's (``core/pairs.py``, shared with DPO).
+metrics are ``pairs/trainer.py``'s (shared with DPO).
 """
 
 from __future__ import annotations
@@ -27,13 +27,13 @@ from accelerate.utils import gather
 from transformers import PreTrainedModel, TrainerCallback
 
 from posttrain.core.batch import Sequences
-from posttrain.core.pairs import PairBatch, PairTrainer, StepCounts, check_pair_columns
 from posttrain.core.trainer import refuse_logit_hooks
 from posttrain.dpo.losses import PairLogps
 from posttrain.models import reference as model_options
 from posttrain.ops.logprobs import RowScores, score_rows
 from posttrain.orpo import losses
 from posttrain.orpo.config import ORPOConfig, ReferenceFreeConfig
+from posttrain.pairs.trainer import PairBatch, PairTrainer, StepCounts, check_pair_columns
 
 __all__ = ["ORPOTrainer", "ReferenceFreeTrainer"]
 

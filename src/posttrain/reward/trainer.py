@@ -39,10 +39,10 @@ from accelerate.utils import gather
 from transformers import PreTrainedModel, TrainerCallback, set_seed
 
 from posttrain.core.batch import Pairs, Sequences
-from posttrain.core.trainer import BaseTrainer
+from posttrain.core.trainer import BaseTrainer, check_offline_datasets
 from posttrain.data import chat
 from posttrain.data.packing import collate_padded
-from posttrain.data.preference import _pair_kind
+from posttrain.data.preference import pair_kind
 from posttrain.data.sft import (
     check_messages,
     row_label,
@@ -51,6 +51,7 @@ from posttrain.data.sft import (
     to_messages,
     with_eos,
 )
+from posttrain.models import loading
 from posttrain.models import peft as peft_utils
 from posttrain.ops import checkpointing
 from posttrain.reward import losses
@@ -152,17 +153,11 @@ class RewardTrainer(BaseTrainer):
         )
         self._apply_pad_token(args.pad_token)
         if args.chat_template_path is not None:
-            from posttrain.sft.templates import apply_chat_template_path
-
-            apply_chat_template_path(args.chat_template_path, self._tokenizer, self.model)
+            loading.apply_chat_template_path(args.chat_template_path, self._tokenizer, self.model)
         self._eos_token = self._resolve_eos_token(args.eos_token)
         self._set_model_pad_token()
         _check_trainable_head(self.model)
-        self.train_dataset = self._prepare(self.train_dataset)
-        if isinstance(self.eval_dataset, dict):
-            self.eval_dataset = {k: self._prepare(v) for k, v in self.eval_dataset.items()}
-        elif self.eval_dataset is not None:
-            self.eval_dataset = self._prepare(self.eval_dataset)
+        self._map_datasets(self._prepare)
 
     # ---- setup ---------------------------------------------------------------------------------
 
@@ -358,17 +353,8 @@ def _check_trainable_head(model: torch.nn.Module) -> None:
 
 def _check_datasets(train_dataset: Any, eval_dataset: Any) -> None:
     """The datasets' columns and first rows, before any model is loaded."""
-    evals = eval_dataset.items() if isinstance(eval_dataset, dict) else [("eval_dataset", eval_dataset)]
-    for name, dataset in [("train_dataset", train_dataset), *evals]:
-        if dataset is None:
-            continue
-        if not hasattr(dataset, "__len__"):
-            raise ValueError(
-                f"{name} is an IterableDataset; RewardTrainer tokenises the whole dataset first. Materialise it "
-                "(datasets.Dataset.from_list(list(stream)))."
-            )
-        if len(dataset) == 0:
-            raise ValueError(f"{name} is empty; pass a dataset with at least one preference pair.")
+
+    def first_row(name: str, dataset: Any) -> None:
         columns = list(getattr(dataset, "column_names", None) or dataset[0])
         if not all(c in columns for c in TOKENISED_COLUMNS) and not all(c in columns for c in TEXT_COLUMNS):
             raise ValueError(
@@ -378,13 +364,15 @@ def _check_datasets(train_dataset: Any, eval_dataset: Any) -> None:
             )
         _tokenize_row(dataset[0], None, None, 0, check_only=True)
 
+    check_offline_datasets("RewardTrainer", train_dataset, eval_dataset, "preference pair", first_row)
+
 
 def _text_row(row: Mapping[str, Any], index: int) -> tuple[str, dict[str, Any]]:
     """The row's ``prompt`` (unless ``None``), ``chosen`` and ``rejected``, and their kind (checked)."""
     values = {
         c: row[c] for c in ("prompt", *TEXT_COLUMNS) if c in row and (c != "prompt" or row[c] is not None)
     }
-    return _pair_kind(values, index), values
+    return pair_kind(values, index), values
 
 
 def _margin(row: Mapping[str, Any], index: int) -> float:

@@ -1,4 +1,5 @@
-"""The chat template SFT trains with: ``chat_template_path``, and the markers ``assistant_only_loss`` needs.
+"""The chat template SFT trains with: the markers ``assistant_only_loss`` needs (``chat_template_path``
+is ``models.loading.apply_chat_template_path``, shared with reward models).
 
 Both run once, before the dataset is tokenised, and change the tokenizer the trainer holds (so
 the saved tokenizer renders conversations the way the model was trained on them).
@@ -6,86 +7,11 @@ the saved tokenizer renders conversations the way the model was trained on them)
 
 from __future__ import annotations
 
-import os
 import warnings
 from typing import Any
 
 from posttrain.agents import templates
 from posttrain.data import chat
-from posttrain.models import peft as peft_utils
-
-TEMPLATE_SUFFIXES = (".jinja", ".j2")
-
-
-def apply_chat_template_path(path: str, tokenizer: Any, model: Any) -> list[str]:
-    """Give ``tokenizer`` the chat template found at ``path``.
-
-    ``path`` is a Jinja file (``.jinja`` / ``.j2``), or a tokenizer (local folder or hub id)
-    whose template is taken. From a tokenizer, its special tokens that the template writes and
-    this tokenizer lacks are added (the model's embeddings grow to match) and its EOS token
-    becomes this tokenizer's EOS (the turn end the template writes), as a model trained on that
-    template must learn to stop with it.
-
-    Args:
-        path: the template file, or the tokenizer to take it from.
-        tokenizer: the tokenizer to change.
-        model: the policy (resized when tokens are added).
-
-    Returns:
-        The tokens added.
-
-    Raises:
-        ValueError: an unreadable path, a source without a template, or new tokens for a PEFT
-            model (whose embeddings the adapter cannot grow).
-    """
-    if os.path.isfile(path):
-        if not path.endswith(TEMPLATE_SUFFIXES):
-            raise ValueError(
-                f"chat_template_path={path!r} is a file but not a Jinja template; give a '.jinja' (or '.j2') file, "
-                "or a tokenizer folder or hub id whose chat template to use."
-            )
-        with open(path, encoding="utf-8") as handle:
-            tokenizer.chat_template = handle.read()
-        return []
-    source = _load_source(path)
-    template = getattr(source, "chat_template", None)
-    if not template:
-        raise ValueError(
-            f"The tokenizer at chat_template_path={path!r} has no chat template. Point it at a tokenizer with one, "
-            "or at a '.jinja' file."
-        )
-    texts = template.values() if isinstance(template, dict) else [template]
-    needed = [
-        t for t in source.get_added_vocab() if any(t in text for text in texts) or t == source.eos_token
-    ]
-    missing = [t for t in needed if t not in tokenizer.get_vocab()]
-    if missing and peft_utils.is_peft_model(model):
-        raise ValueError(
-            f"The chat template of {path!r} writes tokens this tokenizer lacks ({missing}); adding them grows the "
-            "embeddings, which a PEFT adapter cannot train. Add the tokens and resize the base model before "
-            "wrapping it (model.resize_token_embeddings), or use a template written with the existing tokens."
-        )
-    if missing:
-        tokenizer.add_tokens(missing, special_tokens=True)
-        model.resize_token_embeddings(len(tokenizer))
-    tokenizer.chat_template = template
-    if source.eos_token and source.eos_token != tokenizer.eos_token:
-        tokenizer.eos_token = source.eos_token
-        if getattr(model, "generation_config", None) is not None:
-            model.generation_config.eos_token_id = tokenizer.eos_token_id
-    return missing
-
-
-def _load_source(path: str) -> Any:
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError) as exc:
-        raise ValueError(
-            f"chat_template_path={path!r} is neither a '.jinja' file nor a tokenizer that could be loaded ({exc}). "
-            "Give a template file, a local tokenizer folder, or a hub id."
-        ) from exc
 
 
 def ensure_generation_markers(tokenizer: Any, template_override: str | None = None) -> str | None:

@@ -25,6 +25,7 @@ from transformers import PreTrainedModel, TrainerCallback
 from posttrain.core.batch import Sequences
 from posttrain.core.trainer import BaseTrainer, refuse_logit_hooks
 from posttrain.data import packing, sft
+from posttrain.models import loading
 from posttrain.models import reference as model_options
 from posttrain.ops.logprobs import sequence_token_stats
 from posttrain.sft import losses
@@ -117,7 +118,7 @@ class SFTTrainer(BaseTrainer):
         self._check_attention()
         self._apply_pad_token(args.pad_token)
         if args.chat_template_path is not None:
-            chat_templates.apply_chat_template_path(args.chat_template_path, self._tokenizer, self.model)
+            loading.apply_chat_template_path(args.chat_template_path, self._tokenizer, self.model)
         if needs_markers:
             chat_templates.ensure_generation_markers(self._tokenizer)
         self._aux_loss_coef = model_options.set_router_aux_loss_coef(self.model, args.router_aux_loss_coef)

@@ -15,7 +15,7 @@ import torch
 from accelerate.utils import gather
 
 from posttrain.core.batch import Pairs, Sequences
-from posttrain.core.trainer import BaseTrainer
+from posttrain.core.trainer import BaseTrainer, check_offline_datasets
 from posttrain.data import preference
 
 
@@ -65,11 +65,7 @@ class PairTrainer(BaseTrainer):
 
     def _prepare_pair_datasets(self) -> None:
         """Tokenise the train and eval datasets (``data/preference.py``) with the config's limits."""
-        self.train_dataset = self._prepare_pairs(self.train_dataset)
-        if isinstance(self.eval_dataset, dict):
-            self.eval_dataset = {k: self._prepare_pairs(v) for k, v in self.eval_dataset.items()}
-        elif self.eval_dataset is not None:
-            self.eval_dataset = self._prepare_pairs(self.eval_dataset)
+        self._map_datasets(self._prepare_pairs)
 
     def _prepare_pairs(self, dataset: Any) -> Any:
         a = self.args
@@ -170,16 +166,9 @@ def check_pair_columns(trainer: str, train_dataset: Any, eval_dataset: Any) -> N
     """
     if train_dataset is None:
         raise ValueError(f"{trainer} needs a train_dataset of preference pairs (chosen, rejected).")
-    evals = eval_dataset.items() if isinstance(eval_dataset, dict) else [("eval_dataset", eval_dataset)]
-    for name, dataset in [("train_dataset", train_dataset), *evals]:
-        if dataset is None:
-            continue
-        if not hasattr(dataset, "__len__"):
-            raise ValueError(
-                f"{name} is an IterableDataset; {trainer} tokenises the whole dataset first. Materialise it "
-                "(datasets.Dataset.from_list(list(stream)))."
-            )
-        if len(dataset) == 0:
-            raise ValueError(f"{name} is empty; pass a dataset with at least one preference pair.")
+
+    def first_row(name: str, dataset: Any) -> None:
         columns = list(getattr(dataset, "column_names", None) or dataset[0])
         preference.detect_preference_format(columns, dataset[0])
+
+    check_offline_datasets(trainer, train_dataset, eval_dataset, "preference pair", first_row)

@@ -1,0 +1,1 @@
+"""The trainers on preference pairs share ``PairTrainer`` (``pairs/trainer.py``)."""
