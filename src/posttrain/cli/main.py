@@ -29,9 +29,13 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from posttrain.cli.cpo import cpo
 from posttrain.cli.dpo import dpo
 from posttrain.cli.grpo import grpo
+from posttrain.cli.kto import kto
 from posttrain.cli.options import CLIError, did_you_mean, one_paragraph
+from posttrain.cli.orpo import orpo
+from posttrain.cli.reward import reward
 from posttrain.cli.sft import sft
 
 #: Packages ``posttrain env`` reports, by distribution name.
@@ -115,6 +119,10 @@ COMMANDS: dict[str, Callable[[list[str]], Any]] = {
     "grpo": grpo,
     "sft": sft,
     "dpo": dpo,
+    "kto": kto,
+    "orpo": orpo,
+    "cpo": cpo,
+    "reward": reward,
     "env": env,
     "plot": plot,
     "report": report,
@@ -132,8 +140,9 @@ def usage() -> str:
         "",
         "`posttrain COMMAND --help` lists a command's flags (`posttrain grpo --help`: every GRPOConfig field).",
         "With no flags, `posttrain grpo` trains the embedded SmolLM2-135M-Instruct on the built-in arithmetic task,",
-        "`posttrain sft` fine-tunes it on worked arithmetic answers and `posttrain dpo` aligns it on arithmetic",
-        "preference pairs (both: held-out accuracy before and after).",
+        "`posttrain sft` fine-tunes it on worked arithmetic answers, `posttrain dpo`, `kto`, `orpo` and `cpo` align",
+        "it on arithmetic preference pairs (all: held-out accuracy before and after), and `posttrain reward` trains",
+        "it as a reward model on the same pairs (held-out pairwise accuracy before and after).",
     ]
     return "\n".join(lines)
 
