@@ -32,6 +32,7 @@ from datasets import Dataset
 from posttrain import DPOConfig, DPOTrainer
 from posttrain.cli import dpo as dpo_cli
 from posttrain.cli.options import parse_config
+from posttrain.cli.training import PairTaskScriptArguments
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes" / "dpo"
 INDEX_PATH = Path(os.environ.get("POSTTRAIN_PAPER_INDEX", "/work/shared/spec/paper-index.pt.txt"))
@@ -471,7 +472,7 @@ def test_recipe_is_read_by_the_cli(name, tmp_path):
     """``posttrain dpo --config`` takes every recipe; the recipe's values win over the CLI's defaults."""
     script, config = parse_config(
         ["--config", str(_path(name)), "--output_dir", str(tmp_path), "--use_cpu", "--bf16", "false"],
-        dpo_cli.DPOScriptArguments,
+        PairTaskScriptArguments,
         DPOConfig,
         command="dpo",
         summary="Align with DPO on preference pairs.",

@@ -46,6 +46,7 @@ from posttrain.cli import kto as kto_cli
 from posttrain.cli import orpo as orpo_cli
 from posttrain.cli import reward as reward_cli
 from posttrain.cli.options import parse_config
+from posttrain.cli.training import PairTaskScriptArguments
 
 RECIPES_ROOT = Path(__file__).resolve().parent.parent / "recipes"
 INDEX_PATH = Path(os.environ.get("POSTTRAIN_PAPER_INDEX", "/work/shared/spec/paper-index.pt.txt"))
@@ -61,9 +62,9 @@ class Family(NamedTuple):
 
 
 FAMILIES: dict[str, Family] = {
-    "kto": Family(KTOConfig, KTOTrainer, kto_cli, kto_cli.KTOScriptArguments),
-    "orpo": Family(ORPOConfig, ORPOTrainer, orpo_cli, orpo_cli.ORPOScriptArguments),
-    "cpo": Family(CPOConfig, CPOTrainer, cpo_cli, cpo_cli.CPOScriptArguments),
+    "kto": Family(KTOConfig, KTOTrainer, kto_cli, PairTaskScriptArguments),
+    "orpo": Family(ORPOConfig, ORPOTrainer, orpo_cli, PairTaskScriptArguments),
+    "cpo": Family(CPOConfig, CPOTrainer, cpo_cli, PairTaskScriptArguments),
     "reward": Family(RewardConfig, RewardTrainer, reward_cli, reward_cli.RewardScriptArguments),
 }
 

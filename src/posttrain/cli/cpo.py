@@ -1,6 +1,6 @@
 """``posttrain cpo``: Contrastive Preference Optimization (and SimPO, AlphaPO) from the command line.
 
-Every ``CPOConfig`` field is a flag, next to the :class:`CPOScriptArguments` below;
+Every ``CPOConfig`` field is a flag, next to the ``cli.training.PairTaskScriptArguments``;
 ``--loss_type simpo`` and ``--loss_type alphapo`` select SimPO and AlphaPO. With no arguments
 it trains the embedded SmolLM2-135M-Instruct with the CPO loss (sigmoid, plus the chosen
 completions' NLL) on the built-in arithmetic preference pairs
@@ -12,54 +12,31 @@ accuracy before and after (100 fixed problems the pairs never contain, greedy), 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
-from posttrain.cli.options import parse_config
-from posttrain.cli.training import TaskScriptArguments, builtin_task_accuracy, run_training, task_dataset
+from posttrain.cli.training import (
+    build_task_trainer,
+    builtin_task_accuracy,
+    laptop_defaults,
+    run_training,
+)
 
 # Settings of the no-argument run: a real CPO job that ends within minutes on a laptop CPU.
-LAPTOP_DEFAULTS: dict[str, Any] = {
-    "output_dir": "cpo-smollm2-arithmetic",
-    "max_steps": 30,
-    "per_device_train_batch_size": 8,
-    "learning_rate": 5e-6,
-    "lr_scheduler_type": "constant",
-    "loss_type": "sigmoid",
-    "beta": 0.1,
-    "max_length": 512,
-    "logging_steps": 5,
-    "save_steps": 30,
-    "save_total_limit": 1,
-    "gradient_checkpointing": False,
-    "report_to": "none",
-}
-
-
-@dataclass
-class CPOScriptArguments(TaskScriptArguments):
-    """What to train on, besides the ``CPOConfig`` flags (see ``TaskScriptArguments``)."""
-
-    task_seed: int = field(default=2, metadata={"help": "Seed of the built-in preference pairs."})
+LAPTOP_DEFAULTS: dict[str, Any] = laptop_defaults("cpo", 5e-6, loss_type="sigmoid", beta=0.1)
 
 
 def _build_cpo(argv: list[str]) -> tuple[Any, Any]:
     """Parse ``argv`` and build the trainer; every error here is a configuration error."""
-    from posttrain import CPOConfig, CPOTrainer
     from posttrain.data.tasks import arithmetic_preference_dataset
 
-    script, config = parse_config(
+    return build_task_trainer(
         argv,
-        CPOScriptArguments,
-        CPOConfig,
         command="cpo",
         summary="Align with CPO, SimPO or AlphaPO on preference pairs, without a reference model.",
+        trainer="CPOTrainer",
+        builtin=arithmetic_preference_dataset,
         defaults=LAPTOP_DEFAULTS,
     )
-    dataset = task_dataset(script, arithmetic_preference_dataset)
-    trainer = CPOTrainer(model=script.model_name_or_path, args=config, train_dataset=dataset)
-    trainer.builtin_task = script.dataset_name is None and script.evaluate
-    return trainer, config
 
 
 def cpo(argv: list[str]) -> Any:
