@@ -283,8 +283,6 @@ def test_bad_configs_fail_when_the_config_is_built(tmp_path):
         DPOConfig(
             output_dir=str(tmp_path), loss_type="sft", precompute_ref_log_probs=True, use_cpu=True, bf16=False
         )
-    with pytest.raises(NotImplementedError, match="padding_free"):
-        DPOConfig(output_dir=str(tmp_path), padding_free=True, use_cpu=True, bf16=False)
 
 
 def test_missing_columns_fail_before_the_model_loads(tmp_path, tok):

@@ -1,7 +1,8 @@
 """Typed, neutral batch containers shared by generation, agents and every trainer.
 
 ``Sequences`` (tokens and a loss mask, what SFT trains on), ``Pairs`` (a chosen and a rejected
-``Sequences`` sharing their prompts, what preference methods train on) and ``Rollout``
+``Sequences`` sharing their prompts, what preference methods train on), ``PromptRows`` (rows
+split into prompt and completion, to score a shared prompt once) and ``Rollout``
 (prompts and sampled completions with the sampler's log-probs, what online methods score).
 No module here imports a trainer family. Shapes: ``N`` rows, ``L`` tokens per row, ``P``
 prompt tokens (left padded), ``T`` completion tokens (right padded).
@@ -76,6 +77,27 @@ class Pairs:
             cat(c.attention_mask, r.attention_mask),
             cat(c.position_ids, r.position_ids),
         )
+
+
+@dataclass
+class PromptRows:
+    """Rows split at the end of their prompts: the layout that runs a shared prompt once.
+
+    Attributes:
+        prompt_ids: [N, P] prompts, left padded (rows may repeat a prompt: a pair's two sides).
+        prompt_mask: [N, P] 1 on real prompt tokens.
+        completion_ids: [N, T] completions, right padded.
+        completion_mask: [N, T] 1 on the completion tokens that are targets.
+    """
+
+    prompt_ids: torch.Tensor
+    prompt_mask: torch.Tensor
+    completion_ids: torch.Tensor
+    completion_mask: torch.Tensor
+
+    def to(self, device: torch.device | str) -> PromptRows:
+        return PromptRows(*(t.to(device) for t in (self.prompt_ids, self.prompt_mask, self.completion_ids,
+                                                   self.completion_mask)))  # fmt: skip
 
 
 @dataclass

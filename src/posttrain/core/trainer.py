@@ -44,6 +44,10 @@ from posttrain.observe.metrics import MetricStore
 from posttrain.ops import checkpointing, memory, sac
 
 REFERENCE_STATE = "reference_model.pt"
+PACKABLE_ATTENTION = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")
+"""Attention implementations that keep packed sequences apart (a 4-D mask, or varlen kernels)."""
+VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3")
+"""Attention implementations that read packed sequences from ``position_ids`` (no mask)."""
 
 
 class BaseTrainer(Trainer):
@@ -145,6 +149,26 @@ class BaseTrainer(Trainer):
     def _tokenizer(self) -> Any:
         """The text tokenizer (a processor's ``tokenizer``, or the processing class itself)."""
         return getattr(self.processing_class, "tokenizer", self.processing_class)
+
+    @property
+    def _varlen_attention(self) -> bool:
+        """Whether the model's attention reads packed sequences from their positions (flash-attention)."""
+        return getattr(self.model.config, "_attn_implementation", None) in VARLEN_ATTENTION
+
+    def _check_packable_attention(self, options: str) -> None:
+        """Refuse, at construction, an attention that would let packed sequences attend to each other.
+
+        Args:
+            options: the options that pack sequences, as the message names them.
+        """
+        impl = getattr(self.model.config, "_attn_implementation", None)
+        if impl not in PACKABLE_ATTENTION:
+            raise ValueError(
+                f"{options} put several sequences in one row, but the model's attention "
+                f"implementation {impl!r} would let them attend to each other. Load the model with "
+                f"attn_implementation in {list(PACKABLE_ATTENTION)} (model_init_kwargs), or set "
+                f"{' and '.join(f'{o}=False' for o in options.split('/'))}."
+            )
 
     def _apply_pad_token(self, pad_token: str | None) -> None:
         """The deprecated ``pad_token`` option of the offline configs: the tokenizer's pad token, before tokenising."""

@@ -68,9 +68,9 @@ from typing import Any
 
 import torch
 
-from posttrain.core.batch import Pairs, Sequences
+from posttrain.core.batch import Pairs, PromptRows, Sequences
 from posttrain.data import chat
-from posttrain.data.packing import collate_padded
+from posttrain.data.packing import collate_packed, collate_padded
 from posttrain.data.sft import (
     check_messages,
     common_prefix_length,
@@ -80,6 +80,7 @@ from posttrain.data.sft import (
     to_messages,
     with_eos,
 )
+from posttrain.ops.padding import left_pad, right_pad
 
 PREFERENCE_FORMATS = ("explicit", "implicit")
 TRUNCATION_MODES = ("keep_start", "keep_end")
@@ -580,6 +581,54 @@ def collate_pairs(rows: Sequence[Row], pad_token_id: int, pad_to_multiple_of: in
     if pad_to_multiple_of:
         width = -(-width // pad_to_multiple_of) * pad_to_multiple_of
     return Pairs(*(_widen(s, width, pad_token_id) for s in sides))
+
+
+def _sides(rows: Sequence[Row]) -> list[tuple[list[int], list[int]]]:
+    """Every (prompt, completion) of the rows: the chosen sides, then the rejected sides."""
+    return [
+        (list(row["prompt_ids"]), list(row[column]))
+        for column in ("chosen_ids", "rejected_ids")
+        for row in rows
+    ]
+
+
+def collate_pair_prompts(rows: Sequence[Row], pad_token_id: int) -> PromptRows:
+    """The pairs split at their prompts: ``[2N, P]`` left-padded prompts and ``[2N, T]`` completions.
+
+    Row ``i`` and row ``N + i`` are pair ``i``'s chosen and rejected sides (``Pairs.stacked``'s
+    order) and carry the same prompt, so ``ops.logprobs.score_completions`` runs it once.
+
+    Args:
+        rows: dicts with ``prompt_ids``, ``chosen_ids`` and ``rejected_ids``.
+        pad_token_id: the padding token.
+    """
+    sides = _sides(rows)
+    prompt_ids, prompt_mask = left_pad([p for p, _ in sides], pad_token_id)
+    completions = [c for _, c in sides]
+    completion_ids = right_pad(completions, pad_token_id, torch.long)
+    completion_mask = right_pad([[1] * len(c) for c in completions], 0, torch.long)
+    return PromptRows(prompt_ids, prompt_mask, completion_ids, completion_mask)
+
+
+def collate_pairs_packed(
+    rows: Sequence[Row], pad_token_id: int, pad_to_multiple_of: int | None = None
+) -> Sequences:
+    """Every side of the pairs laid end to end in one row ``[1, S]`` (padding-free batches).
+
+    The order is ``Pairs.stacked``'s (chosen sides, then rejected sides); positions restart at
+    every sequence and no sequence's first token is a target (``data/packing.collate_packed``).
+    Each sequence's length is its row's in the padded batch (``attention_mask.sum(1)``), which
+    ``ops.logprobs.unpack_scores`` takes to cut the scores back into rows.
+
+    Args:
+        rows: dicts with ``prompt_ids``, ``chosen_ids`` and ``rejected_ids``.
+        pad_token_id: fills the ``pad_to_multiple_of`` tail.
+        pad_to_multiple_of: round the row up to a multiple of this.
+    """
+    sequences = [{"input_ids": p + c, "loss_mask": [0] * len(p) + [1] * len(c)} for p, c in _sides(rows)]
+    return collate_packed(
+        sequences, flatten=True, pad_token_id=pad_token_id, pad_to_multiple_of=pad_to_multiple_of
+    )
 
 
 def _widen(batch: Sequences, width: int, pad_token_id: int) -> Sequences:

@@ -9,7 +9,7 @@ loss types and f-divergences come from the loss table of ``dpo/losses.py``.
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from posttrain.core.config import OfflineConfig, Rule, UnbuiltOption, choice_rules, optional, positive_int
+from posttrain.core.config import OfflineConfig, Rule, choice_rules, optional, positive_int
 from posttrain.dpo import losses
 
 __all__ = ["DPOConfig"]
@@ -25,15 +25,6 @@ _RULES: tuple[Rule, ...] = OfflineConfig._rules + (
     Rule("discopop_tau", lambda v: isinstance(v, (int, float)) and v > 0, "a positive number", "set discopop_tau to a positive number such as 0.05"),
 ) + choice_rules(CHOICES)
 # fmt: on
-
-UNBUILT_OPTIONS: dict[str, UnbuiltOption] = {
-    "padding_free": UnbuiltOption(
-        False,
-        "padding-free preference batches",
-        "Set padding_free=False (the reference also falls back to padding here).",
-        True,
-    ),
-}
 
 
 @dataclass
@@ -56,8 +47,11 @@ class DPOConfig(OfflineConfig):
     Data:
         truncation_mode (`str`, defaults to `"keep_start"`): `"keep_start"` keeps the start of
             prompt + completion; `"keep_end"` is deprecated (as in the reference).
-        padding_free (`bool`, defaults to `False`): Not built yet (`NotImplementedError`); the
-            reference silently pads instead.
+        padding_free (`bool`, defaults to `False`): Lay a batch's sequences end to end in one
+            row, without padding, when the model's attention is flash-attention (varlen); with
+            eager or SDPA attention the batch keeps its prompts-once layout (a block mask over one
+            packed row would cost more than the padding). The losses are the same either way. The
+            reference warns and pads instead.
 
     Reference:
         precompute_ref_log_probs (`bool`, defaults to `False`): Score the training pairs with
@@ -90,7 +84,6 @@ class DPOConfig(OfflineConfig):
     """
 
     _rules: ClassVar[tuple[Rule, ...]] = _RULES
-    _unbuilt: ClassVar[dict[str, UnbuiltOption]] = UNBUILT_OPTIONS
 
     learning_rate: float = field(
         default=1e-6, metadata={"help": "Initial learning rate of the optimizer (AdamW by default)."}
@@ -101,7 +94,9 @@ class DPOConfig(OfflineConfig):
     truncation_mode: str = field(
         default="keep_start", metadata={"help": "'keep_start' ('keep_end' is deprecated)."}
     )
-    padding_free: bool = field(default=False, metadata={"help": "Padding-free batches (not built yet)."})
+    padding_free: bool = field(
+        default=False, metadata={"help": "Padding-free batches (with flash-attention)."}
+    )
     precompute_ref_log_probs: bool = field(
         default=False, metadata={"help": "Score the pairs with the reference once, before training."}
     )

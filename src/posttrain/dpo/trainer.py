@@ -3,9 +3,10 @@
 One step, per micro-batch of N pairs:
 
 ```
-rows   = chosen + rejected stacked into one [2N, L] batch        # one forward, prompt included
-stats  = sequence_token_stats(policy, rows)                      # ops/logprobs: chunked, no [2N, L, V]
-logps  = sum of completion-token log-probs per row (LD-DPO: ld_logps)
+sides  = chosen + rejected, 2N sequences in one forward         # pairs/trainer._score_pairs: each
+                                                                 # prompt once, or packed (padding_free)
+stats  = chunked completion log-probs                            # ops/logprobs: no [2N, L, V] logits
+logps  = sum of completion-token log-probs per side (LD-DPO: ld_logps)
 ref    = the same under the reference (a copy, the adapters-off base, or precomputed columns)
 loss   = dpo_loss(PairLogps(...), loss_type, ...)                # dpo/losses.py: one pure table
 ```
@@ -31,7 +32,7 @@ from posttrain.data import preference
 from posttrain.dpo import losses
 from posttrain.dpo.config import DPOConfig
 from posttrain.models import reference as model_options
-from posttrain.ops.logprobs import RowScores, score_rows
+from posttrain.ops.logprobs import RowScores
 from posttrain.pairs.trainer import PairBatch, PairTrainer, StepCounts, check_pair_columns
 
 __all__ = ["DPOTrainer"]
@@ -110,6 +111,8 @@ class DPOTrainer(PairTrainer):
             args.use_weighting,
         )
         self._bco = losses.RunningMean() if "bco_pair" in self.loss_types else None
+        if args.padding_free:
+            self._check_packable_attention("padding_free")
         self._prepare_pair_datasets()
         needed = DPOConfig.uses_reference(self.loss_types) and not _has_ref_columns(self.train_dataset)
         self.ref_model = self._offline_reference(ref_model) if needed else None
@@ -133,7 +136,7 @@ class DPOTrainer(PairTrainer):
         rejected: list[float] = []
         for start in range(0, len(rows), size):
             batch = self._prepare_inputs(self._collate(rows[start : start + size]))
-            ref = self._reference_scores(batch.pairs.stacked())
+            ref = self._reference_scores(batch)
             n = batch.num_pairs
             chosen += ref[:n].tolist()
             rejected += ref[n:].tolist()
@@ -141,11 +144,11 @@ class DPOTrainer(PairTrainer):
 
     # ---- scoring -------------------------------------------------------------------------------
 
-    def _score(self, model: torch.nn.Module, rows: Sequences, train: bool) -> RowScores:
-        """Per-row completion log-probs of a stacked batch, with what the metrics and WPO need."""
+    def _score(self, model: torch.nn.Module, inputs: PairBatch, train: bool) -> RowScores:
+        """Per-side completion log-probs (chosen sides first), with what the metrics and WPO need."""
         with self._offloading() if train else contextlib.nullcontext():
-            scores = score_rows(
-                model, rows, with_metrics=train, with_log_sq_norm=train and self.args.use_weighting
+            scores = self._score_pairs(
+                model, inputs, with_metrics=train, with_log_sq_norm=train and self.args.use_weighting
             )
         if self.args.ld_alpha is not None:
             scores.logps = self._ld_logps(scores)
@@ -158,10 +161,10 @@ class DPOTrainer(PairTrainer):
         return losses.ld_logps(scores.token_logps, scores.mask, public, self.args.ld_alpha)
 
     @torch.no_grad()
-    def _reference_scores(self, rows: Sequences) -> torch.Tensor:
+    def _reference_scores(self, inputs: PairBatch) -> torch.Tensor:
         """[2N] the reference's completion log-probs (LD-weighted like the policy's)."""
         with self._as_reference() as reference:
-            return self._score(reference, rows, train=False).logps
+            return self._score(reference, inputs, train=False).logps
 
     # ---- loss ----------------------------------------------------------------------------------
 
@@ -181,9 +184,9 @@ class DPOTrainer(PairTrainer):
             raise ValueError("DPOTrainer.compute_loss does not return model outputs (no logits are built).")
         train = model.training
         rows = inputs.pairs.stacked()
-        scores = self._score(model, rows, train=True)
+        scores = self._score(model, inputs, train=True)
         n = inputs.num_pairs
-        ref = self._reference_for(inputs, rows)
+        ref = self._reference_for(inputs)
         step: StepCounts | None = num_items_in_batch if train else None
         # sft's share: the micro-batch's chosen log-probs over the step's chosen tokens, once the
         # pair share below (n / step pairs) is applied
@@ -217,13 +220,13 @@ class DPOTrainer(PairTrainer):
         self._record("train" if train else "eval", scores, out, rows, n)
         return loss
 
-    def _reference_for(self, inputs: PairBatch, rows: Sequences) -> torch.Tensor | None:
+    def _reference_for(self, inputs: PairBatch) -> torch.Tensor | None:
         """[2N] reference log-probs: precomputed columns, else scored now; ``None`` when unused."""
         if not DPOConfig.uses_reference(self.loss_types):
             return None
         if inputs.ref_chosen is not None:
             return torch.cat([inputs.ref_chosen, inputs.ref_rejected]).to(torch.float32)
-        return self._reference_scores(rows)
+        return self._reference_scores(inputs)
 
     def _wpo_weights(self, scores: RowScores, n: int) -> torch.Tensor | None:
         """WPO: ``w_chosen * w_rejected`` per pair (no gradient), when ``use_weighting``."""

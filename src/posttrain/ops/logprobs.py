@@ -95,40 +95,73 @@ def completion_logps(
     Returns:
         A ``PolicyOutput``.
     """
+    inputs = _row_inputs(prompt_ids, prompt_mask, completion_ids, completion_mask)
+    if chunk_size is not None:
+        found = _completion_hidden(
+            model, inputs, prompt_ids, prompt_mask, completion_ids, completion_mask, share_prompts
+        )
+        if found is not None:
+            out, predicting = found
+            return _stats_output(
+                model, out, predicting, completion_ids, temperature, with_entropy, entropy_grad, chunk_size
+            )
+    return _naive_output(model, inputs, completion_ids, temperature, with_entropy, entropy_grad)
+
+
+def _row_inputs(
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+) -> dict[str, Any]:
+    """The model inputs of the ``[prompt | completion]`` rows, positions counted over real tokens."""
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [B, P + T]
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)  # [B, P + T]
-    inputs = {
+    return {
         "input_ids": input_ids,
         "attention_mask": attention_mask,
         "position_ids": position_ids_from_mask(attention_mask),
         "use_cache": False,
     }
-    if chunk_size is not None and chunked.supports_chunked(model):
-        groups = None
-        if share_prompts and shared_prefix.supported(model):
-            groups = shared_prefix.prompt_groups(prompt_ids, prompt_mask)
-        rows, width = completion_ids.shape
-        if groups is not None:  # each distinct prompt once, then the completions after it
-            prompt_width = groups.ids.shape[1]
-            forwards = [
-                (groups.ids.shape[0], prompt_width, prompt_width),
-                (rows, width, prompt_width + width),
-            ]
-        else:
-            forwards = [(rows, input_ids.shape[1], input_ids.shape[1])]
-        with sparse_tied_embedding_grad(model), checkpointing.within_gradient_budget(model, forwards):
-            if groups is not None:
-                out, hidden, predicting = shared_prefix.hidden_states(
-                    model, groups, completion_ids, completion_mask
-                )
-            else:
-                out, hidden = chunked.run_with_hidden(model, **inputs)  # [B, P + T, H]
-                predicting = hidden[:, -(completion_ids.shape[1] + 1) : -1]  # position t predicts token t
-        if chunked.logits_match_head(model, out, hidden):  # checked once per model
-            return _stats_output(
-                model, out, predicting, completion_ids, temperature, with_entropy, entropy_grad, chunk_size
+
+
+def _completion_hidden(
+    model: torch.nn.Module,
+    inputs: dict[str, Any],
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+    share_prompts: bool,
+) -> tuple[Any, torch.Tensor] | None:
+    """The forward's output and the [B, T, H] final hidden states that predict the completion tokens.
+
+    Each distinct prompt runs once when ``share_prompts`` and the model supports it
+    (``ops/shared_prefix.py``). ``None`` when the chunked path does not apply to ``model`` (the
+    caller then takes the model's own logits).
+    """
+    if not chunked.supports_chunked(model):
+        return None
+    groups = None
+    if share_prompts and shared_prefix.supported(model):
+        groups = shared_prefix.prompt_groups(prompt_ids, prompt_mask)
+    rows, width = completion_ids.shape
+    if groups is not None:  # each distinct prompt once, then the completions after it
+        prompt_width = groups.ids.shape[1]
+        forwards = [(groups.ids.shape[0], prompt_width, prompt_width), (rows, width, prompt_width + width)]
+    else:
+        forwards = [(rows, inputs["input_ids"].shape[1], inputs["input_ids"].shape[1])]
+    with sparse_tied_embedding_grad(model), checkpointing.within_gradient_budget(model, forwards):
+        if groups is not None:
+            out, hidden, predicting = shared_prefix.hidden_states(
+                model, groups, completion_ids, completion_mask
             )
-    return _naive_output(model, inputs, completion_ids, temperature, with_entropy, entropy_grad)
+        else:
+            out, hidden = chunked.run_with_hidden(model, **inputs)  # [B, P + T, H]
+            predicting = hidden[:, -(width + 1) : -1]  # position t predicts token t
+    if not chunked.logits_match_head(model, out, hidden):  # checked once per model
+        return None
+    return out, predicting
 
 
 @dataclass
@@ -194,19 +227,10 @@ def sequence_token_stats(
         with sparse_tied_embedding_grad(model), checkpointing.within_gradient_budget(model, forwards):
             out, hidden = chunked.run_with_hidden(model, **inputs)  # [N, L, H]
         if chunked.logits_match_head(model, out, hidden):  # checked once per model
-            head = chunked.causal_lm(model).get_output_embeddings()
-            stats = chunked.token_stats(
-                chunked.head_input(model, hidden[:, :-1]), head.weight, head.bias, targets, 1.0, chunk_size,
-                with_entropy, False, with_top=with_top,
+            return _stats_from_hidden(
+                model, out, hidden[:, :-1], targets, chunk_size, with_entropy, with_top, with_logit_mean,
+                with_log_sq_norm,
             )  # fmt: skip
-            top = stats[2] if with_top else None
-            result = SequenceStats(stats[0], stats[1], top, getattr(out, "aux_loss", None))
-            if with_logit_mean or with_log_sq_norm:
-                h = chunked.head_input(model, hidden[:, :-1]).detach()
-                result.logit_mean, result.log_sq_norm = _head_summaries(
-                    h, head.weight, head.bias, chunk_size, with_logit_mean, with_log_sq_norm
-                )
-            return result
     out = model(**inputs)
     logits = out.logits[:, :-1, :].float()  # [N, L - 1, V]
     logps = selective_log_softmax(logits, targets)
@@ -221,6 +245,31 @@ def sequence_token_stats(
             result.logit_mean = logits.mean(dim=-1)
         if with_log_sq_norm:
             result.log_sq_norm = torch.logsumexp(2 * logits, dim=-1) - 2 * torch.logsumexp(logits, dim=-1)
+    return result
+
+
+def _stats_from_hidden(
+    model: torch.nn.Module,
+    out: Any,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    chunk_size: int,
+    with_entropy: bool,
+    with_top: bool,
+    with_logit_mean: bool,
+    with_log_sq_norm: bool,
+) -> SequenceStats:
+    """``SequenceStats`` of ``targets`` [N, T] from the final hidden states [N, T, H] that predict them."""
+    head = chunked.causal_lm(model).get_output_embeddings()
+    h = chunked.head_input(model, hidden)
+    stats = chunked.token_stats(
+        h, head.weight, head.bias, targets, 1.0, chunk_size, with_entropy, False, with_top=with_top
+    )
+    result = SequenceStats(stats[0], stats[1], stats[2] if with_top else None, getattr(out, "aux_loss", None))
+    if with_logit_mean or with_log_sq_norm:
+        result.logit_mean, result.log_sq_norm = _head_summaries(
+            h.detach(), head.weight, head.bias, chunk_size, with_logit_mean, with_log_sq_norm
+        )
     return result
 
 
@@ -379,3 +428,97 @@ def score_rows(
     )
     mask = rows.loss_mask[:, 1:].to(stats.logps.dtype)  # [N, L - 1]
     return RowScores((stats.logps * mask).sum(dim=1), mask.sum(dim=1), stats.logps, mask, stats)
+
+
+def score_completions(
+    model: torch.nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+    *,
+    with_metrics: bool = False,
+    with_log_sq_norm: bool = False,
+    chunk_size: int | None = chunked.DEFAULT_CHUNK_SIZE,
+) -> RowScores:
+    """Score completions after their prompts, each distinct prompt run through the model once.
+
+    The preference trainers' rows share prompts in pairs (a chosen and a rejected completion of
+    each); where ``ops/shared_prefix.py`` supports the model, the prompt's forward, backward and
+    recomputation happen once per pair instead of twice. Elsewhere the ``[prompt | completion]``
+    rows are scored whole. The scores are in the completions' layout: ``token_logps[:, t]`` is
+    completion token ``t``'s log-prob and ``mask`` is ``completion_mask``.
+
+    Args:
+        model: the policy or a reference.
+        prompt_ids: [N, P] left-padded prompts; prompt_mask: [N, P].
+        completion_ids: [N, T] right-padded completions; completion_mask: [N, T] 1 on targets.
+        with_metrics: also entropy, top log-prob and mean logit per position (no gradient).
+        with_log_sq_norm: also ``log sum_v p_v^2`` per position (WPO).
+        chunk_size: as in ``sequence_token_stats``; ``None`` forces full logits (whole rows).
+    """
+    inputs = _row_inputs(prompt_ids, prompt_mask, completion_ids, completion_mask)
+    found = None
+    if chunk_size is not None:
+        found = _completion_hidden(
+            model, inputs, prompt_ids, prompt_mask, completion_ids, completion_mask, share_prompts=True
+        )
+    if found is not None:
+        out, predicting = found
+        stats = _stats_from_hidden(
+            model, out, predicting, completion_ids, chunk_size, with_metrics, with_metrics, with_metrics,
+            with_log_sq_norm,
+        )  # fmt: skip
+    else:
+        whole = sequence_token_stats(
+            model, inputs["input_ids"], inputs["attention_mask"], inputs["position_ids"],
+            with_entropy=with_metrics, with_top=with_metrics, chunk_size=chunk_size,
+            with_logit_mean=with_metrics, with_log_sq_norm=with_log_sq_norm,
+        )  # fmt: skip
+        start = prompt_ids.shape[1] - 1  # position P - 1 predicts completion token 0
+
+        def cut(t: torch.Tensor | None) -> torch.Tensor | None:
+            return t[:, start:] if t is not None else None
+
+        stats = SequenceStats(
+            whole.logps[:, start:], cut(whole.entropy), cut(whole.top), whole.aux_loss,
+            cut(whole.logit_mean), cut(whole.log_sq_norm),
+        )  # fmt: skip
+    mask = completion_mask.to(stats.logps.dtype)
+    return RowScores((stats.logps * mask).sum(dim=1), mask.sum(dim=1), stats.logps, mask, stats)
+
+
+def unpack_scores(scores: RowScores, lengths: torch.Tensor) -> RowScores:
+    """Per-sequence ``RowScores`` of sequences packed end to end in one row.
+
+    Args:
+        scores: the scores of a packed batch ``[1, S]`` (``score_rows`` on a row whose
+            ``position_ids`` restart at every sequence): per-token fields are ``[1, S - 1]``.
+        lengths: [K] the tokens of each packed sequence, in order (their sum is at most ``S``;
+            what follows is padding).
+
+    Returns:
+        ``RowScores`` with ``[K]`` sums and ``[K, max(lengths) - 1]`` per-token fields, laid out as
+        if each sequence were its own right-padded row (position ``t`` scores token ``t + 1``).
+        Gradients flow back to the packed log-probs.
+    """
+    if scores.token_logps.shape[0] != 1:
+        raise ValueError(f"unpack_scores takes one packed row, got {scores.token_logps.shape[0]} rows.")
+    device = scores.token_logps.device
+    lengths = lengths.to(device=device, dtype=torch.long)
+    starts = torch.cumsum(lengths, dim=0) - lengths  # [K]
+    width = max(int(lengths.max()) - 1, 1)
+    offsets = torch.arange(width, device=device)
+    inside = offsets[None, :] < (lengths[:, None] - 1)  # [K, W]: positions scoring a token of the sequence
+    index = torch.where(inside, starts[:, None] + offsets[None, :], 0)  # [K, W] into the packed positions
+
+    def take(t: torch.Tensor | None) -> torch.Tensor | None:
+        return t[0][index] if t is not None else None
+
+    mask = take(scores.mask) * inside.to(scores.mask.dtype)
+    token_logps = take(scores.token_logps)
+    s = scores.stats
+    stats = SequenceStats(
+        take(s.logps), take(s.entropy), take(s.top), s.aux_loss, take(s.logit_mean), take(s.log_sq_norm)
+    )
+    return RowScores((token_logps * mask).sum(dim=1), mask.sum(dim=1), token_logps, mask, stats)

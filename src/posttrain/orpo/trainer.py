@@ -4,8 +4,8 @@ Also ``ReferenceFreeTrainer``, what ORPO and CPO share (``CPOTrainer`` extends i
 per micro-batch of N pairs:
 
 ```
-rows   = chosen + rejected stacked into one [2N, L] batch        # one forward, prompt included
-scores = score_rows(policy, rows)                                # ops/logprobs: chunked, no [2N, L, V]
+scores = self._score_pairs(policy, batch)   # the 2N sides in one forward, each prompt once
+                                            # (pairs/trainer.py): chunked, no [2N, L, V] logits
 out    = the family's loss(PairLogps(ℓ, n), step's pairs and chosen tokens)   # orpo/ or cpo/losses.py
 ```
 
@@ -30,7 +30,7 @@ from posttrain.core.batch import Sequences
 from posttrain.core.trainer import refuse_logit_hooks
 from posttrain.dpo.losses import PairLogps
 from posttrain.models import reference as model_options
-from posttrain.ops.logprobs import RowScores, score_rows
+from posttrain.ops.logprobs import RowScores
 from posttrain.orpo import losses
 from posttrain.orpo.config import ORPOConfig, ReferenceFreeConfig
 from posttrain.pairs.trainer import PairBatch, PairTrainer, StepCounts, check_pair_columns
@@ -153,7 +153,7 @@ class ReferenceFreeTrainer(PairTrainer):
             )
         rows = inputs.pairs.stacked()
         with self._offloading():
-            scores = score_rows(model, rows, with_metrics=True)
+            scores = self._score_pairs(model, inputs, with_metrics=True)
         n = inputs.num_pairs
         logps = PairLogps(
             scores.logps[:n],

@@ -1,9 +1,19 @@
 """What every trainer on preference pairs shares (DPO, ORPO, CPO; online DPO to come).
 
 ``PairTrainer`` holds the pair data path (tokenising with ``data/preference.py``, collation into
-a ``PairBatch``, the move to the device), the optimizer step's denominators over every process
-(``StepCounts``: pairs and chosen completion tokens) and the reference's pair metrics
-(``rewards/*``, ``logps/*``, ``logits/*`` and the per-token ones). A family adds its loss.
+a ``PairBatch``, the move to the device), the scoring of a batch's two sides in one forward
+(``_score_pairs``), the optimizer step's denominators over every process (``StepCounts``: pairs
+and chosen completion tokens) and the reference's pair metrics (``rewards/*``, ``logps/*``,
+``logits/*`` and the per-token ones). A family adds its loss.
+
+Scoring takes one of three layouts of the same ``2N`` sequences, with equal results:
+
+- prompts once (the default): ``[2N, P]`` prompts and ``[2N, T]`` completions; where
+  ``ops/shared_prefix.py`` supports the model, each pair's prompt runs through the model once
+  for both sides (``ops.logprobs.score_completions``); elsewhere the rows are scored whole;
+- packed (``padding_free=True`` with a flash-attention kernel): the ``2N`` sequences end to end
+  in one ``[1, S]`` row, no padding at all (``ops.logprobs.unpack_scores`` cuts the scores back);
+- the stacked right-padded rows ``[2N, L]`` (``Pairs.stacked``), what the metrics count.
 """
 
 from __future__ import annotations
@@ -14,9 +24,10 @@ from typing import Any
 import torch
 from accelerate.utils import gather
 
-from posttrain.core.batch import Pairs, Sequences
+from posttrain.core.batch import Pairs, PromptRows, Sequences
 from posttrain.core.trainer import BaseTrainer, check_offline_datasets
-from posttrain.data import preference
+from posttrain.data import packing, preference
+from posttrain.ops.logprobs import RowScores, score_completions, score_rows, unpack_scores
 
 
 @dataclass
@@ -27,11 +38,16 @@ class PairBatch:
         pairs: the chosen and the rejected rows (prompt + completion, right padded).
         ref_chosen: [N] precomputed reference log-probs of the chosen completions, if any.
         ref_rejected: [N] the same for the rejected completions.
+        prompts: the ``2N`` sides split at their prompts (chosen sides first), to score each
+            prompt once; ``None`` when the batch is packed.
+        packed: the ``2N`` sides end to end in one row (``padding_free``), else ``None``.
     """
 
     pairs: Pairs
     ref_chosen: torch.Tensor | None = None
     ref_rejected: torch.Tensor | None = None
+    prompts: PromptRows | None = None
+    packed: Sequences | None = None
 
     @property
     def num_pairs(self) -> int:
@@ -84,10 +100,26 @@ class PairTrainer(BaseTrainer):
         """The token that pads the batches (the tokenizer's)."""
         return self._tokenizer.pad_token_id
 
+    @property
+    def _packs_pairs(self) -> bool:
+        """``padding_free`` with a flash-attention kernel: the batch's sequences in one row.
+
+        With eager or SDPA attention one packed row would need a block-diagonal mask over all its
+        tokens, costlier than the padding it saves; those keep the prompts-once layout (same
+        results).
+        """
+        return bool(getattr(self.args, "padding_free", False)) and self._varlen_attention
+
     def _collate(self, rows: list[dict[str, Any]]) -> PairBatch:
-        pairs = preference.collate_pairs(rows, self._pad_token_id(), self.args.pad_to_multiple_of)
+        pad = self._pad_token_id()
+        pairs = preference.collate_pairs(rows, pad, self.args.pad_to_multiple_of)
         ref = preference.collate_ref_logps(rows)
-        return PairBatch(pairs, *(ref if ref is not None else (None, None)))
+        batch = PairBatch(pairs, *(ref if ref is not None else (None, None)))
+        if self._packs_pairs:
+            batch.packed = preference.collate_pairs_packed(rows, pad, self.args.pad_to_multiple_of)
+        else:
+            batch.prompts = preference.collate_pair_prompts(rows, pad)
+        return batch
 
     def _prepare_inputs(self, inputs: PairBatch) -> PairBatch:  # type: ignore[override]
         device = self.accelerator.device
@@ -96,7 +128,42 @@ class PairTrainer(BaseTrainer):
             return Sequences(s.input_ids.to(device), s.loss_mask.to(device), s.attention_mask.to(device))
 
         ref = [t.to(device) if t is not None else None for t in (inputs.ref_chosen, inputs.ref_rejected)]
-        return PairBatch(Pairs(move(inputs.pairs.chosen), move(inputs.pairs.rejected)), *ref)
+        out = PairBatch(Pairs(move(inputs.pairs.chosen), move(inputs.pairs.rejected)), *ref)
+        if inputs.prompts is not None:
+            out.prompts = inputs.prompts.to(device)
+        if inputs.packed is not None:
+            p = inputs.packed
+            mask = p.attention_mask
+            if mask is None and not self._varlen_attention:  # the sequences kept apart by a block mask
+                mask = packing.packed_attention_mask(p.position_ids, self.model.dtype)
+            out.packed = Sequences(
+                p.input_ids.to(device), p.loss_mask.to(device), mask.to(device) if mask is not None else None,
+                p.position_ids.to(device),
+            )  # fmt: skip
+        return out
+
+    # ---- scoring -------------------------------------------------------------------------------
+
+    def _score_pairs(
+        self, model: torch.nn.Module, inputs: PairBatch, *, with_metrics: bool, with_log_sq_norm: bool = False
+    ) -> RowScores:
+        """``RowScores`` of the batch's ``2N`` sides (chosen first) in the batch's layout.
+
+        The per-token fields' layout depends on it (completion columns, or whole-row columns);
+        every use goes through ``mask``, so the sums, LD-DPO, WPO and the metrics do not.
+        """
+        kwargs = {"with_metrics": with_metrics, "with_log_sq_norm": with_log_sq_norm}
+        if inputs.packed is not None:
+            lengths = torch.cat(
+                [inputs.pairs.chosen.attention_mask, inputs.pairs.rejected.attention_mask]
+            ).sum(1)
+            return unpack_scores(score_rows(model, inputs.packed, **kwargs), lengths)
+        if inputs.prompts is not None:
+            p = inputs.prompts
+            return score_completions(
+                model, p.prompt_ids, p.prompt_mask, p.completion_ids, p.completion_mask, **kwargs
+            )
+        return score_rows(model, inputs.pairs.stacked(), **kwargs)
 
     def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> StepCounts:
         """The pairs and chosen completion tokens of the optimizer step's micro-batches, over every process."""

@@ -37,8 +37,6 @@ if TYPE_CHECKING:
 
 #: Attention implementations that keep packed sequences apart: by the block mask posttrain
 #: builds from the position ids (eager, sdpa), or by the position ids themselves (flash).
-_PACKABLE_ATTENTION = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")
-_VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3")
 
 
 class SFTTrainer(BaseTrainer):
@@ -191,23 +189,10 @@ class SFTTrainer(BaseTrainer):
         mask = row.get("completion_mask") or row.get("assistant_masks") or [1] * len(ids)
         return {"input_ids": ids, "loss_mask": [0, *list(mask)[1:]]}
 
-    @property
-    def _varlen_attention(self) -> bool:
-        return getattr(self.model.config, "_attn_implementation", None) in _VARLEN_ATTENTION
-
     def _check_attention(self) -> None:
         """Packed rows need an attention that keeps their sequences apart."""
-        a = self.args
-        if not (a.packing or a.padding_free):
-            return
-        impl = getattr(self.model.config, "_attn_implementation", None)
-        if impl not in _PACKABLE_ATTENTION:
-            raise ValueError(
-                f"packing/padding_free put several sequences in one row, but the model's attention "
-                f"implementation {impl!r} would let them attend to each other. Load the model with "
-                f"attn_implementation in {list(_PACKABLE_ATTENTION)} (model_init_kwargs), or set packing=False "
-                "and padding_free=False."
-            )
+        if self.args.packing or self.args.padding_free:
+            self._check_packable_attention("packing/padding_free")
 
     def _prepare_inputs(self, inputs: Any) -> Sequences:  # type: ignore[override]
         device = self.accelerator.device

@@ -1,0 +1,219 @@
+"""The three layouts that score a batch of preference pairs give the same numbers.
+
+Prompts once (``score_completions``: each pair's prompt through the model once, the default),
+packed (``padding_free``: every side end to end in one row, ``unpack_scores``) and the stacked
+right-padded rows (``score_rows`` on ``Pairs.stacked``): log-probs, per-token fields and every
+parameter's gradient agree, and DPO trains to the same parameters.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from conftest import CHAT_TEMPLATE, build_tiny_model, build_tiny_tokenizer
+from datasets import Dataset
+from helpers import CPU_TEST_ARGS
+
+from posttrain import DPOConfig, DPOTrainer
+from posttrain.data import packing, preference
+from posttrain.ops import shared_prefix
+from posttrain.ops.logprobs import score_completions, score_rows, unpack_scores
+from posttrain.pairs.trainer import PairTrainer
+
+
+@pytest.fixture(scope="module")
+def tok():
+    t = build_tiny_tokenizer()
+    t.chat_template = CHAT_TEMPLATE
+    return t
+
+
+def token_rows(vocab: int, n: int = 3, seed: int = 0) -> list[dict[str, list[int]]]:
+    """Tokenised pairs of different prompt and completion lengths (what prepare_preference_dataset gives)."""
+    rng = random.Random(seed)
+
+    def ids(k: int) -> list[int]:
+        return [rng.randrange(3, vocab) for _ in range(k)]
+
+    return [
+        {"prompt_ids": ids(3 + 2 * i), "chosen_ids": ids(4 + i), "rejected_ids": ids(7 - 2 * i)}
+        for i in range(n)
+    ]
+
+
+def grads_of(model, loss) -> list[torch.Tensor]:
+    model.zero_grad()
+    loss.backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def check_same(a, b, model_a_grads, model_b_grads, atol=1e-5):
+    torch.testing.assert_close(a.logps, b.logps, rtol=1e-5, atol=atol)
+    torch.testing.assert_close(a.lengths, b.lengths)
+    for ga, gb in zip(model_a_grads, model_b_grads, strict=True):
+        torch.testing.assert_close(ga, gb, rtol=1e-4, atol=1e-6)
+
+
+def masked_tokens(scores) -> list[list[float]]:
+    """Each row's target log-probs in order, whatever the layout."""
+    return [scores.token_logps[i][scores.mask[i].bool()].tolist() for i in range(scores.mask.shape[0])]
+
+
+def test_prompts_once_equals_whole_rows_values_and_gradients(tok, monkeypatch):
+    model = build_tiny_model(tok)
+    rows = token_rows(len(tok))
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    stacked = preference.collate_pairs(rows, pad).stacked()
+    whole = score_rows(model, stacked, with_metrics=True)
+    whole_grads = grads_of(model, (whole.logps * torch.arange(1.0, 7.0)).sum())
+
+    calls = []
+    real = shared_prefix.hidden_states
+    monkeypatch.setattr(shared_prefix, "hidden_states", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
+    split = preference.collate_pair_prompts(rows, pad)
+    once = score_completions(
+        model,
+        split.prompt_ids,
+        split.prompt_mask,
+        split.completion_ids,
+        split.completion_mask,
+        with_metrics=True,
+    )
+    once_grads = grads_of(model, (once.logps * torch.arange(1.0, 7.0)).sum())
+
+    assert len(calls) == 1 and calls[0].ids.shape[0] == 3  # 3 distinct prompts for 6 sides
+    check_same(once, whole, once_grads, whole_grads)
+    for a, b in zip(masked_tokens(once), masked_tokens(whole), strict=True):
+        assert a == pytest.approx(b, abs=1e-5)
+    # the metrics' per-token fields line up with the targets in both layouts
+    for field in ("entropy", "top", "logit_mean"):
+        x, y = getattr(once.stats, field), getattr(whole.stats, field)
+        xs = [x[i][once.mask[i].bool()] for i in range(6)]
+        ys = [y[i][whole.mask[i].bool()] for i in range(6)]
+        for u, v in zip(xs, ys, strict=True):
+            torch.testing.assert_close(u, v, rtol=1e-5, atol=1e-5)
+
+
+def test_prompts_once_layout_without_the_shared_path_scores_whole_rows(tok):
+    model = build_tiny_model(tok)
+    rows = token_rows(len(tok), seed=1)
+    pad = tok.eos_token_id
+    whole = score_rows(model, preference.collate_pairs(rows, pad).stacked())
+    split = preference.collate_pair_prompts(rows, pad)
+    naive = score_completions(
+        model,
+        split.prompt_ids,
+        split.prompt_mask,
+        split.completion_ids,
+        split.completion_mask,
+        chunk_size=None,
+    )
+    torch.testing.assert_close(naive.logps, whole.logps, rtol=1e-5, atol=1e-5)
+    assert naive.token_logps.shape == split.completion_ids.shape
+
+
+def test_packed_sides_equal_padded_rows_values_and_gradients(tok):
+    model = build_tiny_model(tok)
+    rows = token_rows(len(tok), seed=2)
+    pad = tok.eos_token_id
+    pairs = preference.collate_pairs(rows, pad)
+    stacked = pairs.stacked()
+    padded = score_rows(model, stacked, with_metrics=True, with_log_sq_norm=True)
+    padded_grads = grads_of(model, (padded.logps * torch.arange(1.0, 7.0)).sum())
+
+    packed = preference.collate_pairs_packed(rows, pad, pad_to_multiple_of=16)
+    assert packed.input_ids.shape[0] == 1 and packed.input_ids.shape[1] % 16 == 0
+    packed.attention_mask = packing.packed_attention_mask(packed.position_ids)
+    lengths = stacked.attention_mask.sum(1)
+    unpacked = unpack_scores(score_rows(model, packed, with_metrics=True, with_log_sq_norm=True), lengths)
+    unpacked_grads = grads_of(model, (unpacked.logps * torch.arange(1.0, 7.0)).sum())
+
+    check_same(unpacked, padded, unpacked_grads, padded_grads)
+    for a, b in zip(masked_tokens(unpacked), masked_tokens(padded), strict=True):
+        assert a == pytest.approx(b, abs=1e-5)
+    for field in ("entropy", "log_sq_norm"):
+        x, y = getattr(unpacked.stats, field), getattr(padded.stats, field)
+        for i in range(6):
+            torch.testing.assert_close(
+                x[i][unpacked.mask[i].bool()], y[i][padded.mask[i].bool()], rtol=1e-5, atol=1e-5
+            )
+
+
+def test_unpack_scores_refuses_several_rows(tok):
+    model = build_tiny_model(tok)
+    stacked = preference.collate_pairs(token_rows(len(tok)), tok.eos_token_id).stacked()
+    with pytest.raises(ValueError, match="one packed row"):
+        unpack_scores(score_rows(model, stacked), torch.tensor([3, 4]))
+
+
+# ---- DPO end to end -----------------------------------------------------------------------------
+
+
+def pairs_dataset(n: int = 8) -> Dataset:
+    return Dataset.from_dict(
+        {
+            "prompt": [f"What is {i} plus {i}?" + " Think." * (i % 3) for i in range(n)],
+            "chosen": [f" <answer>{2 * i}</answer>" for i in range(n)],
+            "rejected": [f" {2 * i + 1}" + " and more" * (i % 4) for i in range(n)],
+        }
+    )
+
+
+def train_dpo(tmp_path, tok, layout: str, monkeypatch, **overrides) -> tuple[DPOTrainer, list[float]]:
+    with monkeypatch.context() as m:
+        if layout == "packed":  # flash-attention's choice, with the CPU block mask
+            m.setattr(PairTrainer, "_packs_pairs", property(lambda self: True))
+        if layout == "stacked":
+            real = PairTrainer._collate
+
+            def stacked_only(self, rows):
+                batch = real(self, rows)
+                batch.prompts = None
+                return batch
+
+            m.setattr(PairTrainer, "_collate", stacked_only)
+        args = DPOConfig(
+            **{
+                "output_dir": str(tmp_path / layout),
+                **CPU_TEST_ARGS,
+                "max_steps": 2,
+                "per_device_train_batch_size": 4,
+                "learning_rate": 1e-2,
+                "padding_free": layout == "packed",
+                **overrides,
+            }
+        )
+        trainer = DPOTrainer(
+            build_tiny_model(tok), args=args, train_dataset=pairs_dataset(), processing_class=tok
+        )
+        batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+        assert (batch.packed is not None) == (layout == "packed")
+        assert (batch.prompts is not None) == (layout == "once")
+        trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    return trainer, losses
+
+
+@pytest.mark.parametrize("overrides", [{}, {"use_weighting": True, "ld_alpha": 0.5}])
+def test_dpo_trains_to_the_same_parameters_in_every_layout(tmp_path, tok, monkeypatch, overrides):
+    runs = {
+        layout: train_dpo(tmp_path, tok, layout, monkeypatch, **overrides)
+        for layout in ("stacked", "once", "packed")
+    }
+    base_trainer, base_losses = runs["stacked"]
+    base = dict(base_trainer.model.named_parameters())
+    for layout in ("once", "packed"):
+        trainer, losses = runs[layout]
+        assert losses == pytest.approx(base_losses, rel=1e-5, abs=1e-6), layout
+        for name, p in trainer.model.named_parameters():
+            torch.testing.assert_close(p, base[name], rtol=1e-4, atol=1e-6, msg=f"{layout}: {name}")
+
+
+def test_padding_free_with_a_mixing_attention_is_refused(tmp_path, tok):
+    model = build_tiny_model(tok)
+    model.config._attn_implementation = "flex_attention"
+    args = DPOConfig(output_dir=str(tmp_path), **CPU_TEST_ARGS, padding_free=True)
+    with pytest.raises(ValueError, match="padding_free put several sequences in one row"):
+        DPOTrainer(model, args=args, train_dataset=pairs_dataset(), processing_class=tok)
