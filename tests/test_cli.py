@@ -53,7 +53,15 @@ def recorder(monkeypatch):
         def is_world_process_zero(self):
             return True
 
+        def add_callback(self, callback):
+            pass
+
+        def pop_callback(self, callback):
+            return None
+
     monkeypatch.setattr("posttrain.GRPOTrainer", Recorder)
+    # the built-in task's held-out accuracy, measured before and after training
+    monkeypatch.setattr("posttrain.cli.grpo.builtin_task_accuracy", lambda trainer: None)
     return captured
 
 
@@ -122,6 +130,7 @@ def test_grpo_flags_reach_the_config(tmp_path, tiny_model_dir, recorder):
             "--scale_rewards", "batch",
             "--generation_kwargs", json.dumps({"top_k": 5}),
             "--task_size", "40",
+            "--evaluate", "false",  # no held-out problem is left out of the 40 prompts
         ]
     )  # fmt: skip
     args = recorder["args"]
@@ -188,7 +197,9 @@ def test_yaml_config_sets_defaults_and_flags_win(tmp_path, tiny_model_dir, recor
 
 def test_yaml_config_sets_script_arguments(tmp_path, recorder):
     recipe = tmp_path / "recipe.yaml"
-    recipe.write_text("reward_funcs: [helpers.length_reward, answer_format_reward]\ntask_size: 24\n")
+    recipe.write_text(
+        "reward_funcs: [helpers.length_reward, answer_format_reward]\ntask_size: 24\nevaluate: false\n"
+    )
     main(["grpo", f"--config={recipe}", "--output_dir", str(tmp_path), "--use_cpu"])
     assert [f.__name__ for f in recorder["funcs"]] == ["length_reward", "answer_format_reward"]
     assert len(recorder["dataset"]) == 24

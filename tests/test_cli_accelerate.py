@@ -249,7 +249,15 @@ def recorder_like(monkeypatch):
         def is_world_process_zero(self):
             return True
 
+        def add_callback(self, callback):
+            pass
+
+        def pop_callback(self, callback):
+            return None
+
     monkeypatch.setattr("posttrain.GRPOTrainer", Recorder)
+    # the built-in task's held-out accuracy, measured before and after training
+    monkeypatch.setattr("posttrain.cli.grpo.builtin_task_accuracy", lambda trainer: None)
     return captured
 
 

@@ -14,7 +14,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from posttrain.cli.options import parse_config
-from posttrain.cli.training import TaskScriptArguments, builtin_task_accuracy, run_training, task_dataset
+from posttrain.cli.training import (
+    TaskScriptArguments,
+    builtin_heldout,
+    builtin_task_accuracy,
+    run_training,
+    task_dataset,
+)
 
 # Settings of the no-argument run: a real SFT job that ends within minutes on a laptop CPU.
 LAPTOP_DEFAULTS: dict[str, Any] = {
@@ -53,7 +59,7 @@ def _build_sft(argv: list[str]) -> tuple[Any, Any]:
 
     dataset = task_dataset(script, arithmetic_sft_dataset)
     trainer = SFTTrainer(model=script.model_name_or_path, args=config, train_dataset=dataset)
-    trainer.builtin_task = script.dataset_name is None and script.evaluate
+    trainer.heldout = builtin_heldout(script)
     return trainer, config
 
 

@@ -2,12 +2,14 @@
 
 A ``posttrain <trainer>`` command gives :func:`run_training` its name and a function that parses
 the arguments and builds the trainer; everything else (the accelerate relaunch, turning
-configuration errors into :class:`CLIError`, resuming, saving, the closing message, the end of
-the process group) is the same for every trainer.
+configuration errors into :class:`CLIError`, the compact console and ``log.jsonl``, the held-out
+measurement before and after, resuming, saving, the closing message, the end of the process
+group) is the same for every trainer.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +24,25 @@ Builder = Callable[[list[str]], tuple[Any, Any]]
 #: Measures the trained model on the command's task: ``evaluate(trainer) -> {"accuracy": ...}``,
 #: or ``None`` when the run has no built-in task to measure.
 Evaluator = Callable[[Any], "dict[str, float] | None"]
+
+#: The file in ``output_dir`` that receives every logged metric dict, one JSON object a line.
+LOG_FILE = "log.jsonl"
+
+
+@dataclass(frozen=True)
+class HeldOut:
+    """Held-out problems a command measures its model on before and after training.
+
+    A command's builder sets ``trainer.heldout`` to one (or ``None``: nothing to measure), and
+    :func:`builtin_task_accuracy` reads it.
+
+    Attributes:
+        problems: rows with ``prompt`` and ``solution`` (``data.tasks.arithmetic_heldout``).
+        max_new_tokens: the most tokens of a greedy completion.
+    """
+
+    problems: Any
+    max_new_tokens: int = 40
 
 
 @dataclass
@@ -114,7 +135,8 @@ def build_task_trainer(
         script_class: the command's script arguments.
 
     Returns:
-        ``(trainer, config)``; ``trainer.builtin_task`` says whether the held-out accuracy applies.
+        ``(trainer, config)``; ``trainer.heldout`` holds the problems the held-out accuracy is
+        measured on, or ``None``.
     """
     import posttrain
 
@@ -125,7 +147,7 @@ def build_task_trainer(
     )
     dataset = task_dataset(script, builtin)
     built = trainer_class(model=script.model_name_or_path, args=config, train_dataset=dataset)
-    built.builtin_task = script.dataset_name is None and script.evaluate
+    built.heldout = builtin_heldout(script)
     return built, config
 
 
@@ -138,18 +160,27 @@ def task_dataset(script: TaskScriptArguments, builtin: Callable[..., Any]) -> An
     return builtin(n=script.task_size, seed=script.task_seed)
 
 
-def builtin_task_accuracy(trainer: Any) -> dict[str, float] | None:
-    """The held-out accuracy of the built-in arithmetic task, greedy (none for a user's dataset)."""
-    if not getattr(trainer, "builtin_task", False):
+def builtin_heldout(script: TaskScriptArguments) -> HeldOut | None:
+    """The built-in task's held-out problems; ``None`` with a user's dataset or ``--evaluate false``."""
+    if script.dataset_name is not None or not script.evaluate:
         return None
     from posttrain.data.tasks import arithmetic_heldout
+
+    return HeldOut(arithmetic_heldout())
+
+
+def builtin_task_accuracy(trainer: Any) -> dict[str, float] | None:
+    """The greedy accuracy and ``<answer>`` format on ``trainer.heldout`` (none when it is ``None``)."""
+    heldout: HeldOut | None = getattr(trainer, "heldout", None)
+    if heldout is None:
+        return None
     from posttrain.rewards.evaluate import task_accuracy
 
     return task_accuracy(
         trainer.model,
         trainer._tokenizer,
-        arithmetic_heldout(),
-        max_new_tokens=40,
+        heldout.problems,
+        max_new_tokens=heldout.max_new_tokens,
         progress="held-out accuracy" if trainer.is_world_process_zero() else None,
     )
 
@@ -165,6 +196,9 @@ def run_training(command: str, argv: list[str], build: Builder, evaluate: Evalua
         evaluate: measures the model before and after training; the figures are printed and
             written to ``output_dir/accuracy.json``.
 
+    While it trains, each logging step prints one compact line (``observe.console``) instead of
+    transformers' metric dict, and the full dict goes to ``output_dir/log.jsonl``.
+
     Returns:
         The trainer, trained and saved to ``config.output_dir``.
 
@@ -176,6 +210,9 @@ def run_training(command: str, argv: list[str], build: Builder, evaluate: Evalua
         trainer, config = build(argv)
     except (ValueError, OSError, ImportError) as exc:
         raise CLIError(one_paragraph(exc)) from exc
+    from posttrain.observe.console import use_compact_console
+
+    use_compact_console(trainer, os.path.join(config.output_dir, LOG_FILE))
     before = evaluate(trainer) if evaluate is not None else None
     trainer.train(resume_from_checkpoint=_resume(config.resume_from_checkpoint))
     trainer.save_model(config.output_dir)
@@ -206,7 +243,6 @@ def _report_accuracy(
     if not main or after is None:
         return
     import json
-    import os
 
     os.makedirs(output_dir, exist_ok=True)
     with open(os.path.join(output_dir, "accuracy.json"), "w") as f:

@@ -209,9 +209,7 @@ def arithmetic_sft_dataset(n: int = 2000, seed: int = 1, few_shot: int = 0, **kw
         A dataset with the columns ``prompt``, ``completion`` and ``solution``.
     """
     data = arithmetic_dataset(n=n, seed=seed, conversational=True, few_shot=few_shot, **kwargs)
-    held_out = {p[-1]["content"] for p in arithmetic_heldout()["prompt"]}
-    keep = [i for i, p in enumerate(data["prompt"]) if p[-1]["content"] not in held_out]
-    data = data.select(keep)
+    data = without_problems(data, arithmetic_heldout())
     return data.map(
         lambda row: {
             "completion": [{"role": "assistant", "content": _worked_answer(row["prompt"], row["solution"])}]
@@ -262,14 +260,82 @@ def arithmetic_preference_dataset(n: int = 2000, seed: int = 2, few_shot: int = 
 HELDOUT_SEED, HELDOUT_SIZE = 20261201, 100
 
 
-def arithmetic_heldout(n: int = HELDOUT_SIZE, few_shot: int = 0) -> Dataset:
+def arithmetic_heldout(
+    n: int = HELDOUT_SIZE, few_shot: int = 0, distinct: bool = False, **kwargs: Any
+) -> Dataset:
     """A fixed set of held-out arithmetic problems to measure accuracy before and after training.
 
-    Drawn once with :data:`HELDOUT_SEED` (one operation on numbers up to 50, the system
-    message, ``few_shot`` worked examples: by default none, as in the SFT task); the SFT task
-    leaves these problems out of its training rows.
+    Drawn with :data:`HELDOUT_SEED` like :func:`arithmetic_dataset` (conversational): by default
+    one operation on numbers up to 50, the system message and ``few_shot`` worked examples (none,
+    as in the SFT task); ``kwargs`` change the drawing (``max_value=20, system_prompt=None``) so
+    that the problems look like a run's training prompts. The SFT and preference tasks leave the
+    default problems out of their training rows; :func:`without_problems` does it for others.
+
+    Args:
+        n: Number of problems.
+        few_shot: Worked examples before each problem.
+        distinct: If True, ``n`` different problems (the first ``n`` different ones of the seed's
+            draws); if False, the first ``n`` draws, which may repeat a problem (the offline
+            commands' measured figures use this set).
+        **kwargs: Passed to :func:`arithmetic_dataset` (``max_value``, ``system_prompt``, ...).
+
+    Returns:
+        A dataset with the columns ``prompt`` and ``solution``.
+
+    Raises:
+        ValueError: With ``distinct``, if the drawing options allow fewer than ``n`` different
+            problems.
     """
-    return arithmetic_dataset(n=n, seed=HELDOUT_SEED, conversational=True, few_shot=few_shot)
+    draws = n
+    while True:
+        data = arithmetic_dataset(
+            n=draws, seed=HELDOUT_SEED, conversational=True, few_shot=few_shot, **kwargs
+        )
+        if not distinct:
+            return data
+        first = _first_occurrences([arithmetic_question(p) for p in data["prompt"]])
+        if len(first) >= n:
+            return data.select(first[:n])
+        if draws >= 64 * n:
+            raise ValueError(
+                f"only {len(first)} different problems in {draws} draws of the held-out set, fewer than "
+                f"the {n} it needs; allow more problems (a larger max_value, more operations)"
+            )
+        draws *= 2
+
+
+def _first_occurrences(keys: Sequence[str]) -> list[int]:
+    """The index of the first occurrence of each different key, in order."""
+    seen: set[str] = set()
+    first = []
+    for index, key in enumerate(keys):
+        if key not in seen:
+            seen.add(key)
+            first.append(index)
+    return first
+
+
+def arithmetic_question(prompt: Any) -> str:
+    """The question of an arithmetic prompt, without the worked examples and system message.
+
+    Conversational: the last message's text. Standard: the text after the last ``Question: ``,
+    up to the ``Answer:`` paragraph that follows.
+    """
+    if isinstance(prompt, str):
+        question = prompt[prompt.rindex("Question: ") + len("Question: ") :]
+        return question.split("\n\nAnswer:", 1)[0]
+    return prompt[-1]["content"]
+
+
+def without_problems(data: Dataset, problems: Dataset) -> Dataset:
+    """The rows of ``data`` whose question is none of the questions of ``problems`` (order kept).
+
+    Leaves held-out problems out of a task's training rows. The questions are compared as
+    :func:`arithmetic_question` reads them, so worked examples and system messages may differ.
+    """
+    excluded = {arithmetic_question(p) for p in problems["prompt"]}
+    keep = [i for i, p in enumerate(data["prompt"]) if arithmetic_question(p) not in excluded]
+    return data.select(keep)
 
 
 #: The built-in tasks by name; each value returns a :class:`datasets.Dataset`.
@@ -307,6 +373,8 @@ __all__ = [
     "arithmetic_dataset",
     "arithmetic_heldout",
     "arithmetic_preference_dataset",
+    "arithmetic_question",
     "arithmetic_sft_dataset",
     "load_task",
+    "without_problems",
 ]

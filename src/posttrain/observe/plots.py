@@ -93,7 +93,7 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _eval_prefix(entry: dict[str, Any]) -> str | None:
+def eval_prefix(entry: dict[str, Any]) -> str | None:
     """The key prefix of an evaluation log entry (``eval_`` or ``eval_<dataset>_``), else None."""
     loss = next((k for k in entry if k.startswith("eval") and k.endswith("_loss")), None)
     if loss is not None:
@@ -116,7 +116,7 @@ def parse_log_history(log_history: Sequence[dict[str, Any]], source_file: Path |
         if not isinstance(entry, dict) or not _is_number(entry.get("step")):
             continue
         step = float(entry["step"])
-        prefix = _eval_prefix(entry)
+        prefix = eval_prefix(entry)
         source = TRAIN if prefix is None else prefix.rstrip("_")
         for key, value in entry.items():
             if key == "step" or not _is_number(value):
@@ -160,11 +160,16 @@ def load_history(run_dir: str | Path) -> History:
 
 @dataclass
 class Line:
-    """One curve: ``metric`` and, optionally, a ``band`` metric drawn as ±band around it."""
+    """One curve: ``metric`` and, optionally, a ``band`` metric drawn as ±band around it.
+
+    With ``smooth``, the training curve also gets its rolling mean (:func:`rolling_mean`) drawn
+    on top of the raw per-step values.
+    """
 
     metric: str
     label: str
     band: str | None = None
+    smooth: bool = False
 
 
 @dataclass
@@ -193,7 +198,7 @@ def _reward_names(metrics: set[str]) -> list[str]:
 
 def _rewards_panels(metrics: set[str]) -> list[Panel]:
     return [
-        Panel(name, [Line(f"rewards/{name}/mean", "mean ± std", f"rewards/{name}/std")])
+        Panel(name, [Line(f"rewards/{name}/mean", "mean ± std", f"rewards/{name}/std", smooth=True)])
         for name in _reward_names(metrics)
     ]
 
@@ -202,7 +207,7 @@ def _reward_panels(metrics: set[str]) -> list[Panel]:
     panels = []
     if "reward" in metrics:
         band = "reward_std" if "reward_std" in metrics else None
-        panels.append(Panel("reward", [Line("reward", "mean ± std" if band else "mean", band)]))
+        panels.append(Panel("reward", [Line("reward", "mean ± std" if band else "mean", band, smooth=True)]))
     if "reward_std" in metrics:
         panels.append(Panel("reward_std", [Line("reward_std", "std within the batch")]))
     return panels
@@ -256,6 +261,48 @@ def plan(history: History) -> list[tuple[Family, list[Panel]]]:
     return planned
 
 
+# ---- smoothing --------------------------------------------------------------------------------
+
+#: The widest rolling-mean window, in logged points.
+MAX_ROLLING_WINDOW = 10
+
+
+def rolling_window(num_points: int) -> int:
+    """The rolling-mean window for a curve of ``num_points`` logged steps.
+
+    A sixth of the points, at most :data:`MAX_ROLLING_WINDOW`: 10 for the 60 steps of the
+    default ``posttrain grpo`` run, 5 for 30; 1 (no smoothing) under 12 points.
+    """
+    return max(1, min(MAX_ROLLING_WINDOW, num_points // 6))
+
+
+def rolling_mean(values: Sequence[float], window: int) -> list[float]:
+    """The centred rolling mean of ``values``, one value per point.
+
+    Point ``i`` is the mean of ``values[i - window // 2 : i - window // 2 + window]``, the window
+    cut at both ends (so the first and last points average fewer values), with NaN values left
+    out; NaN where the window holds no number. Centred, the curve does not lag the raw values.
+
+    Args:
+        values: the raw per-step values.
+        window: points per window, at least 1 (1 returns the values unchanged).
+
+    Returns:
+        A list as long as ``values``.
+
+    Raises:
+        ValueError: ``window`` is below 1.
+    """
+    if window < 1:
+        raise ValueError(f"window must be at least 1, got {window}")
+    means = []
+    for index in range(len(values)):
+        start = max(0, index - window // 2)
+        numbers = [v for v in values[start : index - window // 2 + window] if not math.isnan(v)]
+        means.append(sum(numbers) / len(numbers) if numbers else math.nan)
+    return means
+
+
 # ---- drawing ----------------------------------------------------------------------------------
 
 
@@ -299,6 +346,18 @@ def _draw_panel(ax: Any, panel: Panel, history: History, title: bool) -> None:
             style = {"linestyle": "--", "marker": "o", "markersize": 3} if is_eval else {"linewidth": 1.5}
             if len(xs) == 1:
                 style["marker"] = "o"
+            window = rolling_window(len(ys)) if line.smooth and not is_eval else 1
+            if window > 1:  # the noisy raw values thin and faint, their rolling mean on top
+                style = {"linewidth": 0.8, "alpha": 0.45}
+                smooth = rolling_mean(ys, window)
+                ax.plot(
+                    xs,
+                    smooth,
+                    color=color,
+                    linewidth=2.2,
+                    zorder=3,
+                    label=f"rolling mean ({window} logged steps)",
+                )
             ax.plot(xs, ys, color=color, label=label, **style)
             band = history.series[source].get(line.band) if line.band else None
             if band:
