@@ -191,6 +191,10 @@ def train_dpo(tmp_path, tok, layout: str, monkeypatch, **overrides) -> tuple[DPO
         batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
         assert (batch.packed is not None) == (layout == "packed")
         assert (batch.prompts is not None) == (layout == "once")
+        if layout == "once":  # and the prompts are worth running once
+            from posttrain.pairs.trainer import PROMPTS_ONCE_MIN_SHARE, _prompt_share
+
+            assert _prompt_share(batch) >= PROMPTS_ONCE_MIN_SHARE
         trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     return trainer, losses
@@ -217,3 +221,63 @@ def test_padding_free_with_a_mixing_attention_is_refused(tmp_path, tok):
     args = DPOConfig(output_dir=str(tmp_path), **CPU_TEST_ARGS, padding_free=True)
     with pytest.raises(ValueError, match="padding_free put several sequences in one row"):
         DPOTrainer(model, args=args, train_dataset=pairs_dataset(), processing_class=tok)
+
+
+# ---- which layout, and the mask-free causal path ----------------------------------------------
+
+
+def test_right_padding_only_recognises_masks_the_causal_mask_can_replace(tok):
+    from posttrain.ops.logprobs import right_padding_only
+
+    model = build_tiny_model(tok)
+    assert right_padding_only(model, torch.tensor([[1, 1, 1], [1, 1, 0], [1, 0, 0]]))
+    assert not right_padding_only(model, torch.tensor([[0, 1, 1], [1, 1, 1]]))  # left padding
+    assert not right_padding_only(model, torch.tensor([[1, 0, 1]]))  # a hole
+    assert not right_padding_only(model, torch.ones(1, 1, 3, 3))  # a 4-D (packed) mask
+    model.config.num_local_experts = 4  # MoE: the router loss counts what the mask marks
+    assert not right_padding_only(model, torch.tensor([[1, 1, 0]]))
+
+
+def test_right_padded_rows_are_scored_without_the_mask_and_give_the_masked_targets(tok, monkeypatch):
+    from posttrain.ops import logprobs
+
+    model = build_tiny_model(tok)
+    rows = preference.collate_pairs(token_rows(len(tok), seed=3), tok.eos_token_id).stacked()
+    assert (rows.attention_mask == 0).any()  # the rows are padded
+    seen = []
+    hook = model.register_forward_pre_hook(
+        lambda m, a, kw: seen.append("attention_mask" in kw), with_kwargs=True
+    )
+    free = score_rows(model, rows, with_metrics=True)
+    free_grads = grads_of(model, free.logps.sum())
+    monkeypatch.setattr(logprobs, "right_padding_only", lambda model, mask: False)
+    masked = score_rows(model, rows, with_metrics=True)
+    masked_grads = grads_of(model, masked.logps.sum())
+    hook.remove()
+    assert seen == [False, True]
+    check_same(free, masked, free_grads, masked_grads)
+    for a, b in zip(masked_tokens(free), masked_tokens(masked), strict=True):
+        assert a == pytest.approx(b, abs=1e-5)
+
+
+def test_long_completions_after_short_prompts_take_the_stacked_rows(tmp_path, tok, monkeypatch):
+    from posttrain.pairs import trainer as pair_trainer
+
+    calls = []
+    real = pair_trainer.score_completions
+    monkeypatch.setattr(pair_trainer, "score_completions", lambda *a, **k: calls.append(1) or real(*a, **k))
+    long_answers = Dataset.from_dict(
+        {"prompt": ["1+1?"] * 4, "chosen": [" two" * 60] * 4, "rejected": [" three" * 60] * 4}
+    )
+    args = DPOConfig(output_dir=str(tmp_path / "long"), **CPU_TEST_ARGS)
+    trainer = DPOTrainer(build_tiny_model(tok), args=args, train_dataset=long_answers, processing_class=tok)
+    batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    assert pair_trainer._prompt_share(batch) < pair_trainer.PROMPTS_ONCE_MIN_SHARE
+    trainer.compute_loss(trainer.model, batch)
+    assert calls == []
+    short = trainer._prepare_inputs(trainer._collate([trainer.train_dataset[0]] * 2))
+    short.prompts.completion_mask[:, 1:] = 0  # one completion token per side: prompts dominate
+    short.prompts.completion_ids = short.prompts.completion_ids[:, :1]
+    short.prompts.completion_mask = short.prompts.completion_mask[:, :1]
+    trainer._score_pairs(trainer.model, short, with_metrics=False)
+    assert calls == [1]

@@ -217,9 +217,11 @@ def sequence_token_stats(
             states and the head's mean row, no ``[N, L, V]`` tensor).
         with_log_sq_norm: also ``log sum_v p_v^2`` of each position (no gradient; one more pass
             of the head over the positions, in chunks).
+
+    A 2-D mask of right padding only is not passed to the model (``right_padding_only``).
     """
     inputs: dict[str, Any] = {"input_ids": input_ids, "position_ids": position_ids, "use_cache": False}
-    if attention_mask is not None:
+    if attention_mask is not None and not right_padding_only(model, attention_mask):
         inputs["attention_mask"] = attention_mask
     targets = input_ids[:, 1:]  # [N, L - 1]
     if chunk_size is not None and chunked.supports_chunked(model):
@@ -246,6 +248,30 @@ def sequence_token_stats(
         if with_log_sq_norm:
             result.log_sq_norm = torch.logsumexp(2 * logits, dim=-1) - 2 * torch.logsumexp(logits, dim=-1)
     return result
+
+
+def right_padding_only(model: torch.nn.Module, attention_mask: torch.Tensor) -> bool:
+    """Whether ``attention_mask`` only marks right padding, so the causal mask alone gives the same targets.
+
+    Under causal attention a real token never attends to the padding after it, so its hidden
+    state, and every log-prob that scores a target, is the same without the mask; only the
+    padding positions' outputs change, and no target reads them. Without a mask the attention
+    kernel runs its causal path (``is_causal``), about 30 % faster than with an explicit mask
+    on the CPU (SDPA, rows of 1k tokens). Kept for Mixture-of-Experts models, whose router
+    loss counts the tokens the mask marks.
+
+    Args:
+        model: the model the rows go through.
+        attention_mask: [N, L] 1 on real tokens (any other shape: ``False``).
+    """
+    if attention_mask.dim() != 2 or attention_mask.shape[1] == 0:
+        return False
+    config = getattr(chunked.causal_lm(model), "config", None)
+    text = config.get_text_config() if config is not None and hasattr(config, "get_text_config") else config
+    if any(getattr(text, name, None) for name in ("num_experts", "num_local_experts")):
+        return False
+    mask = attention_mask.bool()
+    return bool(mask[:, 0].all()) and not bool((mask[:, 1:] & ~mask[:, :-1]).any())
 
 
 def _stats_from_hidden(
