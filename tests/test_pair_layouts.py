@@ -281,3 +281,31 @@ def test_long_completions_after_short_prompts_take_the_stacked_rows(tmp_path, to
     short.prompts.completion_mask = short.prompts.completion_mask[:, :1]
     trainer._score_pairs(trainer.model, short, with_metrics=False)
     assert calls == [1]
+
+
+def test_the_head_runs_on_the_target_positions_only_with_the_same_statistics(tok, monkeypatch):
+    from posttrain.ops import chunked, logprobs
+
+    model = build_tiny_model(tok)
+    rows = preference.collate_pairs(token_rows(len(tok), seed=4), tok.eos_token_id).stacked()
+    mask = rows.loss_mask[:, 1:]
+    kwargs = {"with_entropy": True, "with_top": True, "with_logit_mean": True, "with_log_sq_norm": True}
+    args = (model, rows.input_ids, rows.attention_mask, rows.attention_mask.cumsum(1) - 1)
+    head_rows = []
+    real = chunked.token_stats
+    monkeypatch.setattr(
+        chunked, "token_stats", lambda h, *a, **k: head_rows.append(h.shape[:-1].numel()) or real(h, *a, **k)
+    )
+    every = logprobs.sequence_token_stats(*args, **kwargs)
+    every_grads = grads_of(model, (every.logps * mask).sum())
+    targets = logprobs.sequence_token_stats(*args, **kwargs, target_mask=mask)
+    target_grads = grads_of(model, (targets.logps * mask).sum())
+
+    assert head_rows == [mask.numel(), int(mask.sum())]
+    keep = mask.bool()
+    for field in ("logps", "entropy", "top", "logit_mean", "log_sq_norm"):
+        x, y = getattr(targets, field), getattr(every, field)
+        torch.testing.assert_close(x[keep], y[keep], rtol=1e-5, atol=1e-5)
+        assert (x[~keep] == 0).all(), field
+    for a, b in zip(target_grads, every_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)

@@ -198,6 +198,7 @@ def sequence_token_stats(
     chunk_size: int | None = chunked.DEFAULT_CHUNK_SIZE,
     with_logit_mean: bool = False,
     with_log_sq_norm: bool = False,
+    target_mask: torch.Tensor | None = None,
 ) -> SequenceStats:
     """Next-token log-probs of whole rows under ``model`` (SFT, and the log-probs of a reference).
 
@@ -217,6 +218,10 @@ def sequence_token_stats(
             states and the head's mean row, no ``[N, L, V]`` tensor).
         with_log_sq_norm: also ``log sum_v p_v^2`` of each position (no gradient; one more pass
             of the head over the positions, in chunks).
+        target_mask: [N, L - 1] 1 on the positions whose statistics are wanted (the targets).
+            On the chunked path the LM head then runs on those positions only (a prompt's or a
+            padding's position costs a vocabulary projection for nothing) and every field is 0
+            elsewhere; ``None``: every position.
 
     A 2-D mask of right padding only is not passed to the model (``right_padding_only``).
     """
@@ -231,7 +236,7 @@ def sequence_token_stats(
         if chunked.logits_match_head(model, out, hidden):  # checked once per model
             return _stats_from_hidden(
                 model, out, hidden[:, :-1], targets, chunk_size, with_entropy, with_top, with_logit_mean,
-                with_log_sq_norm,
+                with_log_sq_norm, target_mask,
             )  # fmt: skip
     out = model(**inputs)
     logits = out.logits[:, :-1, :].float()  # [N, L - 1, V]
@@ -284,10 +289,20 @@ def _stats_from_hidden(
     with_top: bool,
     with_logit_mean: bool,
     with_log_sq_norm: bool,
+    target_mask: torch.Tensor | None = None,
 ) -> SequenceStats:
-    """``SequenceStats`` of ``targets`` [N, T] from the final hidden states [N, T, H] that predict them."""
+    """``SequenceStats`` of ``targets`` [N, T] from the final hidden states [N, T, H] that predict them.
+
+    With ``target_mask`` [N, T] the head runs on the marked positions only; the fields are
+    scattered back to [N, T] with 0 elsewhere (the log-probs' gradient flows to the marked ones).
+    """
     head = chunked.causal_lm(model).get_output_embeddings()
     h = chunked.head_input(model, hidden)
+    keep = target_mask.bool() if target_mask is not None else None
+    if keep is not None and bool(keep.all()):
+        keep = None
+    if keep is not None:
+        h, targets = h[keep], targets[keep]  # [M, H], [M]
     stats = chunked.token_stats(
         h, head.weight, head.bias, targets, 1.0, chunk_size, with_entropy, False, with_top=with_top
     )
@@ -296,7 +311,18 @@ def _stats_from_hidden(
         result.logit_mean, result.log_sq_norm = _head_summaries(
             h.detach(), head.weight, head.bias, chunk_size, with_logit_mean, with_log_sq_norm
         )
-    return result
+    if keep is None:
+        return result
+
+    def place(values: torch.Tensor | None) -> torch.Tensor | None:
+        if values is None:
+            return None
+        return values.new_zeros(keep.shape).index_put((keep,), values)
+
+    return SequenceStats(
+        place(result.logps), place(result.entropy), place(result.top), result.aux_loss,
+        place(result.logit_mean), place(result.log_sq_norm),
+    )  # fmt: skip
 
 
 @torch.no_grad()
@@ -451,6 +477,7 @@ def score_rows(
         chunk_size=chunk_size,
         with_logit_mean=with_metrics,
         with_log_sq_norm=with_log_sq_norm,
+        target_mask=rows.loss_mask[:, 1:],
     )
     mask = rows.loss_mask[:, 1:].to(stats.logps.dtype)  # [N, L - 1]
     return RowScores((stats.logps * mask).sum(dim=1), mask.sum(dim=1), stats.logps, mask, stats)

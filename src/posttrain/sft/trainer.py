@@ -235,6 +235,7 @@ class SFTTrainer(BaseTrainer):
                 inputs.position_ids,
                 with_entropy=True,
                 with_top=True,
+                target_mask=inputs.loss_mask[:, 1:],  # the head runs on the targets only
             )
         mask = inputs.loss_mask[:, 1:].to(stats.logps.dtype)  # [N, L - 1]: targets 1..L-1
         local = mask.sum()
