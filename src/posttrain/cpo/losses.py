@@ -46,8 +46,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from posttrain.dpo.losses import ALPHA_EXPONENT_CLAMP, PairLogps
 from posttrain.orpo.losses import checked_pair_logps
+from posttrain.pairs.logps import ALPHA_EXPONENT_CLAMP, PairLogps
 
 __all__ = ["LOSS_TYPES", "CPOLossOutput", "CPOLossSpec", "check_loss_settings", "cpo_loss", "shaped_reward"]
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from posttrain.cpo import losses
 from posttrain.cpo.config import CPOConfig
-from posttrain.dpo.losses import PairLogps
 from posttrain.orpo.trainer import ReferenceFreeTrainer
+from posttrain.pairs.logps import PairLogps
 from posttrain.pairs.trainer import StepCounts
 
 __all__ = ["CPOTrainer"]

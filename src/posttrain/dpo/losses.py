@@ -44,34 +44,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from posttrain.pairs.logps import ALPHA_EXPONENT_CLAMP, PairLogps
+
 #: The f-divergences ``f_divergence_type`` may name (f-DPO).
 F_DIVERGENCE_TYPES: tuple[str, ...] = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence")
 
-#: ``alpha_divergence`` clamps its exponent ``(α - 1) u`` at this value (``e^80`` fits float32).
-ALPHA_EXPONENT_CLAMP = 80.0
-
-
-@dataclass(frozen=True)
-class PairLogps:
-    """Summed completion log-probabilities of a batch of preference pairs (every field ``[N]``).
-
-    Attributes:
-        chosen: ℓ_w, the policy's summed log-probabilities of the chosen completions.
-        rejected: ℓ_l, the same for the rejected completions.
-        ref_chosen: ℓʳ_w, the reference model's; ``None`` for reference-free loss types only.
-        ref_rejected: ℓʳ_l, the reference model's; ``None`` for reference-free loss types only.
-        chosen_lengths: n_w, completion token counts (float); needed by ``ipo``, ``sigmoid_norm``
-            and ``sft``.
-        rejected_lengths: n_l, completion token counts (float); needed by ``ipo`` and
-            ``sigmoid_norm``.
-    """
-
-    chosen: Tensor
-    rejected: Tensor
-    ref_chosen: Tensor | None = None
-    ref_rejected: Tensor | None = None
-    chosen_lengths: Tensor | None = None
-    rejected_lengths: Tensor | None = None
+# ``alpha_divergence`` clamps its exponent ``(α - 1) u`` at ALPHA_EXPONENT_CLAMP (pairs/logps.py).
 
 
 @dataclass(frozen=True)

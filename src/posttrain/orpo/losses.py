@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from posttrain.dpo.losses import PairLogps
+from posttrain.pairs.logps import PairLogps
 
 __all__ = ["LOGP_CEILING", "ORPOLossOutput", "log1mexp", "log_odds", "orpo_loss"]
 

@@ -28,11 +28,11 @@ from transformers import PreTrainedModel, TrainerCallback
 
 from posttrain.core.batch import Sequences
 from posttrain.core.trainer import refuse_logit_hooks
-from posttrain.dpo.losses import PairLogps
 from posttrain.models import reference as model_options
 from posttrain.ops.logprobs import RowScores
 from posttrain.orpo import losses
 from posttrain.orpo.config import ORPOConfig, ReferenceFreeConfig
+from posttrain.pairs.logps import PairLogps
 from posttrain.pairs.trainer import PairBatch, PairTrainer, StepCounts, check_pair_columns
 
 __all__ = ["ORPOTrainer", "ReferenceFreeTrainer"]
