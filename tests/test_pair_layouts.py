@@ -61,6 +61,21 @@ def masked_tokens(scores) -> list[list[float]]:
     return [scores.token_logps[i][scores.mask[i].bool()].tolist() for i in range(scores.mask.shape[0])]
 
 
+def score_split(model, split, **kwargs):
+    """``score_completions`` on a ``PromptRows``."""
+    return score_completions(
+        model, split.prompt_ids, split.prompt_mask, split.completion_ids, split.completion_mask, **kwargs
+    )
+
+
+def check_fields(a, b, fields) -> None:
+    """Each row's per-token ``fields`` agree on the target positions of both layouts."""
+    for field in fields:
+        x, y = getattr(a.stats, field), getattr(b.stats, field)
+        for i in range(a.mask.shape[0]):
+            torch.testing.assert_close(x[i][a.mask[i].bool()], y[i][b.mask[i].bool()], rtol=1e-5, atol=1e-5)
+
+
 def test_prompts_once_equals_whole_rows_values_and_gradients(tok, monkeypatch):
     model = build_tiny_model(tok)
     rows = token_rows(len(tok))
@@ -73,27 +88,14 @@ def test_prompts_once_equals_whole_rows_values_and_gradients(tok, monkeypatch):
     real = shared_prefix.hidden_states
     monkeypatch.setattr(shared_prefix, "hidden_states", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
     split = preference.collate_pair_prompts(rows, pad)
-    once = score_completions(
-        model,
-        split.prompt_ids,
-        split.prompt_mask,
-        split.completion_ids,
-        split.completion_mask,
-        with_metrics=True,
-    )
+    once = score_split(model, split, with_metrics=True)
     once_grads = grads_of(model, (once.logps * torch.arange(1.0, 7.0)).sum())
 
     assert len(calls) == 1 and calls[0].ids.shape[0] == 3  # 3 distinct prompts for 6 sides
     check_same(once, whole, once_grads, whole_grads)
     for a, b in zip(masked_tokens(once), masked_tokens(whole), strict=True):
         assert a == pytest.approx(b, abs=1e-5)
-    # the metrics' per-token fields line up with the targets in both layouts
-    for field in ("entropy", "top", "logit_mean"):
-        x, y = getattr(once.stats, field), getattr(whole.stats, field)
-        xs = [x[i][once.mask[i].bool()] for i in range(6)]
-        ys = [y[i][whole.mask[i].bool()] for i in range(6)]
-        for u, v in zip(xs, ys, strict=True):
-            torch.testing.assert_close(u, v, rtol=1e-5, atol=1e-5)
+    check_fields(once, whole, ("entropy", "top", "logit_mean"))  # the metrics line up with the targets
 
 
 def test_prompts_once_layout_without_the_shared_path_scores_whole_rows(tok):
@@ -102,14 +104,7 @@ def test_prompts_once_layout_without_the_shared_path_scores_whole_rows(tok):
     pad = tok.eos_token_id
     whole = score_rows(model, preference.collate_pairs(rows, pad).stacked())
     split = preference.collate_pair_prompts(rows, pad)
-    naive = score_completions(
-        model,
-        split.prompt_ids,
-        split.prompt_mask,
-        split.completion_ids,
-        split.completion_mask,
-        chunk_size=None,
-    )
+    naive = score_split(model, split, chunk_size=None)
     torch.testing.assert_close(naive.logps, whole.logps, rtol=1e-5, atol=1e-5)
     assert naive.token_logps.shape == split.completion_ids.shape
 
@@ -133,12 +128,7 @@ def test_packed_sides_equal_padded_rows_values_and_gradients(tok):
     check_same(unpacked, padded, unpacked_grads, padded_grads)
     for a, b in zip(masked_tokens(unpacked), masked_tokens(padded), strict=True):
         assert a == pytest.approx(b, abs=1e-5)
-    for field in ("entropy", "log_sq_norm"):
-        x, y = getattr(unpacked.stats, field), getattr(padded.stats, field)
-        for i in range(6):
-            torch.testing.assert_close(
-                x[i][unpacked.mask[i].bool()], y[i][padded.mask[i].bool()], rtol=1e-5, atol=1e-5
-            )
+    check_fields(unpacked, padded, ("entropy", "log_sq_norm"))
 
 
 def test_unpack_scores_refuses_several_rows(tok):
