@@ -8,9 +8,9 @@ import torch
 from posttrain.core.batch import Rollout
 from posttrain.generation.base import Samples, build_rollout, mask_after_eos
 from posttrain.grpo.objectives import Normalizers
-from posttrain.grpo.rollout import ScoredRollout
 from posttrain.ops.logprobs import entropy_from_logits, position_ids_from_mask, selective_log_softmax
 from posttrain.ops.padding import left_pad
+from posttrain.sampling.rollout import ScoredRollout
 
 EOS, PAD = 2, 0
 

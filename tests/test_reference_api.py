@@ -15,8 +15,8 @@ from posttrain import GRPOConfig, GRPOTrainer
 from posttrain.core.batch import Rollout
 from posttrain.grpo.loss import LossSettings, grpo_loss
 from posttrain.grpo.objectives import Normalizers
-from posttrain.grpo.rollout import ScoredRollout
 from posttrain.ops.logprobs import PolicyOutput
+from posttrain.sampling.rollout import ScoredRollout
 
 
 @pytest.fixture(scope="module")

@@ -10,22 +10,19 @@ accepts but posttrain does not build yet are listed in :data:`UNBUILT_OPTIONS` a
 ``NotImplementedError`` when set away from their default.
 """
 
-import math
 import warnings
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from posttrain.core.config import (
-    BaseConfig,
-    Rule,
-    UnbuiltOption,
-    choice_rules,
-    is_int,
-    is_num,
-    optional,
-    positive_int,
-)
+from posttrain.core.config import Rule, UnbuiltOption, choice_rules, is_num, optional
 from posttrain.grpo import objectives
+from posttrain.sampling.config import (
+    JSON_DICT_FIELDS,
+    ONLINE_CHOICES,
+    ONLINE_RULES,
+    ONLINE_UNBUILT,
+    OnlineConfig,
+)
 
 __all__ = ["GRPOConfig", "POSTTRAIN_EXTENSIONS", "UNBUILT_OPTIONS", "UnbuiltOption"]
 
@@ -46,7 +43,7 @@ POSTTRAIN_EXTENSIONS = (
 # One row per option; when a feature is built, delete its row (and its line in docs/config.md).
 # fmt: off
 UNBUILT_OPTIONS: dict[str, UnbuiltOption] = {
-    "use_vllm":                             UnbuiltOption(False, "vLLM generation", "Use use_vllm=False (completions are then generated with transformers).", True),
+    **ONLINE_UNBUILT,
     "log_completions_hub_repo":             UnbuiltOption(None, "completion upload to the Hub", "Leave log_completions_hub_repo=None.", "user/completions"),
 }
 # fmt: on
@@ -67,58 +64,20 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "importance_sampling_level": ("token", "sequence"),
     "multi_objective_aggregation": ("sum_then_normalize", "normalize_then_sum"),
     "vllm_importance_sampling_mode": ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"),
-    "vllm_mode": ("server", "colocate"),
-    "vllm_model_impl": ("transformers", "vllm"),
-    "reward_fault_policy": ("raise", "skip"),
+    **ONLINE_CHOICES,
 }
-
-#: Parameters that take a dict and may arrive from the command line as a JSON string.
-JSON_DICT_FIELDS = (
-    "model_init_kwargs",
-    "generation_kwargs",
-    "chat_template_kwargs",
-    "transformers_continuous_batching_config",
-)
-
 
 # One row per parameter: name, is the value ok?, what it must be, how to fix it.
 # fmt: off
-_RULES: tuple[Rule, ...] = (
-    Rule("num_generations", lambda v: is_int(v) and v >= 2, "an integer >= 2, because GRPO needs at least two completions per prompt to compute a group baseline", "set num_generations=2 or more (the default is 8)"),
-    Rule("num_generations_eval", optional(positive_int), "None or an integer >= 1", "set num_generations_eval to a positive integer, or to None to reuse num_generations"),
-    Rule("max_completion_length", positive_int, "a positive integer (the most tokens a completion may have)", "set max_completion_length to a positive integer such as 512 (the default)"),
-    Rule("per_device_train_batch_size", positive_int, "a positive integer", "set per_device_train_batch_size to 1 or more"),
-    Rule("gradient_accumulation_steps", positive_int, "a positive integer", "set gradient_accumulation_steps to 1 or more"),
-    Rule("pad_to_multiple_of", optional(lambda v: v == "auto" or positive_int(v)), "None, 'auto' or a positive integer", "set pad_to_multiple_of to a positive integer such as 64, to 'auto' (the default) or to None"),
-    Rule("generation_batch_size", optional(positive_int), "None or a positive integer", "set generation_batch_size to a positive multiple of num_generations, or leave it None"),
-    Rule("steps_per_generation", optional(positive_int), "None or a positive integer", "set steps_per_generation to 1 or more, or leave it None to use gradient_accumulation_steps"),
-    Rule("temperature", lambda v: is_num(v) and v > 0, "a number > 0", "set temperature to a positive value such as 1.0 (the default)"),
-    Rule("top_p", lambda v: is_num(v) and 0 < v <= 1, "a number in (0, 1]", "set top_p to a value in (0, 1], or to 1.0 to keep all tokens"),
-    Rule("top_k", lambda v: is_int(v) and v >= 0, "an integer >= 0", "set top_k to a non-negative integer, or to 0 to disable top-k filtering"),
-    Rule("min_p", optional(lambda v: is_num(v) and 0 <= v <= 1), "None or a number in [0, 1]", "set min_p to a value in [0, 1] such as 0.05, or leave it None"),
-    Rule("epsilon", lambda v: is_num(v) and v >= 0, "a number >= 0", "set epsilon to a non-negative clipping range such as 0.2 (the default)"),
-    Rule("epsilon_high", optional(lambda v: is_num(v) and v >= 0), "None or a number >= 0", "set epsilon_high to a non-negative value such as 0.28, or leave it None to reuse epsilon"),
-    Rule("beta", lambda v: is_num(v) and v >= 0, "a number >= 0", "set beta to 0.0 (no KL term) or to a positive KL coefficient"),
-    Rule("num_iterations", positive_int, "an integer >= 1", "set num_iterations to 1 (the default) or more"),
+_RULES: tuple[Rule, ...] = ONLINE_RULES + (
     Rule("delta", optional(lambda v: is_num(v) and v > 1), "None or a number > 1 (a cap on the ratio for negative advantages; INTELLECT-2 uses 4)", "set delta above 1 + epsilon, e.g. 4.0, or leave it None"),
-    Rule("ref_model_mixup_alpha", lambda v: is_num(v) and 0 <= v <= 1, "a number in [0, 1]", "set ref_model_mixup_alpha in [0, 1] (the default is 0.6)"),
-    Rule("ref_model_sync_steps", positive_int, "an integer >= 1", "set ref_model_sync_steps to 1 or more (the default is 512)"),
     Rule("entropy_coef_delta", lambda v: is_num(v) and v >= 0, "a number >= 0", "set entropy_coef_delta to a non-negative step such as 0.005"),
     Rule("off_policy_mask_threshold", optional(lambda v: is_num(v) and v >= 0), "None or a number >= 0", "set off_policy_mask_threshold to a positive value such as 0.5, or leave it None"),
     Rule("vllm_importance_sampling_clip_min", optional(lambda v: is_num(v) and v >= 0), "None or a number >= 0", "set vllm_importance_sampling_clip_min to a non-negative value, or leave it None"),
     Rule("vllm_importance_sampling_clip_max", optional(lambda v: is_num(v) and v > 0), "None or a number > 0", "set vllm_importance_sampling_clip_max to a positive value such as 3.0, or None for no upper bound"),
-    Rule("reward_timeout", optional(lambda v: is_num(v) and v > 0), "None or a number of seconds > 0", "set reward_timeout to a positive number of seconds, or None for no limit"),
-    Rule("dynamic_sampling_max_rounds", positive_int, "an integer >= 1", "set dynamic_sampling_max_rounds to 1 or more (the default is 3)"),
     Rule("top_entropy_quantile", lambda v: is_num(v) and 0 <= v <= 1, "a number in [0, 1]", "set top_entropy_quantile to a value in [0, 1], or to 1.0 to keep every token"),
-    Rule("reward_weights", optional(lambda v: isinstance(v, (list, tuple)) and all(is_num(w) for w in v)), "None or a list of numbers, one per reward function", "pass a list of floats such as [1.0, 0.5], or None to weight every reward function 1.0"),
-) + choice_rules(CHOICES)
+) + choice_rules({k: v for k, v in CHOICES.items() if k not in ONLINE_CHOICES})
 # fmt: on
-
-
-def _divisors_near(n: int, target: int, count: int = 6) -> list[int]:
-    """Up to ``count`` divisors of ``n`` that are >= 2 and closest to ``target``, ascending."""
-    divisors = [d for d in range(2, n + 1) if n % d == 0]
-    return sorted(sorted(divisors, key=lambda d: abs(d - target))[:count])
 
 
 # --------------------------------------------------------------------------------------------
@@ -127,7 +86,7 @@ def _divisors_near(n: int, target: int, count: int = 6) -> list[int]:
 
 
 @dataclass
-class GRPOConfig(BaseConfig):
+class GRPOConfig(OnlineConfig):
     r"""Configuration of :class:`~posttrain.GRPOTrainer`, a drop-in for ``trl.GRPOConfig``.
 
     It holds every :class:`transformers.TrainingArguments` parameter plus the GRPO-specific ones
@@ -359,29 +318,7 @@ class GRPOConfig(BaseConfig):
             function may take per call; a slower call is a fault. Sync functions are not timed.
     """
 
-    # ---- TrainingArguments fields whose default differs for GRPO --------------------------
-    learning_rate: float = field(
-        default=1e-6, metadata={"help": "Initial learning rate of the optimizer (AdamW by default)."}
-    )
-    remove_unused_columns: bool | None = field(
-        default=False,
-        metadata={
-            "help": "Keep only the 'prompt' column of the dataset. Leave False when a reward function "
-            "reads other columns."
-        },
-    )
-
-    # ---- Model and reference model ---------------------------------------------------------
-    router_aux_loss_coef: float | None = field(
-        default=None,
-        metadata={
-            "help": "Weight of the MoE load-balancing auxiliary loss; None uses the model config's "
-            "value, 0.0 disables it. Fails on non-MoE models."
-        },
-    )
-    disable_dropout: bool = field(
-        default=False, metadata={"help": "Disable dropout so log-probabilities are deterministic."}
-    )
+    # ---- GRPO's own fields (the shared online ones are in sampling.config.OnlineConfig) ----
     cast_lm_head_to_fp32: bool = field(
         default=False,
         metadata={
@@ -390,189 +327,12 @@ class GRPOConfig(BaseConfig):
         },
     )
 
-    # ---- Data preprocessing ----------------------------------------------------------------
-    num_generations: int | None = field(
-        default=8,
-        metadata={
-            "help": "Completions sampled per prompt (group size); at least 2 and a divisor of "
-            "generation_batch_size."
-        },
-    )
-    num_generations_eval: int | None = field(
-        default=None,
-        metadata={"help": "Completions per prompt during evaluation; None uses num_generations."},
-    )
-    max_completion_length: int | None = field(
-        default=512, metadata={"help": "Maximum number of tokens in a generated completion."}
-    )
-    ds3_gather_for_generation: bool = field(
-        default=True,
-        metadata={
-            "help": "With DeepSpeed ZeRO-3, gather the policy weights for faster generation; disable "
-            "to fit models larger than one GPU (slower, not compatible with vLLM)."
-        },
-    )
-    shuffle_dataset: bool | None = field(default=True, metadata={"help": "Shuffle the training dataset."})
-    pad_to_multiple_of: int | str | None = field(
-        default="auto",
-        metadata={
-            "help": "Pad prompt and completion ids to a multiple of this value; 'auto' pads to 128 on "
-            "AWS Neuron and not at all elsewhere."
-        },
-    )
-
-    # ---- Generation ------------------------------------------------------------------------
-    generation_batch_size: int | None = field(
-        default=None,
-        metadata={
-            "help": "Completions generated at once across all processes; None means "
-            "per_device_train_batch_size * num_processes * steps_per_generation. Exclusive with "
-            "steps_per_generation."
-        },
-    )
-    steps_per_generation: int | None = field(
-        default=None,
-        metadata={
-            "help": "Micro-steps fed by one generation batch; None means gradient_accumulation_steps. "
-            "Exclusive with generation_batch_size."
-        },
-    )
-    temperature: float = field(
-        default=1.0, metadata={"help": "Sampling temperature; higher gives more random completions."}
-    )
-    top_p: float = field(
-        default=1.0,
-        metadata={"help": "Nucleus sampling probability mass, in (0, 1]; 1.0 keeps all tokens."},
-    )
-    top_k: int = field(
-        default=0, metadata={"help": "Keep only the top_k most likely tokens; 0 disables the filter."}
-    )
-    min_p: float | None = field(
-        default=None,
-        metadata={
-            "help": "Minimum token probability relative to the most likely token, in [0, 1] "
-            "(typically 0.01-0.2); None disables it."
-        },
-    )
-    generation_kwargs: dict | str | None = field(
-        default=None,
-        metadata={
-            "help": "Extra generation keyword arguments (dict or JSON object string) for the "
-            "generation config or vLLM SamplingParams; they win over the other sampling options."
-        },
-    )
-    chat_template_kwargs: dict | str | None = field(
-        default=None,
-        metadata={
-            "help": "Extra keyword arguments (dict or JSON object string) for apply_chat_template "
-            "when building prompts."
-        },
-    )
-    repetition_penalty: float = field(
-        default=1.0,
-        metadata={
-            "help": "Penalty on tokens already in the prompt or completion; > 1.0 favours new tokens, "
-            "< 1.0 repetition."
-        },
-    )
-    cache_implementation: str | None = field(
-        default=None,
-        metadata={"help": "KV-cache implementation for transformers generation (without vLLM)."},
-    )
-
-    # ---- vLLM generation -------------------------------------------------------------------
-    use_vllm: bool = field(
-        default=False,
-        metadata={"help": "Generate completions with vLLM instead of model.generate(); needs vllm."},
-    )
-    vllm_mode: str = field(
-        default="colocate",
-        metadata={
-            "help": "'server' sends requests to a separate vLLM server; 'colocate' runs vLLM inside "
-            "the training processes."
-        },
-    )
-    vllm_model_impl: str = field(
-        default="vllm",
-        metadata={"help": "Model implementation used by vLLM: 'vllm' or 'transformers'."},
-    )
-    vllm_enable_sleep_mode: bool = field(
-        default=False,
-        metadata={
-            "help": "Let vLLM release weights and cache during the optimizer step (less GPU memory, "
-            "wake-up latency)."
-        },
-    )
-    vllm_structured_outputs_regex: str | None = field(
-        default=None,
-        metadata={"help": "Regex for vLLM structured outputs; None disables them."},
-    )
-
-    # ---- vLLM server -----------------------------------------------------------------------
-    vllm_server_base_url: str | None = field(
-        default=None,
-        metadata={
-            "help": "Base URL of the vLLM server (e.g. http://localhost:8000); overrides host and port."
-        },
-    )
-    vllm_server_host: str = field(default="0.0.0.0", metadata={"help": "Host of the vLLM server."})
-    vllm_server_port: int = field(default=8000, metadata={"help": "Port of the vLLM server."})
-    vllm_server_timeout: float = field(
-        default=240.0,
-        metadata={"help": "Seconds to wait for the vLLM server to come up before raising ConnectionError."},
-    )
-    vllm_group_port: int = field(
-        default=51216,
-        metadata={"help": "Port of the weight-update process group shared with the vLLM server."},
-    )
-
-    # ---- vLLM colocated --------------------------------------------------------------------
-    vllm_gpu_memory_utilization: float = field(
-        default=0.3,
-        metadata={
-            "help": "Fraction of GPU memory the colocated vLLM engine may use (pass it to the server "
-            "in server mode)."
-        },
-    )
-    vllm_max_model_length: int | None = field(
-        default=None,
-        metadata={
-            "help": "vLLM context window, at least the longest prompt plus max_completion_length; None "
-            "reads it from the model config."
-        },
-    )
-    vllm_tensor_parallel_size: int = field(
-        default=1,
-        metadata={
-            "help": "Tensor-parallel size of the colocated vLLM engine (pass it to the server in "
-            "server mode)."
-        },
-    )
-
     # ---- Training --------------------------------------------------------------------------
-    beta: float = field(
-        default=0.0,
-        metadata={
-            "help": "KL coefficient; 0.0 skips the reference model (less memory, faster). DeepSeek-R1 "
-            "uses 0.001."
-        },
-    )
-    num_iterations: int = field(
-        default=1, metadata={"help": "Optimisation passes over each generation batch (mu)."}
-    )
-    epsilon: float = field(default=0.2, metadata={"help": "Clipping range of the importance ratio."})
     delta: float | None = field(
         default=None,
         metadata={
             "help": "Upper clip of the two-sided GRPO loss (INTELLECT-2), above 1 + epsilon; None uses "
             "standard clipping."
-        },
-    )
-    epsilon_high: float | None = field(
-        default=None,
-        metadata={
-            "help": "Upper clipping range; None reuses epsilon. DAPO recommends 0.28; for cispo it is "
-            "epsilon_max (default 5.0)."
         },
     )
     sapo_temperature_neg: float = field(
@@ -612,10 +372,6 @@ class GRPOConfig(BaseConfig):
             "the mean log-ratio (GSPO)."
         },
     )
-    reward_weights: list[float] | None = field(
-        default=None,
-        metadata={"help": "One weight per reward function; None weights every function 1.0."},
-    )
     multi_objective_aggregation: str = field(
         default="sum_then_normalize",
         metadata={
@@ -637,26 +393,6 @@ class GRPOConfig(BaseConfig):
             "'luspo' (needs importance_sampling_level='sequence'), 'vespo', or posttrain's 'gmpo' "
             "(geometric-mean policy optimisation)."
         },
-    )
-    mask_truncated_completions: bool = field(
-        default=False,
-        metadata={"help": "Exclude truncated completions from the loss (recommended by DAPO)."},
-    )
-    sync_ref_model: bool = field(
-        default=False,
-        metadata={
-            "help": "Mix the policy into the reference model every ref_model_sync_steps steps (TR-DPO)."
-        },
-    )
-    ref_model_mixup_alpha: float = field(
-        default=0.6,
-        metadata={
-            "help": "TR-DPO alpha: ref = alpha * policy + (1 - alpha) * ref_prev; needs sync_ref_model."
-        },
-    )
-    ref_model_sync_steps: int = field(
-        default=512,
-        metadata={"help": "TR-DPO tau: steps between reference syncs; needs sync_ref_model."},
     )
     top_entropy_quantile: float = field(
         default=1.0,
@@ -692,10 +428,6 @@ class GRPOConfig(BaseConfig):
             "help": "Target mean per-token entropy (nats) of adaptive entropy control; set it near the "
             "entropy logged early in training."
         },
-    )
-    max_tool_calling_iterations: int | None = field(
-        default=None,
-        metadata={"help": "Maximum tool-calling turns when training an agent; None is unlimited."},
     )
     vllm_importance_sampling_correction: bool = field(
         default=True,
@@ -735,17 +467,6 @@ class GRPOConfig(BaseConfig):
     )
 
     # ---- Logging ---------------------------------------------------------------------------
-    log_completions: bool = field(
-        default=False,
-        metadata={"help": "Log a sample of (prompt, completion) pairs every logging_steps steps."},
-    )
-    log_multimodal: bool = field(
-        default=True, metadata={"help": "Log images and other media alongside completions."}
-    )
-    num_completions_to_print: int | None = field(
-        default=None, metadata={"help": "Completions printed with rich; None prints all."}
-    )
-    log_unique_prompts: bool = field(default=False, metadata={"help": "Log each distinct prompt only once."})
     log_completions_hub_repo: str | None = field(
         default=None,
         metadata={
@@ -754,49 +475,13 @@ class GRPOConfig(BaseConfig):
         },
     )
 
-    # ---- Transformers continuous batching --------------------------------------------------
-    use_transformers_continuous_batching: bool = field(
-        default=False,
-        metadata={"help": "Generate with the transformers continuous-batching engine (transformers >= 5.8)."},
-    )
-    transformers_continuous_batching_config: dict | str | None = field(
-        default=None,
-        metadata={"help": "Keyword arguments (dict or JSON object string) for ContinuousBatchingConfig."},
-    )
-
     # ---- Deprecated ------------------------------------------------------------------------
-    use_transformers_paged: bool = field(
-        default=False,
-        metadata={"help": "Deprecated: use use_transformers_continuous_batching instead."},
-    )
     vllm_importance_sampling_cap: float | None = field(
         default=None,
         metadata={"help": "Deprecated: use vllm_importance_sampling_clip_max instead."},
     )
 
     # ---- posttrain extensions ---------------------------------------------------------------
-    dynamic_sampling: bool = field(
-        default=False,
-        metadata={
-            "help": "DAPO dynamic sampling: replace groups whose rewards all agree by groups with spread "
-            "generated from further prompts."
-        },
-    )
-    dynamic_sampling_max_rounds: int = field(
-        default=3,
-        metadata={"help": "Most extra generation rounds per generation batch for dynamic_sampling."},
-    )
-    reward_fault_policy: str = field(
-        default="raise",
-        metadata={
-            "help": "A reward function that raises, returns NaN/inf or times out: 'raise' (stop with an error "
-            "naming it) or 'skip' (leave those rewards out and count them)."
-        },
-    )
-    reward_timeout: float | None = field(
-        default=None,
-        metadata={"help": "Seconds an async reward function may take per call; None: no limit."},
-    )
 
     _rules: ClassVar[tuple[Rule, ...]] = _RULES
     _unbuilt: ClassVar[dict[str, UnbuiltOption]] = UNBUILT_OPTIONS
@@ -805,9 +490,8 @@ class GRPOConfig(BaseConfig):
     # ---- hooks of BaseConfig.__post_init__ ----------------------------------------------------
 
     def _normalise_family(self) -> None:
-        """Map ``scale_rewards`` aliases, a digit string ``pad_to_multiple_of``, deprecated parameters."""
-        if isinstance(self.pad_to_multiple_of, str) and self.pad_to_multiple_of.isdigit():
-            self.pad_to_multiple_of = int(self.pad_to_multiple_of)  # "64" from the command line
+        """The shared normalisation, ``scale_rewards`` aliases, the deprecated IS cap."""
+        super()._normalise_family()
 
         scale = self.scale_rewards
         if isinstance(scale, bool):
@@ -815,14 +499,6 @@ class GRPOConfig(BaseConfig):
         elif isinstance(scale, str) and scale.lower() in ("true", "false"):
             self.scale_rewards = "group" if scale.lower() == "true" else "none"
 
-        if self.use_transformers_paged:
-            warnings.warn(
-                "`use_transformers_paged` is deprecated and will be removed; use "
-                "`use_transformers_continuous_batching=True` instead.",
-                FutureWarning,
-                stacklevel=4,
-            )
-            self.use_transformers_continuous_batching = True
         if self.vllm_importance_sampling_cap is not None:
             warnings.warn(
                 "`vllm_importance_sampling_cap` is deprecated and will be removed; use "
@@ -834,6 +510,7 @@ class GRPOConfig(BaseConfig):
 
     def _check_combinations(self) -> None:
         """The combinations that cannot work (each parameter passed its rule already)."""
+        super()._check_combinations()
         if self.loss_type == "luspo" and self.importance_sampling_level != "sequence":
             raise ValueError(
                 f"loss_type='luspo' is a sequence-level loss but importance_sampling_level="
@@ -849,11 +526,6 @@ class GRPOConfig(BaseConfig):
             raise ValueError(
                 f"vllm_importance_sampling_clip_min={cmin} is above vllm_importance_sampling_clip_max={cmax}; "
                 "the weights' range [C_min, C_max] must not be empty."
-            )
-        if self.sync_ref_model and self.beta == 0:
-            raise ValueError(
-                "sync_ref_model=True updates the reference model of the KL penalty, but beta=0 means there is "
-                "no reference model; set beta > 0 (e.g. 0.04) or sync_ref_model=False."
             )
         if self.loss_type in ("vespo", "gmpo") and self.importance_sampling_level != "token":
             raise ValueError(
@@ -873,85 +545,3 @@ class GRPOConfig(BaseConfig):
                 UserWarning,
                 stacklevel=4,
             )
-
-    def _derive(self) -> None:
-        """The generation batch values, which depend on the world size."""
-        self._derive_generation_batch()
-
-    def _derive_generation_batch(self) -> None:
-        """Fill ``num_generations_eval``, ``steps_per_generation`` and ``generation_batch_size``.
-
-        ``generation_batch_size = per_device_train_batch_size * world_size * steps_per_generation``;
-        whichever of the two is unset follows from the other (``steps_per_generation`` defaults to
-        ``gradient_accumulation_steps``). A config that already carries both (a copy of a built
-        config) is accepted when they agree.
-        """
-        if self.num_generations_eval is None:
-            self.num_generations_eval = self.num_generations
-        per_step = self.per_device_train_batch_size * self.world_size
-        per_step_text = (
-            f"per_device_train_batch_size x world_size = {self.per_device_train_batch_size} x "
-            f"{self.world_size} = {per_step}"
-        )
-        gbs, spg = self.generation_batch_size, self.steps_per_generation
-        if gbs is not None and spg is not None and gbs != per_step * spg:
-            raise ValueError(
-                f"generation_batch_size={gbs} and steps_per_generation={spg} are mutually exclusive "
-                f"({per_step_text}, so steps_per_generation={spg} already means generation_batch_size="
-                f"{per_step * spg}); set only one of them."
-            )
-        spg_text = f"steps_per_generation={spg}"
-        if gbs is None:
-            if spg is None:
-                spg = self.gradient_accumulation_steps
-                spg_text = f"steps_per_generation={spg} (from gradient_accumulation_steps)"
-            gbs = per_step * spg
-        elif gbs % per_step != 0:
-            both = math.lcm(per_step, self.num_generations)
-            nearby = [m for m in (gbs // both * both, (gbs // both + 1) * both) if m > 0]
-            raise ValueError(
-                f"generation_batch_size={gbs} is not a multiple of {per_step_text}; set it to a multiple "
-                f"of both {per_step} and num_generations={self.num_generations}, such as "
-                f"{' or '.join(map(str, nearby))}, or set steps_per_generation instead."
-            )
-        else:
-            spg = gbs // per_step
-            spg_text = f"steps_per_generation={spg}"
-        self.generation_batch_size, self.steps_per_generation = gbs, spg
-        if gbs % self.num_generations != 0:
-            raise ValueError(
-                _group_split_message(
-                    gbs, f"{per_step_text}, times {spg_text}", per_step, spg, self.num_generations
-                )
-            )
-        per_process = self.per_device_train_batch_size * spg
-        if self.dynamic_sampling and per_process % self.num_generations != 0:
-            raise ValueError(
-                f"dynamic_sampling=True refills each process's own groups, so the per-process generation "
-                f"batch (per_device_train_batch_size x steps_per_generation = {per_process}) must be a "
-                f"multiple of num_generations={self.num_generations}; raise per_device_train_batch_size "
-                "or steps_per_generation, or set dynamic_sampling=False."
-            )
-
-
-def _group_split_message(gbs: int, how: str, per_step: int, spg: int, num_generations: int) -> str:
-    """Explain why ``gbs`` completions cannot hold whole groups of ``num_generations``, with fixes.
-
-    Args:
-        gbs: The generation batch size.
-        how: How ``gbs`` was computed, for the message.
-        per_step: ``per_device_train_batch_size * world_size``.
-        spg: The steps per generation.
-        num_generations: The group size.
-    """
-    step = num_generations // math.gcd(num_generations, per_step)  # smallest working steps_per_generation
-    good_spg = step * math.ceil(spg / step)
-    divisors = _divisors_near(gbs, num_generations)
-    options = f"set steps_per_generation={good_spg} (generation_batch_size={good_spg * per_step})"
-    if divisors:
-        options += f" or use num_generations in {divisors}"
-    return (
-        f"generation_batch_size={gbs} ({how}) is not a "
-        f"multiple of num_generations={num_generations}, so a prompt's group of completions would be "
-        f"split across generation batches; {options}."
-    )

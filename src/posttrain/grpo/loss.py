@@ -25,8 +25,8 @@ from typing import Any
 import torch
 
 from posttrain.grpo import objectives, regularizers
-from posttrain.grpo.rollout import ScoredRollout
 from posttrain.ops.logprobs import PolicyOutput
+from posttrain.sampling.rollout import ScoredRollout
 
 
 @dataclass(frozen=True)

@@ -9,13 +9,13 @@ One training step, top to bottom (``_prepare_inputs`` then ``compute_loss``)::
 
 ``transformers.Trainer`` brings the optimisation loop, callbacks and integrations; the core
 brings model loading, guards, crash-safe checkpoints and metrics; ``sampling.OnlineSampler``
-brings generation, tools and rewards. This class supplies the data plan (groups kept whole),
-the generation buffer, the advantages, the loss and its metrics.
+brings generation, tools and rewards; ``sampling.OnlineTrainer`` the data plan (groups kept
+whole), the generation buffer and the frozen log-probs. This class supplies the advantages, the
+loss and its metrics.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -24,23 +24,20 @@ import torch
 from accelerate.utils import gather
 from transformers import PreTrainedModel, TrainerCallback
 
-from posttrain.core.batch import Rollout
-from posttrain.grpo import advantages, objectives, regularizers
+from posttrain.grpo import advantages, regularizers
 from posttrain.grpo.config import GRPOConfig
 from posttrain.grpo.loss import LossSettings, grpo_loss
 from posttrain.grpo.metrics import loss_metrics
-from posttrain.grpo.rollout import ScoredRollout
-from posttrain.models import peft as peft_utils
 from posttrain.models import reference as model_options
 from posttrain.ops.logprobs import completion_logps
 from posttrain.sampling.metrics import reduce_sampling_metrics
+from posttrain.sampling.rollout import ScoredRollout
 from posttrain.sampling.trainer import OnlineTrainer
 
 if TYPE_CHECKING:
     from peft import PeftModel
 
 RewardFunc = Callable[..., list[float | None]]
-BUFFER_STATE = "generation_buffer_rank{}.pt"
 
 
 class GRPOTrainer(OnlineTrainer):
@@ -93,9 +90,6 @@ class GRPOTrainer(OnlineTrainer):
     _tag_names = ["posttrain", "grpo"]
     loss_is_scaled_for_ga = True  # compute_loss divides by the accumulated batch itself
 
-    _tag_names = ["posttrain", "grpo"]
-    loss_is_scaled_for_ga = True  # compute_loss divides by the accumulated batch itself
-
     def __init__(
         self,
         model: str | PreTrainedModel | PeftModel,
@@ -136,107 +130,19 @@ class GRPOTrainer(OnlineTrainer):
         )
         aux = model_options.set_router_aux_loss_coef(self.model, args.router_aux_loss_coef)
         self.loss_settings = replace(loss_settings, aux_loss_coef=aux)
-        self.ref_model = self._setup_reference()
         self.entropy_coef = float(args.entropy_coef)
         self._step_entropy: list[float] = []
-        self._buffer: list[ScoredRollout] = []
-        self._micro_step = 0
 
-    # ---- setup -------------------------------------------------------------------------------
+    # ---- advantages and loss ---------------------------------------------------------------
 
-    def _setup_reference(self) -> torch.nn.Module | None:
-        """A frozen copy of the initial policy when the KL penalty is on (``beta != 0``).
-
-        ``None`` for a PEFT policy: its reference is its own base model, adapters disabled.
-        """
+    def _advantages(
+        self, scored: ScoredRollout, rewards: torch.Tensor, group: int
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """Group-relative advantages of every process's rewards (``grpo.advantages``)."""
         a = self.args
-        if a.beta == 0.0 or peft_utils.is_peft_model(self.model):
-            return None
-        self._check_reference_sync()
-        return self._create_reference()
-
-    # ---- the reference's attributes ------------------------------------------------------------
-
-    # ---- one step: generate, score, buffer ---------------------------------------------------
-
-    def _prepare_inputs(self, batch: list[dict[str, Any]]) -> ScoredRollout:  # type: ignore[override]
-        """Generate and score once per ``steps_per_generation * num_iterations`` micro-steps."""
-        a = self.args
-        period = a.steps_per_generation * a.num_iterations
-        if self._micro_step % period == 0 or not self._buffer:
-            self._buffer = self._generate_and_score(batch, "train", num_chunks=a.steps_per_generation)
-        micro = self._buffer[self._micro_step % a.steps_per_generation]
-        self._micro_step += 1
-        return micro
-
-    def _generate_and_score(
-        self, batch: list[dict[str, Any]], mode: str, num_chunks: int
-    ) -> list[ScoredRollout]:
-        """Sample completions for this process's rows, score them, compute advantages."""
-        a = self.args
-        group = a.num_generations if mode == "train" else a.num_generations_eval
-        rollout, rewards_local = self._sample(batch, mode)
-        if mode == "train" and a.dynamic_sampling:
-            if getattr(self, "_refill_iter", None) is None:
-                self._refill_iter = self._endless_batches()
-            rollout, rewards_local = self.sampler.refill(
-                rollout,
-                rewards_local,
-                group,
-                self.reward_weights,
-                a.dynamic_sampling_max_rounds,
-                self._refill_iter,
-            )
-        rewards = gather(rewards_local.to(self.accelerator.device)).cpu()  # [N, F]
-        adv, adv_metrics = advantages.compute(
+        return advantages.compute(
             rewards, self.reward_weights, group, a.scale_rewards, a.multi_objective_aggregation
         )
-        n = rewards_local.shape[0]
-        start = self.accelerator.process_index * n
-        self._record_rollout_metrics(mode, rollout, rewards, adv_metrics)
-        if self._completion_logs:
-            self._add_completions(mode, rewards, adv)
-        scored = ScoredRollout(rollout=rollout, rewards=rewards_local, advantages=adv[start : start + n])
-        return self._prepare_chunks(scored, num_chunks, mode)
-
-    def _prepare_chunks(self, scored: ScoredRollout, num_chunks: int, mode: str) -> list[ScoredRollout]:
-        """Split into micro-batches, set the loss normalisers and, off-policy, the old log-probs."""
-        a = self.args
-        mask = self._loss_mask(scored.rollout)
-        accumulation = a.gradient_accumulation_steps if mode == "train" else 1
-        global_tokens = gather(mask.sum().reshape(1).float()).sum().item()
-        scored.norms = objectives.Normalizers(
-            tokens=max(global_tokens / num_chunks * accumulation / a.world_size, 1.0),
-            sequences=float(scored.advantages.shape[0] // num_chunks * accumulation),
-            accumulation=accumulation,
-            max_completion_length=a.max_completion_length,
-        )
-        chunks = scored.split(num_chunks)
-        on_policy = a.num_iterations == 1 and a.gradient_accumulation_steps % a.steps_per_generation == 0
-        for c in chunks:
-            if mode == "train" and not on_policy:
-                c.old_logps = self._frozen_logps(self.model, c.rollout)
-            if self.ref_model is not None:
-                c.ref_logps = self._frozen_logps(self.ref_model, c.rollout)
-            elif a.beta != 0.0 and peft_utils.is_peft_model(self.model):
-                with peft_utils.adapters_disabled(self.model) as base:  # the reference: no second copy
-                    c.ref_logps = self._frozen_logps(base, c.rollout)
-        return chunks
-
-    @torch.no_grad()
-    def _frozen_logps(self, model: torch.nn.Module, r: Rollout) -> torch.Tensor:
-        """Log-probs of a rollout's completions under ``model``, without gradient: [N, T]."""
-        out = completion_logps(
-            model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, self.args.temperature
-        )
-        return out.logps
-
-    def _loss_mask(self, rollout: Rollout) -> torch.Tensor:
-        """Completion tokens that count in the loss (sampled by the model, not tool results): [N, T]."""
-        mask = rollout.model_token_mask
-        if self.args.mask_truncated_completions:
-            mask = mask * rollout.is_terminated.unsqueeze(1).to(mask.dtype)
-        return mask
 
     # ---- loss --------------------------------------------------------------------------------
 
@@ -321,19 +227,6 @@ class GRPOTrainer(OnlineTrainer):
         )
         return keep.unsqueeze(1).to(mask.dtype)
 
-    def prediction_step(
-        self,
-        model: torch.nn.Module,
-        inputs: Any,
-        prediction_loss_only: bool,
-        ignore_keys: list[str] | None = None,
-    ) -> tuple[torch.Tensor, None, None]:
-        """Evaluation: generate ``num_generations_eval`` completions per prompt, score, report the loss."""
-        with torch.no_grad():
-            (scored,) = self._generate_and_score(inputs, "eval", num_chunks=1)
-            loss = self.compute_loss(model, scored)
-        return loss.detach(), None, None
-
     def _after_optimizer_step(self) -> None:
         """Adaptive entropy coefficient (Skywork-OR1) and reference sync (TR-DPO), once per step."""
         a = self.args
@@ -351,25 +244,15 @@ class GRPOTrainer(OnlineTrainer):
                 a.entropy_coef_max,
             )
         self._step_entropy = []
-        self._sync_reference(self.ref_model)
+        super()._after_optimizer_step()
 
     # ---- hooks of the core -------------------------------------------------------------------
 
     def _save_extra_state(self, folder: str) -> dict[str, Any]:
-        """Every process's generation buffer (a resume inside it replays the same rollouts), the
-        synced reference, and the adaptive entropy coefficient."""
-        buffer = {"micro_step": self._micro_step, "buffer": self._buffer}
-        torch.save(buffer, os.path.join(folder, BUFFER_STATE.format(self.accelerator.process_index)))
-        if self.ref_model is not None and self.args.sync_ref_model:
-            self._save_reference(folder, self.ref_model)
-        return {"entropy_coef": self.entropy_coef}
+        """The shared state (generation buffer, synced reference) and the adaptive entropy coefficient."""
+        return {**super()._save_extra_state(folder), "entropy_coef": self.entropy_coef}
 
     def _load_extra_state(self, folder: str, state: dict[str, Any] | None) -> None:
-        buffer_path = os.path.join(folder, BUFFER_STATE.format(self.accelerator.process_index))
-        if os.path.isfile(buffer_path):  # our own file: rollouts are dataclasses of tensors
-            saved = torch.load(buffer_path, map_location=self._load_location, weights_only=False)
-            self._micro_step, self._buffer = saved["micro_step"], saved["buffer"]
+        super()._load_extra_state(folder, state)
         if state is not None:
             self.entropy_coef = float(state["entropy_coef"])
-        if self.ref_model is not None:
-            self._load_reference(folder, self.ref_model)

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from accelerate.utils import gather
 
 from posttrain.agents.environments import check_environment_dataset
 from posttrain.core.batch import Rollout
@@ -24,11 +25,17 @@ from posttrain.core.trainer import BaseTrainer
 from posttrain.data import formats
 from posttrain.data.sampling import online_dataloader
 from posttrain.generation.base import Generator
+from posttrain.models import peft as peft_utils
 from posttrain.observe.completions import COMPLETIONS_FILE, CompletionLog
+from posttrain.ops.logprobs import completion_logps
+from posttrain.ops.reductions import Normalizers
 from posttrain.rewards.models import RewardModel, reward_models
 from posttrain.sampling import checks, setup
 from posttrain.sampling.metrics import batch_tokens, rollout_metrics
 from posttrain.sampling.pipeline import OnlineSampler, SamplerSettings
+from posttrain.sampling.rollout import ScoredRollout
+
+BUFFER_STATE = "generation_buffer_rank{}.pt"
 
 
 class OnlineTrainer(BaseTrainer):
@@ -92,14 +99,10 @@ class OnlineTrainer(BaseTrainer):
         self.reward_weights = setup.build_reward_weights(
             args, len(rewards.funcs), self.sampler.reward_names, name
         )
-        self._completion_logs = (
-            {
-                m: CompletionLog(self.accelerator.is_main_process, args.generation_batch_size)
-                for m in ("train", "eval")
-            }
-            if args.log_completions
-            else {}
-        )
+        self._completion_logs = self._setup_completion_logs()
+        self.ref_model = self._setup_reference()
+        self._buffer: list[ScoredRollout] = []
+        self._micro_step = 0
 
     @staticmethod
     def _check_inputs(
@@ -143,6 +146,23 @@ class OnlineTrainer(BaseTrainer):
             agent=self.agent,
             rollout_func=self.rollout_func,
         )
+
+    def _setup_completion_logs(self) -> dict[str, CompletionLog]:
+        """One completion log per mode with ``log_completions``, none without."""
+        if not self.args.log_completions:
+            return {}
+        size = self.args.generation_batch_size
+        return {m: CompletionLog(self.accelerator.is_main_process, size) for m in ("train", "eval")}
+
+    def _setup_reference(self) -> torch.nn.Module | None:
+        """A frozen copy of the initial policy when the KL penalty is on (``beta != 0``).
+
+        ``None`` for a PEFT policy: its reference is its own base model, adapters disabled.
+        """
+        if self.args.beta == 0.0 or peft_utils.is_peft_model(self.model):
+            return None
+        self._check_reference_sync()
+        return self._create_reference()
 
     @property
     def generator(self) -> Generator:
@@ -288,6 +308,159 @@ class OnlineTrainer(BaseTrainer):
     def _batch_tokens(self, inputs: Any) -> int:
         """FLOPs are not estimated for online steps (generation dominates and varies)."""
         return 0
+
+    # ---- one step: generate, score, buffer ---------------------------------------------------
+
+    def _prepare_inputs(self, batch: list[dict[str, Any]]) -> ScoredRollout:  # type: ignore[override]
+        """Generate and score once per ``steps_per_generation * num_iterations`` micro-steps."""
+        a = self.args
+        period = a.steps_per_generation * a.num_iterations
+        if self._micro_step % period == 0 or not self._buffer:
+            self._buffer = self._generate_and_score(batch, "train", num_chunks=a.steps_per_generation)
+        micro = self._buffer[self._micro_step % a.steps_per_generation]
+        self._micro_step += 1
+        return micro
+
+    def _generate_and_score(
+        self, batch: list[dict[str, Any]], mode: str, num_chunks: int
+    ) -> list[ScoredRollout]:
+        """Sample completions for this process's rows, score them, compute advantages, split."""
+        a = self.args
+        group = a.num_generations if mode == "train" else a.num_generations_eval
+        rollout, rewards_local = self._sample(batch, mode)
+        if mode == "train" and a.dynamic_sampling:
+            if getattr(self, "_refill_iter", None) is None:
+                self._refill_iter = self._endless_batches()
+            rollout, rewards_local = self.sampler.refill(
+                rollout,
+                rewards_local,
+                group,
+                self.reward_weights,
+                a.dynamic_sampling_max_rounds,
+                self._refill_iter,
+            )
+        n = rewards_local.shape[0]
+        scored = ScoredRollout(rollout=rollout, rewards=rewards_local, advantages=torch.zeros(n))
+        self._attach_frozen_logps(scored, num_chunks, mode)
+        rewards = gather(rewards_local.to(self.accelerator.device)).cpu()  # [N, F]
+        adv, adv_metrics = self._advantages(scored, rewards, group)  # [N] over every process
+        self._record_rollout_metrics(mode, rollout, rewards, adv_metrics)
+        if self._completion_logs:
+            self._add_completions(mode, rewards, adv)
+        start = self.accelerator.process_index * n
+        scored.advantages = adv[start : start + n]
+        scored.norms = self._normalizers(scored, num_chunks, mode)
+        return scored.split(num_chunks)
+
+    def _advantages(
+        self, scored: ScoredRollout, rewards: torch.Tensor, group: int
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """The family's advantages of every process's completions.
+
+        Args:
+            scored: this process's rows, with their frozen log-probs attached.
+            rewards: [N, F] every process's rewards, in process order.
+            group: completions per prompt.
+
+        Returns:
+            [N] advantages and the metrics to log with the rollout (``frac_reward_zero_std``...).
+        """
+        raise NotImplementedError(f"{type(self).__name__} must define _advantages.")
+
+    def _normalizers(self, scored: ScoredRollout, num_chunks: int, mode: str) -> Normalizers:
+        """The counts each micro-batch's loss is divided by, taken over the whole optimizer step."""
+        a = self.args
+        mask = self._loss_mask(scored.rollout)
+        accumulation = a.gradient_accumulation_steps if mode == "train" else 1
+        global_tokens = gather(mask.sum().reshape(1).float()).sum().item()
+        return Normalizers(
+            tokens=max(global_tokens / num_chunks * accumulation / a.world_size, 1.0),
+            sequences=float(scored.advantages.shape[0] // num_chunks * accumulation),
+            accumulation=accumulation,
+            max_completion_length=a.max_completion_length,
+        )
+
+    def _needs_old_logps(self, mode: str) -> bool:
+        """Whether the sampling policy's log-probs must be computed now (the step is off-policy)."""
+        a = self.args
+        on_policy = a.num_iterations == 1 and a.gradient_accumulation_steps % a.steps_per_generation == 0
+        return mode == "train" and not on_policy
+
+    def _attach_frozen_logps(self, scored: ScoredRollout, num_chunks: int, mode: str) -> None:
+        """``old_logps`` when needed and, with a KL, ``ref_logps``: one micro-batch of rows at a time."""
+        need_old, need_ref = self._needs_old_logps(mode), self.args.beta != 0.0
+        if not (need_old or need_ref):
+            return
+        r = scored.rollout
+        n, width = r.completion_ids.shape
+        size = n // num_chunks if n % num_chunks == 0 else n
+        old, ref = [], []
+        for begin in range(0, n, size):
+            rows = r.rows(slice(begin, begin + size))
+            if need_old:
+                old.append(self._frozen_logps(self.model, rows))
+            if need_ref:
+                with self._as_reference() as reference:
+                    ref.append(self._frozen_logps(reference, rows))
+        scored.old_logps = _stitch(old, width) if need_old else None
+        scored.ref_logps = _stitch(ref, width) if need_ref else None
+
+    @torch.no_grad()
+    def _frozen_logps(self, model: torch.nn.Module, r: Rollout) -> torch.Tensor:
+        """Log-probs of a rollout's completions under ``model``, without gradient: [N, T]."""
+        out = completion_logps(
+            model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, self.args.temperature
+        )
+        return out.logps
+
+    def _loss_mask(self, rollout: Rollout) -> torch.Tensor:
+        """Completion tokens that count in the loss (sampled by the model, not tool results): [N, T]."""
+        mask = rollout.model_token_mask
+        if self.args.mask_truncated_completions:
+            mask = mask * rollout.is_terminated.unsqueeze(1).to(mask.dtype)
+        return mask
+
+    def prediction_step(
+        self,
+        model: torch.nn.Module,
+        inputs: Any,
+        prediction_loss_only: bool,
+        ignore_keys: list[str] | None = None,
+    ) -> tuple[torch.Tensor, None, None]:
+        """Evaluation: generate ``num_generations_eval`` completions per prompt, score, report the loss."""
+        with torch.no_grad():
+            (scored,) = self._generate_and_score(inputs, "eval", num_chunks=1)
+            loss = self.compute_loss(model, scored)
+        return loss.detach(), None, None
+
+    def _after_optimizer_step(self) -> None:
+        """The reference's sync (TR-DPO), once per optimizer step."""
+        self._sync_reference(self.ref_model)
+
+    # ---- hooks of the core -------------------------------------------------------------------
+
+    def _save_extra_state(self, folder: str) -> dict[str, Any]:
+        """Every process's generation buffer (a resume inside it replays the same rollouts) and the
+        synced reference."""
+        buffer = {"micro_step": self._micro_step, "buffer": self._buffer}
+        torch.save(buffer, os.path.join(folder, BUFFER_STATE.format(self.accelerator.process_index)))
+        if self.ref_model is not None and self.args.sync_ref_model:
+            self._save_reference(folder, self.ref_model)
+        return {}
+
+    def _load_extra_state(self, folder: str, state: dict[str, Any] | None) -> None:
+        buffer_path = os.path.join(folder, BUFFER_STATE.format(self.accelerator.process_index))
+        if os.path.isfile(buffer_path):  # our own file: rollouts are dataclasses of tensors
+            saved = torch.load(buffer_path, map_location=self._load_location, weights_only=False)
+            self._micro_step, self._buffer = saved["micro_step"], saved["buffer"]
+        if self.ref_model is not None:
+            self._load_reference(folder, self.ref_model)
+
+
+def _stitch(parts: list[torch.Tensor], width: int) -> torch.Tensor:
+    """Concatenate [n_i, t_i] row blocks (each trimmed to its own longest row) into [sum n_i, width]."""
+    padded = [torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts]
+    return torch.cat(padded, dim=0)
 
 
 def _identity(batch: list[Any]) -> list[Any]:

@@ -1,4 +1,4 @@
-"""Typed containers that carry a batch through one GRPO step.
+"""Typed containers that carry a batch through one step of an online trainer (GRPO, RLOO).
 
 ``Rollout`` (generation) -> ``ScoredRollout`` (rewards and advantages) -> split into
 ``MicroBatch`` es that the loss consumes. Shapes use ``N`` rows (completions), ``P`` prompt
@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from posttrain.core.batch import Rollout
-from posttrain.grpo.objectives import Normalizers
+from posttrain.ops.reductions import Normalizers
 
 # Per-token tensors of a ScoredRollout, [N, T] like the completions, sliced and trimmed with them.
 TOKEN_FIELDS = ("old_logps", "ref_logps")
@@ -30,7 +30,7 @@ class ScoredRollout:
         old_logps: [N, T] log-probs under the policy that sampled, or ``None`` when the step is
             on-policy (then the detached current log-probs are used).
         ref_logps: [N, T] log-probs under the reference policy (only with a KL penalty).
-        norms: the counts the micro-batch losses are normalised by (``objectives.Normalizers``).
+        norms: the counts the micro-batch losses are normalised by (``ops.reductions.Normalizers``).
     """
 
     rollout: Rollout
