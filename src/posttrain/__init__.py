@@ -27,6 +27,8 @@ _LAZY = {
     "CPOTrainer": "posttrain.cpo.trainer",
     "RewardConfig": "posttrain.reward.config",
     "RewardTrainer": "posttrain.reward.trainer",
+    "RLOOConfig": "posttrain.rloo.config",
+    "RLOOTrainer": "posttrain.rloo.trainer",
 }
 
 __all__ = [*_LAZY, "__version__"]
@@ -44,6 +46,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from posttrain.orpo.trainer import ORPOTrainer  # noqa: F401
     from posttrain.reward.config import RewardConfig  # noqa: F401
     from posttrain.reward.trainer import RewardTrainer  # noqa: F401
+    from posttrain.rloo.config import RLOOConfig  # noqa: F401
+    from posttrain.rloo.trainer import RLOOTrainer  # noqa: F401
     from posttrain.sft.bema import BEMACallback  # noqa: F401
     from posttrain.sft.config import SFTConfig  # noqa: F401
     from posttrain.sft.trainer import SFTTrainer  # noqa: F401

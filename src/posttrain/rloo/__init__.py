@@ -1,0 +1,1 @@
+"""REINFORCE Leave-One-Out (RLOO) and REINFORCE++."""
