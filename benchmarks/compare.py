@@ -4,6 +4,7 @@ Usage (after ``bash benchmarks/setup.sh``)::
 
     benchmarks/.venv/bin/python benchmarks/compare.py --rounds 2 --steps 4
     benchmarks/.venv/bin/python benchmarks/compare.py --lengths 64 256 1024 --rounds 1 --steps 2
+    benchmarks/.venv/bin/python benchmarks/compare.py --trainer rloo --rounds 2 --steps 4
     python benchmarks/compare.py --device cuda --bf16 1 --model /tmp/smollm2 --lengths 64 256
 
 ``--model`` takes any SmolLM2-135M folder (on a machine without the embedded package, one built
@@ -51,7 +52,14 @@ def host() -> dict:
 
 
 def run(
-    library: str, model: str, steps: int, length: int, checkpointing: int, device: str, bf16: int
+    library: str,
+    model: str,
+    steps: int,
+    length: int,
+    checkpointing: int,
+    device: str,
+    bf16: int,
+    trainer: str = "grpo",
 ) -> dict:
     cmd = [
         sys.executable,
@@ -63,6 +71,7 @@ def run(
         "--gradient_checkpointing", str(checkpointing),
         "--device", device,
         "--bf16", str(bf16),
+        "--trainer", trainer,
     ]  # fmt: skip
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
@@ -93,6 +102,7 @@ def main() -> None:
     parser.add_argument("--libraries", nargs="+", default=["posttrain", "trl"])
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--bf16", type=int, default=0)
+    parser.add_argument("--trainer", choices=["grpo", "rloo"], default="grpo")
     parser.add_argument("--model", default=None, help="model folder (default: the embedded SmolLM2)")
     opts = parser.parse_args()
     model = opts.model or model_folder()
@@ -111,11 +121,13 @@ def main() -> None:
                         opts.gradient_checkpointing,
                         opts.device,
                         opts.bf16,
+                        opts.trainer,
                     )
                 )
         summary = {lib: summarise(r) for lib, r in runs.items()}
         row = {
             "host": machine,
+            "trainer": opts.trainer,
             "completion_length": length,
             "device": opts.device,
             "bf16": bool(opts.bf16),

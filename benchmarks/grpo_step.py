@@ -1,4 +1,4 @@
-"""One library's GRPO run on the anchor config, measured; prints one JSON line.
+"""One library's GRPO (or RLOO) run on the anchor config, measured; prints one JSON line.
 
 Run by ``benchmarks/compare.py`` in a fresh process per measurement, so peak memory belongs to
 one run. The same script drives posttrain and TRL: both get the same model folder, prompt,
@@ -6,13 +6,16 @@ reward functions and GRPOConfig values, and only the import differs.
 
 Anchor config (issue "Performance ahead of TRL"): SmolLM2-135M-Instruct in float32 on the CPU,
 one prompt per step, 8 completions of exactly N tokens (``min_new_tokens=N``), cheap rewards,
-``num_iterations=1``, ``beta=0``. ``--device cuda`` runs the same config on the GPU (the step
+``num_iterations=1``, ``beta=0``. ``--trainer rloo`` runs RLOOTrainer on the same config with
+RLOOConfig's own defaults (``beta=0.05``: a reference model, and the sampling policy's
+log-probs for the KL folded into the reward, in both libraries). ``--device cuda`` runs the same config on the GPU (the step
 clock then waits for the GPU's queue, and the JSON adds the GPU's peak allocated memory).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import resource
@@ -74,6 +77,7 @@ def main() -> None:
     parser.add_argument("--gradient_checkpointing", type=int, default=1)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--bf16", type=int, default=0)
+    parser.add_argument("--trainer", choices=["grpo", "rloo"], default="grpo")
     opts = parser.parse_args()
     cuda = opts.device == "cuda"
 
@@ -81,10 +85,9 @@ def main() -> None:
     from datasets import Dataset
     from transformers import TrainerCallback
 
-    if opts.library == "posttrain":
-        from posttrain import GRPOConfig, GRPOTrainer
-    else:
-        from trl import GRPOConfig, GRPOTrainer
+    library = importlib.import_module(opts.library)
+    prefix = opts.trainer.upper()
+    Config, Trainer = getattr(library, f"{prefix}Config"), getattr(library, f"{prefix}Trainer")  # noqa: N806
 
     question = QUESTION
     dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": question}]] * 64})
@@ -101,7 +104,7 @@ def main() -> None:
     n = opts.completion_length
     clock = Clock()
     with tempfile.TemporaryDirectory() as out:
-        args = GRPOConfig(
+        args = Config(
             **anchor_kwargs(
                 out,
                 n,
@@ -112,7 +115,7 @@ def main() -> None:
                 use_cpu=not cuda,
             )
         )
-        trainer = GRPOTrainer(
+        trainer = Trainer(
             model=opts.model,
             reward_funcs=[length_reward, digit_reward],
             args=args,
@@ -131,6 +134,7 @@ def main() -> None:
         json.dumps(
             {
                 "library": opts.library,
+                "trainer": opts.trainer,
                 "device": opts.device,
                 "bf16": bool(opts.bf16),
                 "completion_length": n,

@@ -3,10 +3,12 @@ with GRPO on the spec's IncrementEnv example, the dataset's "target" column reac
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from datasets import Dataset
-from helpers import make_config
+from helpers import CPU_TEST_ARGS, make_config
 from test_agent_loop import IncrementEnv, call, long_context_model, qwen_tokenizer
 
 from posttrain.agents.templates import TURN_END, continuation_text
@@ -76,28 +78,36 @@ def tool_calling_model():
 
 
 @pytest.mark.slow
-def test_increment_env_end_to_end(tmp_path, tool_calling_model):
-    from posttrain import GRPOTrainer
+@pytest.mark.parametrize("family", ["grpo", "rloo"])
+def test_increment_env_end_to_end(tmp_path, tool_calling_model, family):
+    """GRPO and RLOO share the tool loop (``sampling.OnlineTrainer``); both train on environments."""
+    from posttrain import GRPOTrainer, RLOOConfig, RLOOTrainer
 
-    tok, model = tool_calling_model
+    tok, taught = tool_calling_model
+    model = copy.deepcopy(taught)  # each family trains its own copy of the fixture model
     seen = []
 
     def saw_environments(completions, environments, **kwargs):
         seen.append([(type(env).__name__, env.counter, env.target) for env in environments])
         return [0.0] * len(completions)
 
-    trainer = GRPOTrainer(
+    values = {
+        "per_device_train_batch_size": 4,
+        "num_generations": 2,
+        "max_steps": 2,
+        "max_completion_length": 96,
+        "temperature": 0.3,
+        "learning_rate": 1e-5,
+    }
+    if family == "rloo":  # the same values in RLOO's config (beta=0.05: with a reference copy)
+        args = RLOOConfig(output_dir=str(tmp_path), **{**CPU_TEST_ARGS, **values})
+    else:
+        args = make_config(tmp_path, **values)
+    trainer_class = RLOOTrainer if family == "rloo" else GRPOTrainer
+    trainer = trainer_class(
         model=model,
         reward_funcs=saw_environments,
-        args=make_config(
-            tmp_path,
-            per_device_train_batch_size=4,
-            num_generations=2,
-            max_steps=2,
-            max_completion_length=96,
-            temperature=0.3,
-            learning_rate=1e-5,
-        ),
+        args=args,
         train_dataset=dataset(),
         processing_class=tok,
         environment_factory=IncrementEnv,

@@ -1,4 +1,4 @@
-"""The KTO, ORPO, CPO and reward-model paper recipes in ``recipes/{kto,orpo,cpo,reward}/``.
+"""The KTO, ORPO, CPO, reward-model and RLOO paper recipes in ``recipes/{kto,orpo,cpo,reward,rloo}/``.
 
 One recipe per config example of those sections of the paper index. A recipe is a YAML mapping
 of its family's config fields, loaded with ``yaml.safe_load`` and passed as
@@ -7,7 +7,8 @@ The file checks are strict (every key a field, every value line commented, the h
 the paper and the index lines); the values must be the index's. KTO's index example is
 ``KTOConfig()`` with no arguments: its recipe writes defaults out, and each must be the
 config's own default. The training test shrinks each recipe to a two-step CPU run on a tiny
-model with the overrides of ``TINY_RUN``.
+model with the overrides of ``TINY_RUN`` (``TINY_ONLINE_RUN`` for RLOO, which samples its own
+completions of prompts and scores them with a reward function).
 
 ``test_the_index_gives_these_examples`` reads the paper index itself (the Portuguese
 ``paper-index.pt.txt``; ``POSTTRAIN_PAPER_INDEX`` or the shared spec folder) and checks the
@@ -40,11 +41,15 @@ from posttrain import (
     ORPOTrainer,
     RewardConfig,
     RewardTrainer,
+    RLOOConfig,
+    RLOOTrainer,
 )
 from posttrain.cli import cpo as cpo_cli
 from posttrain.cli import kto as kto_cli
 from posttrain.cli import orpo as orpo_cli
 from posttrain.cli import reward as reward_cli
+from posttrain.cli import rloo as rloo_cli
+from posttrain.cli.online import OnlineScriptArguments
 from posttrain.cli.options import parse_config
 from posttrain.cli.training import PairTaskScriptArguments
 
@@ -66,6 +71,7 @@ FAMILIES: dict[str, Family] = {
     "orpo": Family(ORPOConfig, ORPOTrainer, orpo_cli, PairTaskScriptArguments),
     "cpo": Family(CPOConfig, CPOTrainer, cpo_cli, PairTaskScriptArguments),
     "reward": Family(RewardConfig, RewardTrainer, reward_cli, reward_cli.RewardScriptArguments),
+    "rloo": Family(RLOOConfig, RLOOTrainer, rloo_cli, OnlineScriptArguments),
 }
 
 
@@ -167,6 +173,29 @@ PAPERS: dict[str, Paper] = {
         (1301, 1304),
         {"center_rewards_coefficient": 0.01},
     ),
+    "rloo/rloo": Paper(
+        "Back to Basics: Revisiting REINFORCE Style Optimization for Learning from Human Feedback in LLMs",
+        "2402.14740",
+        "Voltando ao básico: Revisitando a otimização no estilo REINFORCE para aprendizado com feedback humano "
+        "em LLMs",
+        1164,
+        (1172, 1178),
+        {
+            "per_device_train_batch_size": 512,
+            "steps_per_generation": 2,
+            "beta": 0.03,
+            "num_generations": 2,
+            "learning_rate": 1e-6,
+        },
+    ),
+    "rloo/reinforce_pp": Paper(
+        "REINFORCE++: A Simple and Efficient Approach for Aligning Large Language Models",
+        "2501.03262",
+        "REINFORCE++: Uma abordagem simples e eficiente para alinhar grandes modelos de linguagem",
+        1180,
+        (1188, 1190),
+        {"normalize_advantages": True},
+    ),
 }
 
 # The index's margin example (Llama 2): data, not a config; the reward recipe's header describes it.
@@ -198,6 +227,14 @@ TINY_RUN: dict[str, Any] = {
     "gradient_checkpointing": False,
     "logging_steps": 1,
     "disable_tqdm": True,
+}
+
+# The same for RLOO: prompts of up to 8 sampled tokens, two completions each, a token-sum reward.
+TINY_ONLINE_RUN: dict[str, Any] = {
+    **{k: v for k, v in TINY_RUN.items() if k != "max_length"},
+    "num_generations": 2,
+    "max_completion_length": 8,
+    "learning_rate": 1e-2,
 }
 
 _KEY_LINE = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)\s*:")
@@ -255,6 +292,11 @@ def preference_pairs(n: int = 8, margin: bool = False) -> Dataset:
     if margin:  # the index's add_margin (lines 1314-1323)
         data = data.map(lambda ex: {"margin": MARGIN_EXAMPLE["margins"][ex["preference_label"]]})
     return data
+
+
+def _token_sum_reward(completion_ids, **kwargs):
+    """Varies between completions even when all reach the length limit (the tiny model rarely ends)."""
+    return [float(sum(ids) % 7) for ids in completion_ids]
 
 
 @pytest.fixture(scope="module")
@@ -359,9 +401,16 @@ def test_recipe_trains_two_steps(name, tok, tmp_path):
         torch.manual_seed(0)
         model = LlamaForSequenceClassification(config)
     before = [p.detach().clone() for p in model.parameters()]
-    args = family.config(**{**values, **TINY_RUN, "output_dir": str(tmp_path)})
-    data = preference_pairs(margin=family.trainer is RewardTrainer)
-    trainer = family.trainer(model, args=args, train_dataset=data, processing_class=tok)
+    if family.trainer is RLOOTrainer:
+        args = family.config(**{**values, **TINY_ONLINE_RUN, "output_dir": str(tmp_path)})
+        prompts = Dataset.from_dict({"prompt": [f"What is {i} plus {i}?" for i in range(8)]})
+        trainer = RLOOTrainer(
+            model, _token_sum_reward, args=args, train_dataset=prompts, processing_class=tok
+        )
+    else:
+        args = family.config(**{**values, **TINY_RUN, "output_dir": str(tmp_path)})
+        data = preference_pairs(margin=family.trainer is RewardTrainer)
+        trainer = family.trainer(model, args=args, train_dataset=data, processing_class=tok)
     trainer.train()
 
     assert trainer.state.global_step == 2

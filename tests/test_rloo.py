@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 import pytest
 import torch
 from conftest import build_tiny_model, build_tiny_tokenizer
-from helpers import CPU_TEST_ARGS, ScriptedGenerator, conversational_dataset, standard_dataset
+from helpers import CPU_TEST_ARGS, ScriptedGenerator, conversational_dataset, run_torchrun, standard_dataset
 
 from posttrain import GRPOConfig, RLOOConfig, RLOOTrainer
+from posttrain.generation.base import Samples
 from posttrain.ops.reductions import Normalizers
 from posttrain.rloo import losses
 
@@ -185,19 +187,33 @@ def test_config_has_the_reference_fields_and_defaults(tmp_path) -> None:
 @pytest.mark.parametrize(
     ("overrides", "error", "match"),
     [
-        ({"num_generations": 1}, ValueError, "num_generations"),
-        ({"reward_clip_range": (3.0, 1.0)}, ValueError, "reward_clip_range"),
-        ({"reward_clip_range": (1.0,)}, ValueError, "reward_clip_range"),
-        ({"beta": -0.1}, ValueError, "beta"),
-        ({"auto_find_batch_size": True}, ValueError, "auto_find_batch_size"),
-        ({"use_vllm": True}, NotImplementedError, "use_vllm"),
-        ({"sync_ref_model": True, "beta": 0.0}, ValueError, "sync_ref_model"),
-        ({"per_device_train_batch_size": 3, "num_generations": 2}, ValueError, "num_generations=2"),
+        pytest.param({"num_generations": 1}, ValueError, "num_generations", id="num_generations"),
+        pytest.param({"reward_clip_range": (3.0, 1.0)}, ValueError, "reward_clip_range", id="clip_reversed"),
+        pytest.param({"reward_clip_range": (1.0,)}, ValueError, "reward_clip_range", id="clip_not_a_pair"),
+        pytest.param({"beta": -0.1}, ValueError, "beta", id="beta"),
+        pytest.param(
+            {"auto_find_batch_size": True}, ValueError, "auto_find_batch_size", id="auto_find_batch_size"
+        ),
+        pytest.param({"use_vllm": True}, NotImplementedError, "use_vllm", id="use_vllm"),
+        pytest.param(
+            {"sync_ref_model": True, "beta": 0.0}, ValueError, "sync_ref_model", id="sync_without_kl"
+        ),
+        pytest.param(
+            {"per_device_train_batch_size": 3, "num_generations": 2},
+            ValueError,
+            "num_generations=2",
+            id="split_group",
+        ),
     ],
 )
 def test_config_rejects_bad_values(tmp_path, overrides, error, match) -> None:
     with pytest.raises(error, match=match):
         rloo_config(tmp_path, **overrides)
+
+
+def test_dynamic_sampling_with_a_kl_warns(tmp_path) -> None:
+    with pytest.warns(UserWarning, match="dynamic_sampling=True keeps groups"):
+        rloo_config(tmp_path, dynamic_sampling=True, per_device_train_batch_size=8)
 
 
 def test_reward_clip_range_list_becomes_a_tuple(tmp_path) -> None:
@@ -327,3 +343,118 @@ def test_peft_reference_is_the_base_with_adapters_off(tmp_path) -> None:
     assert not torch.allclose(chunk.old_logps, chunk.ref_logps)  # adapters on vs off
     trainer.train()
     assert trainer.state.log_history[-2]["kl"] != 0.0
+
+
+# ---- two processes --------------------------------------------------------------------------------
+
+
+class RankScriptedGenerator:
+    """Answers row ``i`` of call ``c`` with ``script[(c * stride + offset + i) % len(script)]``: a
+    process's share of the completions a one-process run (offset 0) gets for the same step."""
+
+    def __init__(self, script: list[list[int]], offset: int, stride: int) -> None:
+        self.script, self.offset, self.stride, self.calls = script, offset, stride, 0
+
+    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, **kwargs) -> Samples:
+        start = self.calls * self.stride + self.offset
+        rows = [self.script[(start + i) % len(self.script)] for i in range(prompt_ids.shape[0])]
+        self.calls += 1
+        return Samples.from_lists(rows, 0, prompt_ids.device)
+
+
+def ddp_comparable_trainer(out_dir: str, per_device: int, **overrides) -> RLOOTrainer:
+    """Two SGD steps of RLOO with a KL on one repeated prompt, groups of 4 (the two-process test)."""
+    from datasets import Dataset
+
+    tok = build_tiny_tokenizer()
+    args = rloo_config(
+        out_dir,
+        per_device_train_batch_size=per_device,
+        num_generations=4,
+        beta=0.2,
+        max_steps=2,
+        optim="sgd",
+        learning_rate=0.5,
+        max_grad_norm=0.0,
+        lr_scheduler_type="constant",
+        seed=1,
+        **overrides,
+    )
+    prompts = Dataset.from_dict({"prompt": ["What is 2 plus 3?"] * 16})
+    return RLOOTrainer(build_tiny_model(tok, seed=3), token_sum_reward, args, prompts, processing_class=tok)
+
+
+@pytest.mark.slow
+def test_two_processes_train_like_one(tmp_path) -> None:
+    """2 processes x 2 completions give the parameters and metrics of 1 process x 4."""
+    script = os.path.join(os.path.dirname(__file__), "scripts", "rloo_ddp.py")
+    proc = run_torchrun(script, str(tmp_path), 29563)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    one = ddp_comparable_trainer(str(tmp_path / "one"), per_device=4)
+    one.generator = RankScriptedGenerator(SCRIPT, offset=0, stride=4)
+    one.train()
+    one_logs = [
+        {k: v for k, v in h.items() if k != "step_time"} for h in one.state.log_history if "loss" in h
+    ]
+    for rank in ranks:
+        for a, b in zip(rank["params"], one.model.parameters(), strict=True):
+            torch.testing.assert_close(a, b.detach(), rtol=1e-4, atol=1e-6)
+        for got, want in zip(rank["logs"], one_logs, strict=True):
+            for key in ("reward", "kl", "frac_reward_zero_std", "clip_ratio/region_mean", "num_tokens"):
+                assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-7), key
+    assert one_logs[-1]["kl"] != 0.0
+
+
+# ---- posttrain rloo -------------------------------------------------------------------------------
+
+
+def test_cli_trains_and_saves(tmp_path, tiny_model_dir, capsys) -> None:
+    """``posttrain rloo`` on a jsonl file with a dotted-path reward: REINFORCE++ flags reach the
+    config, two real steps, the model saved."""
+    import json
+
+    from posttrain.cli.main import COMMANDS
+    from posttrain.cli.rloo import rloo
+
+    assert COMMANDS["rloo"] is rloo
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"What is {i} plus one?"}) + "\n" for i in range(8)))
+    out = tmp_path / "run"
+    trainer = rloo(
+        ["--model_name_or_path", tiny_model_dir, "--dataset_name", str(data), "--output_dir", str(out),
+         "--reward_funcs", "helpers.length_reward", "--normalize_advantages", "true",
+         "--reward_clip_range", "0", "5", "--max_steps", "2", "--per_device_train_batch_size", "4",
+         "--max_completion_length", "8", "--use_cpu", "--bf16", "false", "--report_to", "none",
+         "--save_strategy", "no", "--disable_tqdm", "true", "--logging_steps", "1"]
+    )  # fmt: skip
+    assert isinstance(trainer, RLOOTrainer) and trainer.state.global_step == 2
+    assert trainer.args.normalize_advantages and trainer.args.reward_clip_range == (0.0, 5.0)
+    assert trainer.args.num_generations == 4  # the command's laptop default, under RLOO's own 2
+    assert any("rewards/length_reward/mean" in h for h in trainer.state.log_history)
+    assert (out / "config.json").exists()
+    assert f"posttrain rloo: saved the trained model to {out}" in capsys.readouterr().out
+
+
+def test_a_reward_model_scores_the_completions(tmp_path) -> None:
+    """A sequence classifier saved to a folder, given by path, is a reward of RLOO as of GRPO."""
+    from test_reward_models import build_reward_model
+    from transformers import PreTrainedModel
+
+    tok = build_tiny_tokenizer()
+    path = tmp_path / "tiny-rm"
+    build_reward_model(tok).save_pretrained(path)
+    tok.save_pretrained(path)
+    trainer = RLOOTrainer(
+        model=build_tiny_model(tok, seed=3),
+        reward_funcs=[str(path), token_sum_reward],
+        args=rloo_config(tmp_path / "run", max_steps=1),
+        train_dataset=standard_dataset(),
+        processing_class=tok,
+    )
+    assert isinstance(trainer.reward_funcs[0], PreTrainedModel)
+    assert trainer.reward_func_names == ["tiny-rm", "token_sum_reward"]
+    trainer.generator = ScriptedGenerator(SCRIPT, pad_token_id=0)
+    trainer.train()
+    (log,) = [h for h in trainer.state.log_history if "loss" in h]
+    assert log["rewards/tiny-rm/std"] > 0  # the classifier tells the scripted completions apart

@@ -36,6 +36,7 @@ from posttrain.cli.kto import kto
 from posttrain.cli.options import CLIError, did_you_mean, one_paragraph
 from posttrain.cli.orpo import orpo
 from posttrain.cli.reward import reward
+from posttrain.cli.rloo import rloo
 from posttrain.cli.sft import sft
 
 #: Packages ``posttrain env`` reports, by distribution name.
@@ -117,6 +118,7 @@ def report(argv: list[str]) -> None:
 # docstring is its summary in `posttrain --help`. Raise CLIError for bad input.
 COMMANDS: dict[str, Callable[[list[str]], Any]] = {
     "grpo": grpo,
+    "rloo": rloo,
     "sft": sft,
     "dpo": dpo,
     "kto": kto,
@@ -139,7 +141,8 @@ def usage() -> str:
     lines += [
         "",
         "`posttrain COMMAND --help` lists a command's flags (`posttrain grpo --help`: every GRPOConfig field).",
-        "With no flags, `posttrain grpo` trains the embedded SmolLM2-135M-Instruct on the built-in arithmetic task,",
+        "With no flags, `posttrain grpo` and `posttrain rloo` train the embedded SmolLM2-135M-Instruct on the built-in",
+        "arithmetic task,",
         "`posttrain sft` fine-tunes it on worked arithmetic answers, `posttrain dpo`, `kto`, `orpo` and `cpo` align",
         "it on arithmetic preference pairs (all: held-out accuracy before and after), and `posttrain reward` trains",
         "it as a reward model on the same pairs (held-out pairwise accuracy before and after).",

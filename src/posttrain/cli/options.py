@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import typing
 from typing import Any
 
 
@@ -96,6 +97,24 @@ def _check_unknown_flags(parser: argparse.ArgumentParser, argv: list[str], prog:
     )
 
 
+def _fixed_length_tuples(parser: argparse.ArgumentParser) -> None:
+    """Flags of fields typed ``tuple[float, float]`` take that many values (``--reward_clip_range -1 1``).
+
+    ``HfArgumentParser`` hands the one string after the flag to the tuple type, which splits it
+    into characters; here the flag takes one value per tuple entry, each converted by its type.
+    """
+    for action in parser._actions:
+        kind = action.type
+        if (
+            typing.get_origin(kind) is tuple
+            and typing.get_args(kind)
+            and Ellipsis not in typing.get_args(kind)
+        ):
+            entries = typing.get_args(kind)
+            if len(set(entries)) == 1 and entries[0] in (int, float, str):
+                action.nargs, action.type = len(entries), entries[0]
+
+
 def parse_config(
     argv: list[str],
     script_args_class: type,
@@ -136,6 +155,7 @@ def parse_config(
         description=f"{summary} `--config RECIPE.yaml` reads flag values from a YAML mapping; "
         "flags given on the command line win.",
     )
+    _fixed_length_tuples(parser)
     parser.set_defaults(**(defaults or {}))
     config_path, argv = _split_config(argv)
     if config_path is not None:
