@@ -299,3 +299,25 @@ def test_the_head_runs_on_the_target_positions_only_with_the_same_statistics(tok
         assert (x[~keep] == 0).all(), field
     for a, b in zip(target_grads, every_grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["prompts-once", "whole-rows"])
+def test_score_completions_runs_the_head_on_completion_tokens_only(tok, monkeypatch, shared):
+    """Both paths of ``score_completions`` project only the completions' real tokens (no padding)."""
+    from posttrain.ops import chunked, logprobs
+
+    model = build_tiny_model(tok)
+    split = preference.collate_pair_prompts(token_rows(len(tok), seed=5), tok.eos_token_id)
+    before = score_split(model, split)
+    if not shared:  # the whole-rows path, as for a model the shared prefix does not support
+        monkeypatch.setattr(logprobs, "_completion_hidden", lambda *a, **k: None)
+    head_rows = []
+    real = chunked.token_stats
+    monkeypatch.setattr(
+        chunked, "token_stats", lambda h, *a, **k: head_rows.append(h.shape[:-1].numel()) or real(h, *a, **k)
+    )
+    scores = score_split(model, split)
+    assert head_rows == [int(split.completion_mask.sum())]
+    assert head_rows[0] < split.completion_mask.numel()  # the rows' padding is skipped
+    torch.testing.assert_close(scores.logps, before.logps, rtol=1e-5, atol=1e-5)
+    assert (scores.token_logps[~split.completion_mask.bool()] == 0).all()

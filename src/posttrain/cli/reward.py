@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from posttrain.cli.options import parse_config
-from posttrain.cli.training import TaskScriptArguments, run_training, task_dataset
+from posttrain.cli.training import TaskScriptArguments, laptop_defaults, run_training, task_dataset
 
 #: The seed and size of the held-out pairs (the training pairs' default seed is 2).
 HELDOUT_PAIRS_SEED, HELDOUT_PAIRS_SIZE = 20261202, 100
@@ -32,19 +32,7 @@ HELDOUT_PAIRS_SEED, HELDOUT_PAIRS_SIZE = 20261202, 100
 # before -> after; 51 untagged and 49 wrong-result pairs): 1e-5 gives 0.73 -> 0.83 (untagged
 # 1.00 -> 1.00, wrong result 0.45 -> 0.65); 1e-4 gives 0.73 -> 0.75, with the wrong-result pairs
 # left at chance (0.49): it learns the answer format only.
-LAPTOP_DEFAULTS: dict[str, Any] = {
-    "output_dir": "reward-smollm2-arithmetic",
-    "max_steps": 30,
-    "per_device_train_batch_size": 8,
-    "learning_rate": 1e-5,
-    "lr_scheduler_type": "constant",
-    "max_length": 512,
-    "logging_steps": 5,
-    "save_steps": 30,
-    "save_total_limit": 1,
-    "gradient_checkpointing": False,
-    "report_to": "none",
-}
+LAPTOP_DEFAULTS: dict[str, Any] = laptop_defaults("reward", 1e-5)
 
 
 @dataclass

@@ -500,7 +500,8 @@ def score_completions(
     each); where ``ops/shared_prefix.py`` supports the model, the prompt's forward, backward and
     recomputation happen once per pair instead of twice. Elsewhere the ``[prompt | completion]``
     rows are scored whole. The scores are in the completions' layout: ``token_logps[:, t]`` is
-    completion token ``t``'s log-prob and ``mask`` is ``completion_mask``.
+    completion token ``t``'s log-prob and ``mask`` is ``completion_mask``. The LM head runs on the
+    completion tokens only (every field is 0 on the completions' padding).
 
     Args:
         model: the policy or a reference.
@@ -520,15 +521,17 @@ def score_completions(
         out, predicting = found
         stats = _stats_from_hidden(
             model, out, predicting, completion_ids, chunk_size, with_metrics, with_metrics, with_metrics,
-            with_log_sq_norm,
+            with_log_sq_norm, completion_mask,
         )  # fmt: skip
     else:
+        start = prompt_ids.shape[1] - 1  # position P - 1 predicts completion token 0
+        targets = torch.zeros_like(inputs["input_ids"][:, 1:])  # [N, P + T - 1]: the head runs on these
+        targets[:, start:] = completion_mask
         whole = sequence_token_stats(
             model, inputs["input_ids"], inputs["attention_mask"], inputs["position_ids"],
             with_entropy=with_metrics, with_top=with_metrics, chunk_size=chunk_size,
-            with_logit_mean=with_metrics, with_log_sq_norm=with_log_sq_norm,
+            with_logit_mean=with_metrics, with_log_sq_norm=with_log_sq_norm, target_mask=targets,
         )  # fmt: skip
-        start = prompt_ids.shape[1] - 1  # position P - 1 predicts completion token 0
 
         def cut(t: torch.Tensor | None) -> torch.Tensor | None:
             return t[:, start:] if t is not None else None
