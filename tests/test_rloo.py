@@ -16,27 +16,12 @@ import pytest
 import torch
 from conftest import build_tiny_model, build_tiny_tokenizer
 from helpers import CPU_TEST_ARGS, ScriptedGenerator, conversational_dataset, run_torchrun, standard_dataset
+from test_invariance import SCRIPT, token_sum_reward  # scripted completions of different lengths
 
 from posttrain import GRPOConfig, RLOOConfig, RLOOTrainer
 from posttrain.generation.base import Samples
 from posttrain.ops.reductions import Normalizers
 from posttrain.rloo import losses
-
-# EOS = 2 in the tiny tokenizer; lengths differ so per-token sums matter
-SCRIPT = [
-    [5, 6, 2],
-    [7, 8, 9, 10, 11, 2],
-    [12, 2],
-    [13, 14, 15, 16],
-    [17, 18, 2],
-    [19, 2],
-    [20, 21, 22, 2],
-    [23],
-]
-
-
-def token_sum_reward(completion_ids, **kwargs):
-    return [float(sum(ids) % 7) for ids in completion_ids]
 
 
 def rloo_config(tmp_path, **overrides) -> RLOOConfig:
