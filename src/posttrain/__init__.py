@@ -27,6 +27,8 @@ _LAZY = {
     "CPOTrainer": "posttrain.cpo.trainer",
     "RewardConfig": "posttrain.reward.config",
     "RewardTrainer": "posttrain.reward.trainer",
+    "OnlineDPOConfig": "posttrain.online_dpo.config",
+    "OnlineDPOTrainer": "posttrain.online_dpo.trainer",
     "RLOOConfig": "posttrain.rloo.config",
     "RLOOTrainer": "posttrain.rloo.trainer",
 }
@@ -42,6 +44,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from posttrain.grpo.trainer import GRPOTrainer  # noqa: F401
     from posttrain.kto.config import KTOConfig  # noqa: F401
     from posttrain.kto.trainer import KTOTrainer  # noqa: F401
+    from posttrain.online_dpo.config import OnlineDPOConfig  # noqa: F401
+    from posttrain.online_dpo.trainer import OnlineDPOTrainer  # noqa: F401
     from posttrain.orpo.config import ORPOConfig  # noqa: F401
     from posttrain.orpo.trainer import ORPOTrainer  # noqa: F401
     from posttrain.reward.config import RewardConfig  # noqa: F401

@@ -33,6 +33,7 @@ from posttrain.cli.cpo import cpo
 from posttrain.cli.dpo import dpo
 from posttrain.cli.grpo import grpo
 from posttrain.cli.kto import kto
+from posttrain.cli.online_dpo import online_dpo
 from posttrain.cli.options import CLIError, did_you_mean, one_paragraph
 from posttrain.cli.orpo import orpo
 from posttrain.cli.reward import reward
@@ -119,6 +120,7 @@ def report(argv: list[str]) -> None:
 COMMANDS: dict[str, Callable[[list[str]], Any]] = {
     "grpo": grpo,
     "rloo": rloo,
+    "online-dpo": online_dpo,
     "sft": sft,
     "dpo": dpo,
     "kto": kto,
@@ -141,8 +143,8 @@ def usage() -> str:
     lines += [
         "",
         "`posttrain COMMAND --help` lists a command's flags (`posttrain grpo --help`: every GRPOConfig field).",
-        "With no flags, `posttrain grpo` and `posttrain rloo` train the embedded SmolLM2-135M-Instruct on the built-in",
-        "arithmetic task,",
+        "With no flags, `posttrain grpo`, `rloo` and `online-dpo` train the embedded SmolLM2-135M-Instruct on the",
+        "built-in arithmetic task,",
         "`posttrain sft` fine-tunes it on worked arithmetic answers, `posttrain dpo`, `kto`, `orpo` and `cpo` align",
         "it on arithmetic preference pairs (all: held-out accuracy before and after), and `posttrain reward` trains",
         "it as a reward model on the same pairs (held-out pairwise accuracy before and after).",

@@ -1,4 +1,4 @@
-"""What every trainer on preference pairs shares (DPO, ORPO, CPO; online DPO to come).
+"""What every trainer on preference pairs shares (DPO, ORPO, CPO).
 
 ``PairTrainer`` holds the pair data path (tokenising with ``data/preference.py``, collation into
 a ``PairBatch``, the move to the device), the scoring of a batch's two sides in one forward

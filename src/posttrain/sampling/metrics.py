@@ -67,6 +67,8 @@ def rollout_metrics(
         local = torch.tensor([float(faults.get(name, 0)) for name in names], device=device)
         for name, count in zip(names, gather(local.unsqueeze(0)).sum(dim=0).tolist(), strict=True):
             m[f"rewards/{name}/faults"] = count
+    if not names:  # a judge orders the completions (online DPO): there is no reward
+        return m
     total = weighted_sum(rewards, weights)
     m["reward"] = total.mean().item()
     m["reward_std"] = total.std().item() if total.numel() > 1 else 0.0

@@ -1,6 +1,6 @@
 """The online sampling pipeline: prompts -> generator -> rewards -> a scored batch.
 
-Every trainer that samples from the policy while it trains (GRPO today; RLOO, online DPO,
+Every trainer that samples from the policy while it trains (GRPO, RLOO and online DPO today;
 on-policy distillation and asynchronous GRPO next) hands its batch of dataset rows to one
 ``OnlineSampler`` and gets back a ``Rollout`` and the per-function rewards. The sampler owns
 the generation backend, the user's ``rollout_func``, the tool loop, the reward runner, DAPO's

@@ -62,9 +62,14 @@ def build_rewards(
     return RewardRunner(funcs, fault_policy=args.reward_fault_policy, timeout=args.reward_timeout)
 
 
-def build_reward_weights(args: Any, num_funcs: int, names: list[str], trainer: str) -> torch.Tensor:
-    """[F] weights: ``reward_weights`` for the reward functions, 1 for each environment reward."""
-    if not names:
+def build_reward_weights(
+    args: Any, num_funcs: int, names: list[str], trainer: str, judged: bool = False
+) -> torch.Tensor:
+    """[F] weights: ``reward_weights`` for the reward functions, 1 for each environment reward.
+
+    ``judged``: a judge orders the completions (online DPO), so no reward is needed.
+    """
+    if not names and not judged:
         raise ValueError(
             f"{trainer} needs a reward: pass reward_funcs, or give the environment class a get_reward() "
             "method that scores the episode."

@@ -1,6 +1,6 @@
 """The base of every trainer that samples from the policy while it trains: ``OnlineTrainer``.
 
-GRPO today, and RLOO, online DPO, on-policy distillation and asynchronous GRPO next, share
+GRPO, RLOO and online DPO today, and on-policy distillation and asynchronous GRPO next, share
 everything here on top of ``core.BaseTrainer``: the checks of their prompt datasets, the reward
 runner and weights, the tool loop, the ``OnlineSampler`` (generation, ``rollout_func``, rewards,
 dynamic sampling), the grouped data plan (each prompt's ``num_generations`` completions kept in
@@ -70,7 +70,8 @@ class OnlineTrainer(BaseTrainer):
         train_dataset = self._check_inputs(
             args, train_dataset, eval_dataset, tools, rollout_func, environment_factory
         )
-        optional = environment_factory is not None  # environments may own the reward (get_reward)
+        # environments may own the reward (get_reward); a judge may replace it (online DPO)
+        optional = environment_factory is not None or self._judged
         rewards = setup.build_rewards(reward_funcs, reward_processing_classes, args, optional, name)
         super().__init__(
             model,
@@ -97,7 +98,7 @@ class OnlineTrainer(BaseTrainer):
             )
         self.sampler = self._setup_sampler()
         self.reward_weights = setup.build_reward_weights(
-            args, len(rewards.funcs), self.sampler.reward_names, name
+            args, len(rewards.funcs), self.sampler.reward_names, name, self._judged
         )
         self._completion_logs = self._setup_completion_logs()
         self.ref_model = self._setup_reference()
@@ -163,6 +164,11 @@ class OnlineTrainer(BaseTrainer):
             return None
         self._check_reference_sync()
         return self._create_reference()
+
+    @property
+    def _judged(self) -> bool:
+        """Whether a judge orders the completions instead of rewards (online DPO with ``judge``)."""
+        return getattr(self, "judge", None) is not None
 
     @property
     def generator(self) -> Generator:
