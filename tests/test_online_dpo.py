@@ -369,3 +369,21 @@ def test_two_processes_train_like_one(tmp_path) -> None:
             for key in ("loss", "objective/kl", "objective/scores", "rewards/margins", "rewards/accuracies"):
                 assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), key
     assert one_logs[-1]["objective/kl"] != 0.0
+
+
+def test_reward_model_path_scores_the_pairs(tmp_path) -> None:
+    """``OnlineDPOConfig(reward_model_path=...)`` with no reward_funcs: the classifier orders the pairs."""
+    from test_reward_models import build_reward_model
+    from transformers import PreTrainedModel
+
+    tok = build_tiny_tokenizer()
+    path = tmp_path / "tiny-rm"
+    build_reward_model(tok).save_pretrained(path)
+    tok.save_pretrained(path)
+    trainer = dpo_trainer(
+        tmp_path, reward_funcs=None, config={"reward_model_path": str(path), "max_steps": 1}
+    )
+    assert isinstance(trainer.reward_funcs[0], PreTrainedModel) and trainer.reward_func_names == ["tiny-rm"]
+    trainer.train()
+    (log,) = [h for h in trainer.state.log_history if "loss" in h]
+    assert log["objective/scores_margin"] > 0  # the classifier tells the scripted completions apart
