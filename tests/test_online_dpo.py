@@ -387,3 +387,22 @@ def test_reward_model_path_scores_the_pairs(tmp_path) -> None:
     trainer.train()
     (log,) = [h for h in trainer.state.log_history if "loss" in h]
     assert log["objective/scores_margin"] > 0  # the classifier tells the scripted completions apart
+
+
+def test_evaluation_samples_pairs_and_logs_eval_metrics(tmp_path) -> None:
+    """``evaluate()``: ``per_device_eval_batch_size`` prompts, each sampled twice, the loss and metrics."""
+    data = Dataset.from_dict({"prompt": [f"What is {i} plus 1?" for i in range(4)]})
+    trainer = dpo_trainer(tmp_path, dataset=data, config={"per_device_eval_batch_size": 2})
+    trainer.eval_dataset = data
+    metrics = trainer.evaluate()
+    assert metrics["eval_loss"] == pytest.approx(math.log(2), rel=1e-4)  # the policy is its reference
+    logged = trainer.state.log_history[-1]  # the eval metrics are merged into the log, as in training
+    for name in (
+        "eval_objective/kl",
+        "eval_rewards/accuracies",
+        "eval_objective/scores",
+        "eval_val/contain_eos_token",
+    ):
+        assert name in logged, name
+    assert logged["eval_objective/kl"] == pytest.approx(0.0, abs=1e-5)
+    assert trainer.generator.calls == 4 * 2  # 4 prompts, each sampled twice
