@@ -144,3 +144,64 @@ def run_torchrun(script: str, out_dir: str, port: int, *args: str) -> Any:
     return subprocess.run(
         [*cmd, script, out_dir, *args], env=env, capture_output=True, text=True, timeout=600
     )
+
+
+class RankScriptedGenerator:
+    """Answers row ``i`` of call ``c`` with ``script[(c * stride + offset + i) % len(script)]``: a
+    process's share of the completions a one-process run (offset 0) gets for the same step."""
+
+    def __init__(self, script: list[list[int]], offset: int, stride: int) -> None:
+        self.script, self.offset, self.stride, self.calls = script, offset, stride, 0
+
+    def generate(self, prompt_ids: Any, prompt_mask: Any, **kwargs: Any) -> Any:
+        from posttrain.generation.base import Samples
+
+        start = self.calls * self.stride + self.offset
+        rows = [self.script[(start + i) % len(self.script)] for i in range(prompt_ids.shape[0])]
+        self.calls += 1
+        return Samples.from_lists(rows, 0, prompt_ids.device)
+
+
+def two_processes_against_one(
+    module: str,
+    build: Any,
+    script: list[list[int]],
+    tmp_path: Any,
+    port: int,
+    sizes: tuple[int, int],
+    keys: tuple[str, ...],
+) -> list[dict[str, Any]]:
+    """Train an online family on 2 processes (``scripts/online_family_ddp.py``) and on 1, with the same
+    completions, and check that both ranks end with the one-process parameters and logged ``keys``.
+
+    Args:
+        module: the test module whose ``ddp_comparable_trainer`` (``build``) builds the run.
+        build: ``build(out_dir, size, **overrides)``.
+        script: the scripted completions.
+        tmp_path, port: where the runs write, the rendezvous port.
+        sizes: the batch size per process of the 2-process run and of the 1-process run.
+        keys: the logged metrics compared.
+
+    Returns:
+        The one-process run's logs.
+    """
+    import os
+
+    import pytest
+    import torch
+
+    runner = os.path.join(os.path.dirname(__file__), "scripts", "online_family_ddp.py")
+    proc = run_torchrun(runner, str(tmp_path), port, module, str(sizes[0]))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    one = build(str(tmp_path / "one"), sizes[1])
+    one.generator = RankScriptedGenerator(script, offset=0, stride=one.args.generation_batch_size)
+    one.train()
+    logs = [{k: v for k, v in h.items() if k != "step_time"} for h in one.state.log_history if "loss" in h]
+    for rank in ranks:
+        for a, b in zip(rank["params"], one.model.parameters(), strict=True):
+            torch.testing.assert_close(a, b.detach(), rtol=1e-4, atol=1e-6)
+        for got, want in zip(rank["logs"], logs, strict=True):
+            for key in keys:
+                assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), key
+    return logs

@@ -347,28 +347,13 @@ def ddp_comparable_trainer(out_dir: str, prompts_per_device: int, **overrides) -
 @pytest.mark.slow
 def test_two_processes_train_like_one(tmp_path) -> None:
     """2 processes x 1 pair give the parameters and metrics of 1 process x 2 pairs."""
-    import os
+    from helpers import two_processes_against_one
 
-    from helpers import run_torchrun
-    from test_rloo import RankScriptedGenerator
-
-    script = os.path.join(os.path.dirname(__file__), "scripts", "online_dpo_ddp.py")
-    proc = run_torchrun(script, str(tmp_path), 29571)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
-    one = ddp_comparable_trainer(str(tmp_path / "one"), prompts_per_device=2)
-    one.generator = RankScriptedGenerator(SCRIPT, offset=0, stride=4)
-    one.train()
-    one_logs = [
-        {k: v for k, v in h.items() if k != "step_time"} for h in one.state.log_history if "loss" in h
-    ]
-    for rank in ranks:
-        for a, b in zip(rank["params"], one.model.parameters(), strict=True):
-            torch.testing.assert_close(a, b.detach(), rtol=1e-4, atol=1e-6)
-        for got, want in zip(rank["logs"], one_logs, strict=True):
-            for key in ("loss", "objective/kl", "objective/scores", "rewards/margins", "rewards/accuracies"):
-                assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), key
-    assert one_logs[-1]["objective/kl"] != 0.0
+    keys = ("loss", "objective/kl", "objective/scores", "rewards/margins", "rewards/accuracies")
+    logs = two_processes_against_one(
+        "test_online_dpo", ddp_comparable_trainer, SCRIPT, tmp_path, 29571, (1, 2), keys
+    )
+    assert logs[-1]["objective/kl"] != 0.0
 
 
 def test_reward_model_path_scores_the_pairs(tmp_path) -> None:

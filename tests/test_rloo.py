@@ -10,16 +10,20 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 
 import pytest
 import torch
 from conftest import build_tiny_model, build_tiny_tokenizer
-from helpers import CPU_TEST_ARGS, ScriptedGenerator, conversational_dataset, run_torchrun, standard_dataset
+from helpers import (
+    CPU_TEST_ARGS,
+    ScriptedGenerator,
+    conversational_dataset,
+    standard_dataset,
+    two_processes_against_one,
+)
 from test_invariance import SCRIPT, token_sum_reward  # scripted completions of different lengths
 
 from posttrain import GRPOConfig, RLOOConfig, RLOOTrainer
-from posttrain.generation.base import Samples
 from posttrain.ops.reductions import Normalizers
 from posttrain.rloo import losses
 
@@ -333,20 +337,6 @@ def test_peft_reference_is_the_base_with_adapters_off(tmp_path) -> None:
 # ---- two processes --------------------------------------------------------------------------------
 
 
-class RankScriptedGenerator:
-    """Answers row ``i`` of call ``c`` with ``script[(c * stride + offset + i) % len(script)]``: a
-    process's share of the completions a one-process run (offset 0) gets for the same step."""
-
-    def __init__(self, script: list[list[int]], offset: int, stride: int) -> None:
-        self.script, self.offset, self.stride, self.calls = script, offset, stride, 0
-
-    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, **kwargs) -> Samples:
-        start = self.calls * self.stride + self.offset
-        rows = [self.script[(start + i) % len(self.script)] for i in range(prompt_ids.shape[0])]
-        self.calls += 1
-        return Samples.from_lists(rows, 0, prompt_ids.device)
-
-
 def ddp_comparable_trainer(out_dir: str, per_device: int, **overrides) -> RLOOTrainer:
     """Two SGD steps of RLOO with a KL on one repeated prompt, groups of 4 (the two-process test)."""
     from datasets import Dataset
@@ -372,23 +362,11 @@ def ddp_comparable_trainer(out_dir: str, per_device: int, **overrides) -> RLOOTr
 @pytest.mark.slow
 def test_two_processes_train_like_one(tmp_path) -> None:
     """2 processes x 2 completions give the parameters and metrics of 1 process x 4."""
-    script = os.path.join(os.path.dirname(__file__), "scripts", "rloo_ddp.py")
-    proc = run_torchrun(script, str(tmp_path), 29563)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
-    one = ddp_comparable_trainer(str(tmp_path / "one"), per_device=4)
-    one.generator = RankScriptedGenerator(SCRIPT, offset=0, stride=4)
-    one.train()
-    one_logs = [
-        {k: v for k, v in h.items() if k != "step_time"} for h in one.state.log_history if "loss" in h
-    ]
-    for rank in ranks:
-        for a, b in zip(rank["params"], one.model.parameters(), strict=True):
-            torch.testing.assert_close(a, b.detach(), rtol=1e-4, atol=1e-6)
-        for got, want in zip(rank["logs"], one_logs, strict=True):
-            for key in ("reward", "kl", "frac_reward_zero_std", "clip_ratio/region_mean", "num_tokens"):
-                assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-7), key
-    assert one_logs[-1]["kl"] != 0.0
+    keys = ("reward", "kl", "frac_reward_zero_std", "clip_ratio/region_mean", "num_tokens")
+    logs = two_processes_against_one(
+        "test_rloo", ddp_comparable_trainer, SCRIPT, tmp_path, 29563, (2, 4), keys
+    )
+    assert logs[-1]["kl"] != 0.0
 
 
 # ---- posttrain rloo -------------------------------------------------------------------------------
