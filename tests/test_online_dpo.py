@@ -391,3 +391,39 @@ def test_evaluation_samples_pairs_and_logs_eval_metrics(tmp_path) -> None:
         assert name in logged, name
     assert logged["eval_objective/kl"] == pytest.approx(0.0, abs=1e-5)
     assert trainer.generator.calls == 4 * 2  # 4 prompts, each sampled twice
+
+
+@pytest.mark.parametrize("family", ["online_dpo", "rloo"])
+def test_router_aux_loss_of_a_moe_policy_is_trained_and_logged(tmp_path, family) -> None:
+    """``router_aux_loss_coef`` is resolved once by the online core and added by each family's loss."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    from posttrain import RLOOConfig, RLOOTrainer
+
+    tok = build_tiny_tokenizer()
+    torch.manual_seed(0)
+    moe = Qwen2MoeForCausalLM(
+        Qwen2MoeConfig(
+            vocab_size=len(tok), hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
+            shared_expert_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            num_experts=4, num_experts_per_tok=2, max_position_embeddings=256,
+        )
+    )  # fmt: skip
+    common = {"output_dir": str(tmp_path), **CPU_TEST_ARGS, "max_steps": 1, "router_aux_loss_coef": 0.01}
+    if family == "rloo":
+        args = RLOOConfig(**common, num_generations=2, max_completion_length=8)
+        trainer = RLOOTrainer(moe, token_sum_reward, args, standard_dataset(), processing_class=tok)
+    else:
+        args = OnlineDPOConfig(**{**common, "per_device_train_batch_size": 2}, max_new_tokens=8)
+        trainer = OnlineDPOTrainer(
+            moe,
+            reward_funcs=token_sum_reward,
+            args=args,
+            train_dataset=standard_dataset(),
+            processing_class=tok,
+        )
+    assert trainer.aux_loss_coef == 0.01
+    trainer.generator = ScriptedGenerator(SCRIPT, pad_token_id=0)
+    trainer.train()
+    (log,) = [h for h in trainer.state.log_history if "loss" in h]
+    assert log["aux_loss"] > 0.0

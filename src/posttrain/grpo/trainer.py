@@ -28,7 +28,6 @@ from posttrain.grpo import advantages, regularizers
 from posttrain.grpo.config import GRPOConfig
 from posttrain.grpo.loss import LossSettings, grpo_loss
 from posttrain.grpo.metrics import loss_metrics
-from posttrain.models import reference as model_options
 from posttrain.ops.logprobs import completion_logps
 from posttrain.sampling.metrics import reduce_sampling_metrics
 from posttrain.sampling.rollout import ScoredRollout
@@ -128,8 +127,7 @@ class GRPOTrainer(OnlineTrainer):
             rollout_func,
             environment_factory,
         )
-        aux = model_options.set_router_aux_loss_coef(self.model, args.router_aux_loss_coef)
-        self.loss_settings = replace(loss_settings, aux_loss_coef=aux)
+        self.loss_settings = replace(loss_settings, aux_loss_coef=self.aux_loss_coef)
         self.entropy_coef = float(args.entropy_coef)
         self._step_entropy: list[float] = []
 

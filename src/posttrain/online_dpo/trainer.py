@@ -257,7 +257,13 @@ class OnlineDPOTrainer(OnlineTrainer):
         pairs = losses.pair_logps(seq, ref, first)
         result = losses.online_dpo_loss(pairs, a.loss_type, beta)
         loss = result.loss * seq.shape[0] / inputs.norms.sequences  # mean over the step's pairs
-        self._metrics.add_all(mode, self._pair_metrics(pairs, seq.detach(), seq.detach() - ref, inputs, beta))
+        metrics = self._pair_metrics(pairs, seq.detach(), seq.detach() - ref, inputs, beta)
+        if self.aux_loss_coef and out.aux_loss is not None:  # MoE load balancing (router_aux_loss_coef)
+            loss = loss + self.aux_loss_coef * out.aux_loss / inputs.norms.accumulation
+            metrics["aux_loss"] = (
+                gather(out.aux_loss.detach().float().reshape(1).to(self.accelerator.device)).mean().item()
+            )
+        self._metrics.add_all(mode, metrics)
         return loss
 
     def _pair_metrics(

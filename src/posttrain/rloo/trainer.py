@@ -18,7 +18,6 @@ import torch
 from accelerate.utils import gather
 from transformers import PreTrainedModel, TrainerCallback
 
-from posttrain.models import reference as model_options
 from posttrain.ops.logprobs import completion_logps
 from posttrain.rloo import losses
 from posttrain.rloo.config import RLOOConfig
@@ -105,7 +104,6 @@ class RLOOTrainer(OnlineTrainer):
             rollout_func,
             environment_factory,
         )
-        self.aux_loss_coef = model_options.set_router_aux_loss_coef(self.model, args.router_aux_loss_coef)
         self.epsilon_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
 
     # ---- advantages ----------------------------------------------------------------------------

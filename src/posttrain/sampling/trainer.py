@@ -26,6 +26,7 @@ from posttrain.data import formats
 from posttrain.data.sampling import online_dataloader
 from posttrain.generation.base import Generator
 from posttrain.models import peft as peft_utils
+from posttrain.models import reference as model_options
 from posttrain.observe.completions import COMPLETIONS_FILE, CompletionLog
 from posttrain.ops.logprobs import completion_logps
 from posttrain.ops.reductions import Normalizers
@@ -102,6 +103,8 @@ class OnlineTrainer(BaseTrainer):
         )
         self._completion_logs = self._setup_completion_logs()
         self.ref_model = self._setup_reference()
+        # MoE load balancing: the coefficient in force (0 for a dense model), applied by each family's loss
+        self.aux_loss_coef = model_options.set_router_aux_loss_coef(self.model, args.router_aux_loss_coef)
         self._buffer: list[ScoredRollout] = []
         self._micro_step = 0
 
