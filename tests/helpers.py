@@ -175,7 +175,8 @@ def two_processes_against_one(
     completions, and check that both ranks end with the one-process parameters and logged ``keys``.
 
     Args:
-        module: the test module whose ``ddp_comparable_trainer`` (``build``) builds the run.
+        module: the test module whose ``ddp_comparable_trainer`` (``build``) builds the run; its
+            ``ddp_generator(trainer)``, when it has one, replaces the rank-scripted completions.
         build: ``build(out_dir, size, **overrides)``.
         script: the scripted completions.
         tmp_path, port: where the runs write, the rendezvous port.
@@ -185,6 +186,7 @@ def two_processes_against_one(
     Returns:
         The one-process run's logs.
     """
+    import importlib
     import os
 
     import pytest
@@ -195,7 +197,12 @@ def two_processes_against_one(
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     one = build(str(tmp_path / "one"), sizes[1])
-    one.generator = RankScriptedGenerator(script, offset=0, stride=one.args.generation_batch_size)
+    own = getattr(importlib.import_module(module), "ddp_generator", None)
+    one.generator = (
+        own(one)
+        if own is not None
+        else RankScriptedGenerator(script, offset=0, stride=one.args.generation_batch_size)
+    )
     one.train()
     logs = [{k: v for k, v in h.items() if k != "step_time"} for h in one.state.log_history if "loss" in h]
     for rank in ranks:

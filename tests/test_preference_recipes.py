@@ -1,4 +1,4 @@
-"""The KTO, ORPO, CPO, reward-model and RLOO paper recipes in ``recipes/{kto,orpo,cpo,reward,rloo}/``.
+"""The KTO, ORPO, CPO, reward-model, RLOO and A*-PO paper recipes in ``recipes/{kto,orpo,cpo,reward,rloo,a2po}/``.
 
 One recipe per config example of those sections of the paper index. A recipe is a YAML mapping
 of its family's config fields, loaded with ``yaml.safe_load`` and passed as
@@ -7,8 +7,8 @@ The file checks are strict (every key a field, every value line commented, the h
 the paper and the index lines); the values must be the index's. KTO's index example is
 ``KTOConfig()`` with no arguments: its recipe writes defaults out, and each must be the
 config's own default. The training test shrinks each recipe to a two-step CPU run on a tiny
-model with the overrides of ``TINY_RUN`` (``TINY_ONLINE_RUN`` for RLOO, which samples its own
-completions of prompts and scores them with a reward function).
+model with the overrides of ``TINY_RUN`` (``TINY_ONLINE_RUN`` for RLOO and A*-PO, which sample
+their own completions of prompts and score them with a reward function).
 
 ``test_the_index_gives_these_examples`` reads the paper index itself (the Portuguese
 ``paper-index.pt.txt``; ``POSTTRAIN_PAPER_INDEX`` or the shared spec folder) and checks the
@@ -33,6 +33,8 @@ from conftest import build_tiny_model, build_tiny_tokenizer
 from datasets import Dataset
 
 from posttrain import (
+    A2POConfig,
+    A2POTrainer,
     CPOConfig,
     CPOTrainer,
     KTOConfig,
@@ -44,6 +46,7 @@ from posttrain import (
     RLOOConfig,
     RLOOTrainer,
 )
+from posttrain.cli import a2po as a2po_cli
 from posttrain.cli import cpo as cpo_cli
 from posttrain.cli import kto as kto_cli
 from posttrain.cli import orpo as orpo_cli
@@ -72,6 +75,7 @@ FAMILIES: dict[str, Family] = {
     "cpo": Family(CPOConfig, CPOTrainer, cpo_cli, PairTaskScriptArguments),
     "reward": Family(RewardConfig, RewardTrainer, reward_cli, reward_cli.RewardScriptArguments),
     "rloo": Family(RLOOConfig, RLOOTrainer, rloo_cli, OnlineScriptArguments),
+    "a2po": Family(A2POConfig, A2POTrainer, a2po_cli, OnlineScriptArguments),
 }
 
 
@@ -196,6 +200,14 @@ PAPERS: dict[str, Paper] = {
         (1188, 1190),
         {"normalize_advantages": True},
     ),
+    "a2po/a2po": Paper(
+        "Accelerating RL for LLM Reasoning with Optimal Advantage Regression",
+        "2505.20686",
+        "Acelerando RL para Raciocínio de LLMs com Regressão de Vantagem Ótima",
+        583,
+        (592, 596),
+        {"beta1": 0.5, "beta2": 1e-3, "num_value_samples": 8},
+    ),
 }
 
 # The index's margin example (Llama 2): data, not a config; the reward recipe's header describes it.
@@ -297,6 +309,11 @@ def preference_pairs(n: int = 8, margin: bool = False) -> Dataset:
 def _token_sum_reward(completion_ids, **kwargs):
     """Varies between completions even when all reach the length limit (the tiny model rarely ends)."""
     return [float(sum(ids) % 7) for ids in completion_ids]
+
+
+def _odd_sum_reward(completion_ids, **kwargs):
+    """Binary (A*-PO needs it) and different between completions."""
+    return [float(sum(ids) % 2) for ids in completion_ids]
 
 
 @pytest.fixture(scope="module")
@@ -407,6 +424,11 @@ def test_recipe_trains_two_steps(name, tok, tmp_path):
         trainer = RLOOTrainer(
             model, _token_sum_reward, args=args, train_dataset=prompts, processing_class=tok
         )
+    elif family.trainer is A2POTrainer:  # one completion per prompt; a binary reward
+        tiny = {k: v for k, v in TINY_ONLINE_RUN.items() if k != "num_generations"}
+        args = family.config(**{**values, **tiny, "output_dir": str(tmp_path), "num_value_samples": 2})
+        prompts = Dataset.from_dict({"prompt": [f"What is {i} plus {i}?" for i in range(8)]})
+        trainer = A2POTrainer(model, _odd_sum_reward, args=args, train_dataset=prompts, processing_class=tok)
     else:
         args = family.config(**{**values, **TINY_RUN, "output_dir": str(tmp_path)})
         data = preference_pairs(margin=family.trainer is RewardTrainer)

@@ -3,7 +3,8 @@
 Usage: ``online_family_ddp.py OUT_DIR TEST_MODULE SIZE``. ``TEST_MODULE`` (``test_rloo``,
 ``test_online_dpo``) builds the run with ``ddp_comparable_trainer(out_dir, SIZE, ...)``: the
 same prompt everywhere, two SGD steps. Each rank answers from the script of the one-process run
-at its own rows (``RankScriptedGenerator``), and saves its final parameters and logs to
+at its own rows (``RankScriptedGenerator``), or with the module's ``ddp_generator(trainer)``
+when it has one, and saves its final parameters and logs to
 OUT_DIR/rank{r}.pt for the test to compare with one process.
 """
 
@@ -28,8 +29,13 @@ def main() -> None:
     rank = int(os.environ["RANK"])
     trainer = importlib.import_module(module).ddp_comparable_trainer(out_dir, size, ddp_backend="gloo")
     completions_per_rank = trainer.args.generation_batch_size // 2
-    trainer.generator = RankScriptedGenerator(
-        SCRIPT, offset=completions_per_rank * rank, stride=2 * completions_per_rank
+    own = getattr(importlib.import_module(module), "ddp_generator", None)
+    trainer.generator = (
+        own(trainer)
+        if own is not None
+        else RankScriptedGenerator(
+            SCRIPT, offset=completions_per_rank * rank, stride=2 * completions_per_rank
+        )
     )
     trainer.train()
     params = [p.detach().clone() for p in trainer.model.parameters()]

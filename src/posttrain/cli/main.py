@@ -29,6 +29,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from posttrain.cli.a2po import a2po
 from posttrain.cli.cpo import cpo
 from posttrain.cli.dpo import dpo
 from posttrain.cli.grpo import grpo
@@ -121,6 +122,7 @@ COMMANDS: dict[str, Callable[[list[str]], Any]] = {
     "grpo": grpo,
     "rloo": rloo,
     "online-dpo": online_dpo,
+    "a2po": a2po,
     "sft": sft,
     "dpo": dpo,
     "kto": kto,
@@ -143,7 +145,7 @@ def usage() -> str:
     lines += [
         "",
         "`posttrain COMMAND --help` lists a command's flags (`posttrain grpo --help`: every GRPOConfig field).",
-        "With no flags, `posttrain grpo`, `rloo` and `online-dpo` train the embedded SmolLM2-135M-Instruct on the",
+        "With no flags, `posttrain grpo`, `rloo`, `online-dpo` and `a2po` train the embedded SmolLM2-135M-Instruct on the",
         "built-in arithmetic task,",
         "`posttrain sft` fine-tunes it on worked arithmetic answers, `posttrain dpo`, `kto`, `orpo` and `cpo` align",
         "it on arithmetic preference pairs (all: held-out accuracy before and after), and `posttrain reward` trains",

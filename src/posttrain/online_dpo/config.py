@@ -129,6 +129,8 @@ class OnlineDPOConfig(OnlineConfig):
     )
 
     _rules: ClassVar[tuple[Rule, ...]] = _RULES
+    _off_fields: ClassVar[dict[str, tuple[tuple[Any, ...], str]]] = OFF_FIELDS
+    _method: ClassVar[str] = "online DPO"
 
     def _normalise_family(self) -> None:
         """The shared normalisation; a one-element ``beta`` list is its value (as in the reference)."""
@@ -139,13 +141,8 @@ class OnlineDPOConfig(OnlineConfig):
                 self.beta = self.beta[0]
 
     def _check_combinations(self) -> None:
-        """The shared combinations, then the shared online fields online DPO does not use."""
+        """The shared combinations (``OFF_FIELDS`` among them), then the completion length."""
         super()._check_combinations()
-        for name, (allowed, why) in OFF_FIELDS.items():
-            if getattr(self, name) not in allowed:
-                raise ValueError(
-                    f"{name}={getattr(self, name)!r} does not apply to online DPO ({why}); leave it at {allowed[0]!r}."
-                )
         if self.max_completion_length not in (OnlineConfig.max_completion_length, self.max_new_tokens):
             raise ValueError(
                 f"max_completion_length={self.max_completion_length} is set, but online DPO takes the completion "

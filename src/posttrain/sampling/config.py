@@ -12,7 +12,7 @@ docstrings, which are what users read.
 import math
 import warnings
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from posttrain.core.config import (
     BaseConfig,
@@ -367,8 +367,20 @@ class OnlineConfig(BaseConfig):
             )
             self.use_transformers_continuous_batching = True
 
+    #: Shared fields a family does not use: the values each may hold (the first is the default; a
+    #: built config's derived value is accepted too, so a copy rebuilds) and why (online DPO, A*-PO).
+    _off_fields: ClassVar[dict[str, tuple[tuple[Any, ...], str]]] = {}
+    #: The family's name in the messages about ``_off_fields``.
+    _method: ClassVar[str] = "this trainer"
+
     def _check_combinations(self) -> None:
         """The shared combinations that cannot work (each parameter passed its rule already)."""
+        for name, (allowed, why) in self._off_fields.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(
+                    f"{name}={getattr(self, name)!r} does not apply to {self._method} ({why}); leave it at "
+                    f"{allowed[0]!r}."
+                )
         if self.sync_ref_model and self.beta == 0:
             raise ValueError(
                 "sync_ref_model=True updates the reference model of the KL penalty, but beta=0 means there is "

@@ -45,12 +45,14 @@ class SamplerSettings:
         pad_token_id: padding.
         chat_template_kwargs: extra arguments of the chat template for conversational prompts.
         pad_to_multiple_of: pad prompt batches to a multiple of this many tokens (``None``: no).
+        max_prompt_length: keep only a prompt's last this many tokens (``None``: the whole prompt).
     """
 
     eos_token_ids: list[int]
     pad_token_id: int
     chat_template_kwargs: dict[str, Any] | None = None
     pad_to_multiple_of: int | None = None
+    max_prompt_length: int | None = None
 
 
 @dataclass
@@ -118,7 +120,8 @@ class OnlineSampler:
         return rollout, rewards
 
     def generate(self, prompts: list[Any]) -> Rollout:
-        """Render and tokenise the prompts, left-pad them, and sample one completion each."""
+        """Render and tokenise the prompts (cut to ``max_prompt_length``), left-pad them, and sample
+        one completion each."""
         tok, s = self.tokenizer, self.settings
         ids = [
             tok(chat.render_prompt(p, tok, s.chat_template_kwargs), add_special_tokens=isinstance(p, str))[
@@ -126,6 +129,8 @@ class OnlineSampler:
             ]
             for p in prompts
         ]
+        if s.max_prompt_length is not None:  # cut on the left: the question at the end stays
+            ids = [row[-s.max_prompt_length :] for row in ids]
         prompt_ids, prompt_mask = left_pad(ids, tok.pad_token_id, s.pad_to_multiple_of)
         prompt_ids, prompt_mask = prompt_ids.to(self.device), prompt_mask.to(self.device)
         samples = self.generator.generate(prompt_ids, prompt_mask)

@@ -116,7 +116,7 @@ def build_generator(
         max_new_tokens=args.max_completion_length,
         temperature=args.temperature,
         top_p=args.top_p,
-        top_k=args.top_k,
+        top_k=0 if args.top_k is None else args.top_k,  # A*-PO's None: no top-k filter
         min_p=args.min_p,
         repetition_penalty=args.repetition_penalty,
         cache_implementation=args.cache_implementation,

@@ -135,6 +135,7 @@ class OnlineTrainer(BaseTrainer):
             pad_token_id=self._tokenizer.pad_token_id,
             chat_template_kwargs=a.chat_template_kwargs,
             pad_to_multiple_of=a.pad_to_multiple_of if isinstance(a.pad_to_multiple_of, int) else None,
+            max_prompt_length=getattr(a, "max_prompt_length", None),  # A*-PO's; the others keep whole prompts
         )
         generator = setup.build_generator(
             a, self.accelerator, lambda: self.model, self._tokenizer, self._eos_token_ids
@@ -395,9 +396,13 @@ class OnlineTrainer(BaseTrainer):
         on_policy = a.num_iterations == 1 and a.gradient_accumulation_steps % a.steps_per_generation == 0
         return mode == "train" and not on_policy
 
+    def _needs_ref_logps(self) -> bool:
+        """Whether the loss needs the reference's log-probs (GRPO, RLOO: a KL, ``beta != 0``)."""
+        return self.args.beta != 0.0
+
     def _attach_frozen_logps(self, scored: ScoredRollout, num_chunks: int, mode: str) -> None:
         """``old_logps`` when needed and, with a KL, ``ref_logps``: one micro-batch of rows at a time."""
-        need_old, need_ref = self._needs_old_logps(mode), self.args.beta != 0.0
+        need_old, need_ref = self._needs_old_logps(mode), self._needs_ref_logps()
         if not (need_old or need_ref):
             return
         r = scored.rollout
