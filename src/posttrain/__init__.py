@@ -14,6 +14,8 @@ __version__ = "0.1.0"
 _LAZY = {
     "A2POConfig": "posttrain.a2po.config",
     "A2POTrainer": "posttrain.a2po.trainer",
+    "AsyncGRPOConfig": "posttrain.async_grpo.config",
+    "AsyncGRPOTrainer": "posttrain.async_grpo.trainer",
     "GRPOConfig": "posttrain.grpo.config",
     "GRPOTrainer": "posttrain.grpo.trainer",
     "SFTConfig": "posttrain.sft.config",
@@ -40,6 +42,8 @@ __all__ = [*_LAZY, "__version__"]
 if TYPE_CHECKING:  # pragma: no cover
     from posttrain.a2po.config import A2POConfig  # noqa: F401
     from posttrain.a2po.trainer import A2POTrainer  # noqa: F401
+    from posttrain.async_grpo.config import AsyncGRPOConfig  # noqa: F401
+    from posttrain.async_grpo.trainer import AsyncGRPOTrainer  # noqa: F401
     from posttrain.cpo.config import CPOConfig  # noqa: F401
     from posttrain.cpo.trainer import CPOTrainer  # noqa: F401
     from posttrain.dpo.config import DPOConfig  # noqa: F401

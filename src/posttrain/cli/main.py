@@ -33,6 +33,7 @@ from posttrain.cli.a2po import a2po
 from posttrain.cli.cpo import cpo
 from posttrain.cli.dpo import dpo
 from posttrain.cli.grpo import grpo
+from posttrain.cli.grpo_async import grpo_async
 from posttrain.cli.kto import kto
 from posttrain.cli.online_dpo import online_dpo
 from posttrain.cli.options import CLIError, did_you_mean, one_paragraph
@@ -123,6 +124,7 @@ COMMANDS: dict[str, Callable[[list[str]], Any]] = {
     "rloo": rloo,
     "online-dpo": online_dpo,
     "a2po": a2po,
+    "grpo-async": grpo_async,
     "sft": sft,
     "dpo": dpo,
     "kto": kto,
@@ -145,7 +147,8 @@ def usage() -> str:
     lines += [
         "",
         "`posttrain COMMAND --help` lists a command's flags (`posttrain grpo --help`: every GRPOConfig field).",
-        "With no flags, `posttrain grpo`, `rloo`, `online-dpo` and `a2po` train the embedded SmolLM2-135M-Instruct on the",
+        "With no flags, `posttrain grpo`, `grpo-async`, `rloo`, `online-dpo` and `a2po` train the embedded",
+        "SmolLM2-135M-Instruct on the",
         "built-in arithmetic task,",
         "`posttrain sft` fine-tunes it on worked arithmetic answers, `posttrain dpo`, `kto`, `orpo` and `cpo` align",
         "it on arithmetic preference pairs (all: held-out accuracy before and after), and `posttrain reward` trains",

@@ -75,10 +75,14 @@ def _chunk_stats(
     with_entropy: bool,
     with_top: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Log-prob of each target, log-partition, entropy and top log-prob of one chunk: [c, H] -> 4 x [c]."""
+    """Log-prob of each target, log-partition, entropy and top log-prob of one chunk: [c, H] -> 4 x [c].
+
+    ``targets`` is [c], or [c, M] for M targets per row (the log-probs are then [c, M]).
+    """
     z = _scaled_logits(h, weight, bias, temperature)  # [c, V]
     lse = torch.logsumexp(z, dim=-1)  # [c]
-    logps = z.gather(1, targets.unsqueeze(1)).squeeze(1) - lse  # [c]
+    many = _as_columns(targets)  # [c, M]
+    logps = (z.gather(1, many) - lse.unsqueeze(1)).view(targets.shape)  # [c] or [c, M]
     top = z.max(dim=-1).values - lse if with_top else None  # [c]; == logps where the target is the argmax
     entropy = None
     if with_entropy:
@@ -103,7 +107,8 @@ def _chunk_grad_logits(
     One [c, V] float32 buffer without the entropy's gradient, two with it. The 1 / temperature of
     ``dz / dlogits`` is folded into the [c] coefficients.
     """
-    g_lp = grad_logps / temperature if grad_logps is not None else None  # [c]
+    g_cols = _as_columns(grad_logps / temperature) if grad_logps is not None else None  # [c, M]
+    g_lp = g_cols.sum(dim=1) if g_cols is not None else None  # [c]: every target's -p part at once
     g_ent = grad_entropy / temperature if grad_entropy is not None else None  # [c]
     logp_all = _scaled_logits(h, weight, bias, temperature).sub_(lse.unsqueeze(1))  # [c, V]
     if g_ent is None:
@@ -114,17 +119,22 @@ def _chunk_grad_logits(
         grad = logp_all.add_(entropy.unsqueeze(1)).mul_(probs).mul_(-g_ent.unsqueeze(1))
         if g_lp is not None:
             grad.sub_(probs.mul_(g_lp.unsqueeze(1)))
-    if g_lp is not None:
-        grad.scatter_add_(1, targets.unsqueeze(1), g_lp.unsqueeze(1))  # the onehot(y) part
+    if g_cols is not None:
+        grad.scatter_add_(1, _as_columns(targets), g_cols.to(grad.dtype))  # the onehot(y) parts
     return grad.to(weight.dtype)
+
+
+def _as_columns(values: torch.Tensor) -> torch.Tensor:
+    """[c] -> [c, 1]; [c, M] stays."""
+    return values.unsqueeze(1) if values.dim() == 1 else values
 
 
 class TokenStats(torch.autograd.Function):
     """Chosen-token log-probs and entropy of ``softmax((h @ W^T + b) / temperature)``, chunked.
 
-    Inputs: hidden [N, H], weight [V, H], bias [V] or ``None``, targets [N] (long), then the
+    Inputs: hidden [N, H], weight [V, H], bias [V] or ``None``, targets [N] or [N, M] (long), then the
     Python values temperature, chunk_size, with_entropy, entropy_grad, with_top. Outputs: logps
-    [N], entropy [N] (float32, or float64 for a float64 head; an empty tensor when
+    [N] (or [N, M]: one per target), entropy [N] (float32, or float64 for a float64 head; an empty tensor when
     ``with_entropy`` is off; not differentiable unless ``entropy_grad``) and the top log-prob
     [N] (empty unless ``with_top``; never differentiable; equal to ``logps`` where the target is
     the argmax). Saved for backward: hidden, weight and three [N] vectors.
@@ -144,7 +154,7 @@ class TokenStats(torch.autograd.Function):
         with_top: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         n, dtype = hidden.shape[0], _stats_dtype(weight.dtype)
-        logps = hidden.new_empty(n, dtype=dtype)  # [N]
+        logps = hidden.new_empty(targets.shape, dtype=dtype)  # [N] or [N, M]
         lse = hidden.new_empty(n, dtype=dtype)  # [N]
         entropy = hidden.new_empty(n if with_entropy else 0, dtype=dtype)  # [N] or [0]
         top = hidden.new_empty(n if with_top else 0, dtype=dtype)  # [N] or [0]
@@ -254,7 +264,8 @@ def token_stats(
     Args:
         hidden: [..., H] final hidden states, already in the head's dtype.
         weight: [V, H] LM head weight; bias: [V] or ``None``.
-        targets: [...] token ids.
+        targets: [...] token ids, or [..., M]: M token ids per position (their log-probs share
+            one projection onto the vocabulary).
         temperature: the logits are divided by it.
         chunk_size: token rows projected onto the vocabulary at once.
         with_entropy: also return the entropy.
@@ -263,26 +274,63 @@ def token_stats(
             argmax exactly where it equals the target's log-prob (``mean_token_accuracy``).
 
     Returns:
-        ``(logps, entropy)``, float32 with ``targets``' shape; ``entropy`` is ``None`` unless asked
-        for; with ``with_top``, ``(logps, entropy, top)``.
+        ``(logps, entropy)``, float32 with ``targets``' shape; ``entropy`` (and ``top``) have
+        ``hidden``'s leading shape; ``entropy`` is ``None`` unless asked for; with ``with_top``,
+        ``(logps, entropy, top)``.
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive number of token rows, got {chunk_size}.")
-    shape = targets.shape
+    shape = hidden.shape[:-1]
     flat_h = hidden.reshape(-1, hidden.shape[-1])  # [N, H]
+    many = targets.dim() == hidden.dim()  # [..., M]: several targets per position
+    flat_t = targets.reshape(-1, targets.shape[-1]) if many else targets.reshape(-1)
     logps, entropy, top = TokenStats.apply(
         flat_h,
         weight,
         bias,
-        targets.reshape(-1),
+        flat_t,
         temperature,
         chunk_size,
         with_entropy,
         entropy_grad,
         with_top,
     )
-    out = logps.view(shape), (entropy.view(shape) if with_entropy else None)
+    out = logps.view(targets.shape), (entropy.view(shape) if with_entropy else None)
     return (*out, top.view(shape)) if with_top else out
+
+
+@torch.no_grad()
+def token_topk(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    temperature: float,
+    k: int,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each target's log-prob and the ``k`` most likely tokens of each position, without gradient.
+
+    Args:
+        hidden: [..., H] final hidden states in the head's dtype; targets: [...] token ids.
+
+    Returns:
+        ``(logps [...], top_logps [..., k], top_ids [..., k])``, log-probs in float32 or wider.
+    """
+    shape = targets.shape
+    flat_h, flat_t = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+    dtype = _stats_dtype(weight.dtype)
+    logps = flat_h.new_empty(flat_t.shape[0], dtype=dtype)
+    top_logps = flat_h.new_empty(flat_t.shape[0], k, dtype=dtype)
+    top_ids = flat_t.new_empty(flat_t.shape[0], k)
+    for start in range(0, flat_t.shape[0], chunk_size):
+        rows = slice(start, start + chunk_size)
+        z = _scaled_logits(flat_h[rows], weight, bias, temperature)  # [c, V]
+        z.sub_(torch.logsumexp(z, dim=-1, keepdim=True))
+        logps[rows] = z.gather(1, flat_t[rows].unsqueeze(1)).squeeze(1)
+        top = z.topk(k, dim=-1)
+        top_logps[rows], top_ids[rows] = top.values, top.indices
+    return logps.view(shape), top_logps.view(*shape, k), top_ids.view(*shape, k)
 
 
 # ---- which models, and their hidden states --------------------------------------------------

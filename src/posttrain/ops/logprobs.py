@@ -59,11 +59,14 @@ class PolicyOutput:
         entropy: [B, T] per-token entropy, or ``None`` when not asked for; it carries a
             gradient only when asked with ``entropy_grad=True``.
         aux_loss: the router load-balancing loss of a Mixture-of-Experts model, if it reports one.
+        extra_logps: [B, T, K] log-probs of the ``extra_ids`` asked for at each position (with
+            gradient), or ``None``.
     """
 
     logps: torch.Tensor
     entropy: torch.Tensor | None = None
     aux_loss: torch.Tensor | None = None
+    extra_logps: torch.Tensor | None = None
 
 
 def completion_logps(
@@ -77,6 +80,7 @@ def completion_logps(
     entropy_grad: bool = False,
     chunk_size: int | None = chunked.DEFAULT_CHUNK_SIZE,
     share_prompts: bool = True,
+    extra_ids: torch.Tensor | None = None,
 ) -> PolicyOutput:
     """Log-probs (and optionally entropy) of each completion token under ``model``.
 
@@ -91,21 +95,76 @@ def completion_logps(
             ``None`` forces the naive full-logits path.
         share_prompts: on the chunked path, run each distinct prompt through the model once for
             all the rows that share it (``ops/shared_prefix.py``), where the model supports it.
+        extra_ids: [B, T, K] more token ids whose log-probs are wanted at each completion position
+            (score centering's sampler top-k); they share the completion tokens' projection.
 
     Returns:
         A ``PolicyOutput``.
     """
     inputs = _row_inputs(prompt_ids, prompt_mask, completion_ids, completion_mask)
+    targets = (
+        completion_ids if extra_ids is None else torch.cat([completion_ids.unsqueeze(-1), extra_ids], -1)
+    )
     if chunk_size is not None:
         found = _completion_hidden(
             model, inputs, prompt_ids, prompt_mask, completion_ids, completion_mask, share_prompts
         )
         if found is not None:
             out, predicting = found
-            return _stats_output(
-                model, out, predicting, completion_ids, temperature, with_entropy, entropy_grad, chunk_size
+            result = _stats_output(
+                model, out, predicting, targets, temperature, with_entropy, entropy_grad, chunk_size
             )
-    return _naive_output(model, inputs, completion_ids, temperature, with_entropy, entropy_grad)
+            return _split_extra(result, extra_ids is not None)
+    result = _naive_output(model, inputs, targets, temperature, with_entropy, entropy_grad)
+    return _split_extra(result, extra_ids is not None)
+
+
+def _split_extra(result: PolicyOutput, extra: bool) -> PolicyOutput:
+    """[B, T, 1 + K] log-probs -> the completion tokens' [B, T] and the extra ids' [B, T, K]."""
+    if not extra:
+        return result
+    result.extra_logps = result.logps[..., 1:]
+    result.logps = result.logps[..., 0]
+    return result
+
+
+@torch.no_grad()
+def sampler_topk(
+    model: torch.nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+    temperature: float,
+    k: int,
+    chunk_size: int = chunked.DEFAULT_CHUNK_SIZE,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What a sampler reports of its completions: each token's log-prob and its top-``k`` tokens.
+
+    One teacher-forced pass of the sampling model, without gradient, projected onto the
+    vocabulary ``chunk_size`` positions at a time.
+
+    Returns:
+        ``(logps [B, T], top_logps [B, T, k], top_ids [B, T, k])`` in float32.
+    """
+    inputs = _row_inputs(prompt_ids, prompt_mask, completion_ids, completion_mask)
+    found = _completion_hidden(model, inputs, prompt_ids, prompt_mask, completion_ids, completion_mask, True)
+    if found is not None:
+        head = chunked.causal_lm(model).get_output_embeddings()
+        return chunked.token_topk(
+            chunked.head_input(model, found[1]),
+            head.weight,
+            head.bias,
+            completion_ids,
+            temperature,
+            k,
+            chunk_size,
+        )
+    T = completion_ids.shape[1]
+    logits = model(**inputs, logits_to_keep=T + 1).logits[:, :-1, :].float() / temperature  # [B, T, V]
+    logp_all = torch.log_softmax(logits, dim=-1)
+    top = logp_all.topk(k, dim=-1)
+    return logp_all.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1), top.values, top.indices
 
 
 def _row_inputs(
@@ -415,13 +474,19 @@ def _naive_output(
     with_entropy: bool,
     entropy_grad: bool,
 ) -> PolicyOutput:
-    """The full-logits path: the model's own logits of the completion positions, row by row."""
+    """The full-logits path: the model's own logits of the completion positions, row by row.
+
+    ``completion_ids`` may be [B, T, M]: M token ids per position.
+    """
     T = completion_ids.shape[1]
     out = model(**inputs, logits_to_keep=T + 1)
     logits = out.logits[:, :-1, :]  # [B, T, V]: position t predicts completion token t
     if temperature != 1.0:
         logits = logits / temperature
-    logps = selective_log_softmax(logits, completion_ids)
+    if completion_ids.dim() == 3:
+        logps = torch.log_softmax(logits.float(), dim=-1).gather(-1, completion_ids)
+    else:
+        logps = selective_log_softmax(logits, completion_ids)
     entropy = None
     if with_entropy:
         entropy = entropy_from_logits(logits if entropy_grad else logits.detach())

@@ -15,8 +15,9 @@ import torch
 from posttrain.core.batch import Rollout
 from posttrain.ops.reductions import Normalizers
 
-# Per-token tensors of a ScoredRollout, [N, T] like the completions, sliced and trimmed with them.
-TOKEN_FIELDS = ("old_logps", "ref_logps")
+# Per-token tensors of a ScoredRollout, [N, T] (or [N, T, K]) like the completions, sliced and
+# trimmed with them.
+TOKEN_FIELDS = ("old_logps", "ref_logps", "sampler_logps", "sampler_top_logps", "sampler_top_ids")
 
 
 @dataclass
@@ -30,7 +31,11 @@ class ScoredRollout:
         old_logps: [N, T] log-probs under the policy that sampled, or ``None`` when the step is
             on-policy (then the detached current log-probs are used).
         ref_logps: [N, T] log-probs under the reference policy (only with a KL penalty).
+        sampler_logps: [N, T] the sampler's own log-probs of the tokens (asynchronous GRPO).
+        sampler_top_logps, sampler_top_ids: [N, T, K] the sampler's K most likely tokens at each
+            position and their log-probs (score centering).
         norms: the counts the micro-batch losses are normalised by (``ops.reductions.Normalizers``).
+        extra: a family's other values, shared by every micro-batch.
     """
 
     rollout: Rollout
@@ -38,6 +43,9 @@ class ScoredRollout:
     advantages: torch.Tensor
     old_logps: torch.Tensor | None = None
     ref_logps: torch.Tensor | None = None
+    sampler_logps: torch.Tensor | None = None
+    sampler_top_logps: torch.Tensor | None = None
+    sampler_top_ids: torch.Tensor | None = None
     norms: Normalizers = field(default_factory=Normalizers)
     extra: dict[str, Any] = field(default_factory=dict)
 

@@ -351,6 +351,14 @@ class OnlineTrainer(BaseTrainer):
             )
         n = rewards_local.shape[0]
         scored = ScoredRollout(rollout=rollout, rewards=rewards_local, advantages=torch.zeros(n))
+        return self._score_rollout(scored, mode, num_chunks, group)
+
+    def _score_rollout(
+        self, scored: ScoredRollout, mode: str, num_chunks: int, group: int
+    ) -> list[ScoredRollout]:
+        """A sampled, rewarded batch of this process: frozen log-probs, advantages over every
+        process, the rollout metrics and completions, the loss normalisers, then the split."""
+        rollout, rewards_local, n = scored.rollout, scored.rewards, scored.rewards.shape[0]
         self._attach_frozen_logps(scored, num_chunks, mode)
         rewards = gather(rewards_local.to(self.accelerator.device)).cpu()  # [N, F]
         adv, adv_metrics = self._advantages(scored, rewards, group)  # [N] over every process

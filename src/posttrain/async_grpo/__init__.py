@@ -1,0 +1,1 @@
+"""Asynchronous GRPO: ``AsyncGRPOConfig``, ``AsyncGRPOTrainer``, the background sampler and the pure math."""

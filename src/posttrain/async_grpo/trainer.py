@@ -1,0 +1,353 @@
+"""AsyncGRPOTrainer: GRPO with generation running alongside training, on the shared online core.
+
+One optimizer step, top to bottom; the data plan, rewards, metrics and the completions table
+are ``sampling.OnlineTrainer``'s::
+
+    background thread: batch k = sample(rows k) with the weights of step max(0, k - S),
+                       scored, with the sampler's log-probs and its top-K tokens   # sampler.py
+    trainer, step k:   batch k -> group advantages (population std, + 1e-8)      # losses.py
+                       loss = score-centred (or clipped) objective against the sampler
+                       after the step: publish the weights of step k + 1 to the sampler
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+from accelerate.utils import gather
+from transformers import PreTrainedModel, TrainerCallback
+
+from posttrain.async_grpo import losses
+from posttrain.async_grpo.config import AsyncGRPOConfig
+from posttrain.async_grpo.sampler import BackgroundSampler, SampledBatch
+from posttrain.observe.metrics import MetricStore
+from posttrain.ops.logprobs import completion_logps, sampler_topk
+from posttrain.rewards.runner import weighted_sum
+from posttrain.sampling.pipeline import OnlineSampler
+from posttrain.sampling.rollout import ScoredRollout
+from posttrain.sampling.trainer import OnlineTrainer
+
+if TYPE_CHECKING:
+    from peft import PeftModel
+
+RewardFunc = Callable[..., list[float | None]]
+
+#: Each process's generation batches made before a checkpoint and not yet trained on.
+READY_STATE = "async_batches_rank{}.pt"
+
+
+class AsyncGRPOTrainer(OnlineTrainer):
+    """Trainer for asynchronous GRPO: a background sampler generates while the policy trains.
+
+    The reference's public API (``trl.experimental.async_grpo.AsyncGRPOTrainer``), sampling in a
+    thread of the training process instead of a vLLM server. See ``docs/online.md``.
+
+    Args:
+        model: hub id, local path, embedded name, a ``PreTrainedModel`` causal LM or a
+            ``peft.PeftModel``.
+        reward_funcs: reward functions or reward models (as in ``GRPOTrainer``).
+        args: an ``AsyncGRPOConfig``; defaults to one with ``output_dir="<model name>-AsyncGRPO"``.
+        train_dataset, eval_dataset: datasets with a ``prompt`` column (text or messages).
+        processing_class: the policy's tokenizer; reward_processing_classes: the reward models'.
+        callbacks, optimizers, peft_config, quantization_config: as ``GRPOTrainer``.
+        tools, environment_factory, rollout_func: not built for the background sampler yet
+            (``NotImplementedError``).
+    """
+
+    _tag_names = ["posttrain", "async-grpo"]
+    loss_is_scaled_for_ga = True  # compute_loss divides by the accumulated batch itself
+
+    def __init__(
+        self,
+        model: str | PreTrainedModel | PeftModel,
+        reward_funcs: RewardFunc | list[RewardFunc] | None = None,
+        args: AsyncGRPOConfig | None = None,
+        train_dataset: Any = None,
+        eval_dataset: Any = None,
+        processing_class: Any = None,
+        reward_processing_classes: Any = None,
+        callbacks: list[TrainerCallback] | None = None,
+        optimizers: tuple[torch.optim.Optimizer | None, torch.optim.lr_scheduler.LambdaLR | None] = (
+            None,
+            None,
+        ),
+        peft_config: Any = None,
+        quantization_config: Any = None,
+        tools: list[Callable] | None = None,
+        environment_factory: Any = None,
+        rollout_func: Callable | None = None,
+    ) -> None:
+        args = args if args is not None else self.default_args(model, AsyncGRPOConfig, "AsyncGRPO")
+        if not isinstance(args, AsyncGRPOConfig):
+            raise TypeError(
+                f"args is a {type(args).__name__}; AsyncGRPOTrainer needs an AsyncGRPOConfig (max_staleness, "
+                "score_centering, num_sampler_logprobs)."
+            )
+        given = [
+            n
+            for n, v in (
+                ("tools", tools),
+                ("environment_factory", environment_factory),
+                ("rollout_func", rollout_func),
+            )
+            if v
+        ]
+        if given:
+            raise NotImplementedError(
+                f"AsyncGRPOTrainer({', '.join(given)}=...) is not built yet: the background sampler generates plain "
+                "completions. Use GRPOTrainer for tools, environments or a rollout_func."
+            )
+        super().__init__(
+            model,
+            args,
+            reward_funcs,
+            train_dataset,
+            eval_dataset,
+            processing_class,
+            reward_processing_classes,
+            callbacks,
+            optimizers,
+            quantization_config,
+            peft_config,
+        )
+        self.epsilon_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
+        self._built_generator = self.sampler.generator
+        self.background: BackgroundSampler | None = None
+        self._resumed: list[SampledBatch] = []
+
+    # ---- the background sampler ----------------------------------------------------------------
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """``transformers.Trainer.train``; the background sampler stops when it returns or fails."""
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            self._stop_background()
+
+    def _stop_background(self) -> None:
+        if self.background is not None:
+            self.background.stop()
+            self.background = None
+
+    def _start_background(self, step: int) -> None:
+        """A sampler on a copy of the policy as it is now (after ``step`` optimizer steps)."""
+        a = self.args
+        own = copy.deepcopy(self.accelerator.unwrap_model(self.model)).eval().requires_grad_(False)
+        store = MetricStore()
+        runner = copy.copy(self.rewards)  # its own fault counts: the thread scores alongside evaluation
+        runner.faults = {}
+        generator = self.sampler.generator
+        if generator is self._built_generator:  # not replaced by the user: generate with the copy
+            from posttrain.sampling import setup
+
+            generator = setup.build_generator(
+                a, self.accelerator, lambda: own, self._tokenizer, self._eos_token_ids
+            )
+        sampler = OnlineSampler(
+            tokenizer=self._tokenizer,
+            generator=generator,
+            rewards=runner,
+            settings=self.sampler.settings,
+            metrics=store,
+            device=self.accelerator.device,
+            trainer=self,
+        )
+        ready = [b for b in self._resumed if b.index >= step]
+        self._resumed = []
+        self.background = BackgroundSampler(
+            model=own,
+            sampler=sampler,
+            metrics=store,
+            batches=self._batch_rows,
+            first_index=max([b.index + 1 for b in ready], default=step),
+            version=step,
+            max_staleness=a.max_staleness,
+            group=a.num_generations,
+            temperature=a.temperature,
+            num_logprobs=a.num_sampler_logprobs,
+            timeout=a.weight_sync_timeout,
+            ready=ready,
+        )
+        self.background.start()
+
+    def _batch_rows(self, start: int) -> Iterator[list[dict[str, Any]]]:
+        """This process's rows of generation batches ``start``, ``start + 1``, ... across epochs."""
+        a = self.args
+        loader = self._dataloader(
+            self.train_dataset,
+            per_process=a.per_device_train_batch_size * a.steps_per_generation,
+            group=a.num_generations,
+            repeat=1,
+            shuffle=a.shuffle_dataset,
+        )
+        epoch, skip = divmod(start, len(loader))
+        while True:
+            loader.set_epoch(epoch)
+            for i, rows in enumerate(loader):
+                if i >= skip:
+                    yield rows
+            epoch, skip = epoch + 1, 0
+
+    def _prepare_inputs(self, batch: list[dict[str, Any]]) -> ScoredRollout:  # type: ignore[override]
+        """The micro-batches of the background sampler's batch for this optimizer step (the
+        dataloader's rows only pace the loop: the sampler reads the same plan ahead)."""
+        a = self.args
+        if self._micro_step % a.steps_per_generation == 0 or not self._buffer:
+            self._buffer = self._take_batch(self.state.global_step)
+        micro = self._buffer[self._micro_step % a.steps_per_generation]
+        self._micro_step += 1
+        return micro
+
+    def _take_batch(self, step: int) -> list[ScoredRollout]:
+        a = self.args
+        if self.background is None:
+            self._start_background(step)
+        got = self.background.get(step)
+        staleness = step - got.version
+        if not 0 <= staleness <= a.max_staleness:  # the sampler's rule makes this impossible
+            raise RuntimeError(
+                f"batch {step} was sampled {staleness} steps ago; max_staleness={a.max_staleness}"
+            )
+        for name, count in got.faults.items():
+            self.rewards.faults[name] = self.rewards.faults.get(name, 0) + count
+        self._metrics.add_all("train", got.metrics)
+        self._metrics.add_all(
+            "train", {"batch/staleness": float(staleness), "batch/sampler_version": float(got.version)}
+        )
+        self.sampler.sampled_text = got.texts  # the completions table reads the last sampled texts
+        scored = ScoredRollout(
+            rollout=got.rollout,
+            rewards=got.rewards,
+            advantages=torch.zeros(got.rewards.shape[0]),
+            sampler_logps=got.sampler_logps,
+            sampler_top_logps=got.sampler_top_logps,
+            sampler_top_ids=got.sampler_top_ids,
+        )
+        return self._score_rollout(scored, "train", a.steps_per_generation, a.num_generations)
+
+    def _after_optimizer_step(self) -> None:
+        """Hand the new weights to the background sampler (in memory)."""
+        super()._after_optimizer_step()
+        if self.background is not None:
+            state = self.accelerator.unwrap_model(self.model).state_dict()
+            self.background.publish(self.state.global_step, state)
+
+    # ---- advantages and loss --------------------------------------------------------------------
+
+    def _needs_old_logps(self, mode: str) -> bool:
+        """Never: the old log-probs are the sampler's own."""
+        return False
+
+    def _needs_ref_logps(self) -> bool:
+        return False
+
+    def _advantages(
+        self, scored: ScoredRollout, rewards: torch.Tensor, group: int
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """The reference's group advantages of every process's rewards."""
+        total = weighted_sum(rewards, self.reward_weights)
+        adv = losses.group_advantages(total, group)
+        zero_std = (total.view(-1, group).std(dim=1, unbiased=False) == 0).float().mean().item()
+        return adv, {"frac_reward_zero_std": zero_std}
+
+    def compute_loss(
+        self,
+        model: torch.nn.Module,
+        inputs: ScoredRollout,
+        return_outputs: bool = False,
+        num_items_in_batch: Any = None,
+    ) -> torch.Tensor:
+        """The score-centred (or clipped) objective of one micro-batch against its sampler."""
+        if return_outputs:
+            raise ValueError("AsyncGRPOTrainer.compute_loss does not return model outputs.")
+        a, r = self.args, inputs.rollout
+        mode = "train" if model.training else "eval"
+        if inputs.sampler_logps is None:  # evaluation samples with the policy itself
+            inputs.sampler_logps, inputs.sampler_top_logps, inputs.sampler_top_ids = sampler_topk(
+                model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, a.temperature,
+                a.num_sampler_logprobs,
+            )  # fmt: skip
+        out = completion_logps(
+            model,
+            r.prompt_ids,
+            r.prompt_mask,
+            r.completion_ids,
+            r.completion_mask,
+            a.temperature,
+            with_entropy=True,
+            extra_ids=inputs.sampler_top_ids if a.score_centering else None,
+        )
+        mask = self._loss_mask(r).to(out.logps.dtype)
+        lo, hi = a.vllm_importance_sampling_clip_min, a.vllm_importance_sampling_clip_max
+        if a.score_centering:
+            loss, stats = losses.score_centred_loss(
+                out.logps, out.extra_logps, inputs.sampler_logps, inputs.sampler_top_logps, inputs.advantages,
+                mask, lo, hi, inputs.norms,
+            )  # fmt: skip
+        else:
+            loss, stats = losses.masked_clipped_loss(
+                out.logps, inputs.sampler_logps, inputs.advantages, mask, a.epsilon, self.epsilon_high, lo, hi,
+                inputs.norms,
+            )  # fmt: skip
+        aux = None
+        if self.aux_loss_coef and out.aux_loss is not None:
+            aux = out.aux_loss
+            loss = loss + self.aux_loss_coef * aux / inputs.norms.accumulation
+        self._metrics.add_all(mode, self._loss_metrics(out, inputs, mask, stats, aux))
+        return loss
+
+    def _loss_metrics(
+        self, out: Any, inputs: ScoredRollout, mask: torch.Tensor, stats: dict[str, torch.Tensor], aux: Any
+    ) -> dict[str, float]:
+        """Token means over every process: ``entropy``, ``kl`` (sampler to policy, ``log mu - log pi``),
+        the importance ratio and the share of tokens its bounds mask; the clip ratios when clipping."""
+        diff = (inputs.sampler_logps.to(out.logps.dtype) - out.logps.detach()) * mask
+        ratio = stats["ratio"] * mask
+        values = {
+            "entropy": (out.entropy.detach() * mask).sum(),
+            "kl": diff.sum(),
+            "sampling/importance_sampling_ratio/mean": ratio.sum(),
+            "sampling/masked_ratio": (stats["masked"].to(mask.dtype) * mask).sum(),
+        }
+        if "low" in stats:
+            values["clip_ratio/low_mean"] = (stats["low"].to(mask.dtype) * mask).sum()
+            values["clip_ratio/high_mean"] = (stats["high"].to(mask.dtype) * mask).sum()
+            values["clip_ratio/region_mean"] = ((stats["low"] | stats["high"]).to(mask.dtype) * mask).sum()
+        local = torch.stack([*values.values(), mask.sum()]).float().to(self.accelerator.device)
+        totals = gather(local.unsqueeze(0)).sum(dim=0).tolist()
+        tokens = max(totals[-1], 1.0)
+        m = {name: total / tokens for name, total in zip(values, totals[:-1], strict=False)}
+        if aux is not None:
+            m["aux_loss"] = gather(aux.detach().float().reshape(1).to(self.accelerator.device)).mean().item()
+        return m
+
+    # ---- checkpoints ----------------------------------------------------------------------------
+
+    def _save_extra_state(self, folder: str) -> dict[str, Any]:
+        """The shared state, and the batches made with weights older than the checkpoint's and not yet
+        trained on (a resume samples nothing again with weights it no longer has)."""
+        state = super()._save_extra_state(folder)
+        step = self.state.global_step
+        ready = (
+            self.background.ready_until(step + self.args.max_staleness) if self.background is not None else []
+        )
+        saved = {"max_staleness": self.args.max_staleness, "batches": [b for b in ready if b.index >= step]}
+        torch.save(saved, os.path.join(folder, READY_STATE.format(self.accelerator.process_index)))
+        return state
+
+    def _load_extra_state(self, folder: str, state: dict[str, Any] | None) -> None:
+        super()._load_extra_state(folder, state)
+        path = os.path.join(folder, READY_STATE.format(self.accelerator.process_index))
+        if not os.path.isfile(path):
+            return
+        saved = torch.load(path, map_location=self._load_location, weights_only=False)  # our own file
+        if saved["max_staleness"] != self.args.max_staleness:
+            raise ValueError(
+                f"{folder} was saved with max_staleness={saved['max_staleness']}, this run has "
+                f"max_staleness={self.args.max_staleness}; resume with the same value."
+            )
+        self._resumed = saved["batches"]
