@@ -197,7 +197,7 @@ def _expected_rewards(trainer: A2POTrainer, row: dict) -> list[float]:
 
 def test_stage_one_samples_every_prompt_once_and_caches_it(tmp_path) -> None:
     dataset = standard_dataset(10)
-    trainer = a2po_trainer(tmp_path, dataset=dataset, per_device_train_batch_size=4)
+    trainer = a2po_trainer(tmp_path, dataset=dataset, per_device_eval_batch_size=4)
     trainer.estimate_values()
     assert trainer.generator.rows == 10 * 4  # rounds of 4, 4 and 2 prompts, 4 samples each
     store = trainer.value_store.rewards
@@ -300,6 +300,25 @@ def test_stage_one_samples_the_reference_under_peft(tmp_path) -> None:
     trainer.train()
     assert states[0] is True and states[-1] is False  # stage 1 on the base, stage 2 on the policy
     assert any(h.get("implicit_reward", 0.0) != 0.0 for h in trainer.state.log_history)
+
+
+def test_stage_one_samples_the_frozen_reference_even_mid_training(tmp_path) -> None:
+    """Prompts first met by evaluate() after some steps get V* from the reference, not the policy."""
+    trainer = a2po_trainer(tmp_path, max_steps=2)
+    states = []
+
+    class Recording(PromptKeyedGenerator):
+        def generate(self, prompt_ids, prompt_mask, **kwargs):
+            states.append(trainer.model is trainer.ref_model)
+            return super().generate(prompt_ids, prompt_mask, **kwargs)
+
+    trainer.generator = Recording()
+    trainer.train()
+    assert states[0] is True and states[-1] is False
+    states.clear()
+    trainer.evaluate(standard_dataset(24).select(range(16, 24)))
+    assert states[0] is True and states[-1] is False  # stage 1 for the new prompts, then evaluation
+    assert trainer.model is not trainer.ref_model
 
 
 # ---- stage 2 ---------------------------------------------------------------------------------------

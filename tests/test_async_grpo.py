@@ -283,6 +283,7 @@ def test_each_batch_is_sampled_with_the_weights_of_step_k_minus_staleness(tmp_pa
     logs = [h for h in trainer.state.log_history if "loss" in h]
     assert [h["batch/sampler_version"] for h in logs] == [float(max(0, k - staleness)) for k in range(5)]
     assert max(h["batch/staleness"] for h in logs) == staleness
+    assert trainer.generator.rows == 5 * 4  # five batches of 4 completions: none made past max_steps
 
 
 def test_trainer_feeds_its_batch_to_the_formulas(tmp_path) -> None:
@@ -290,12 +291,13 @@ def test_trainer_feeds_its_batch_to_the_formulas(tmp_path) -> None:
     the sampler's top tokens, against the sampler's own, with the batch's group advantages."""
     from posttrain.ops.logprobs import completion_logps
 
-    trainer = async_trainer(tmp_path, max_staleness=2, max_steps=3, per_device_train_batch_size=8)
-    trainer.train()  # three steps: the policy now differs from the sampler of a new batch
-    step = trainer.state.global_step
-    trainer._start_background(step - 2)  # a sampler two steps behind, as batch `step` would have
-    (chunk,) = trainer._take_batch(step - 2)
+    trainer = async_trainer(tmp_path, max_staleness=2, per_device_train_batch_size=8)
+    trainer._start_background(0)
+    (chunk,) = trainer._take_batch(0)
     trainer._stop_background()
+    with torch.no_grad():  # the policy moves on after the sampler's copy was taken
+        for p in trainer.model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
     r = chunk.rollout
     out = completion_logps(
         trainer.model,
@@ -306,8 +308,8 @@ def test_trainer_feeds_its_batch_to_the_formulas(tmp_path) -> None:
         extra_ids=chunk.sampler_top_ids,
     )
     mask = r.completion_mask.float()
-    total = chunk.rewards[:, 0].float()
-    adv = losses.group_advantages(total, 4)
+    assert ((out.logps - chunk.sampler_logps) * mask).abs().max() > 1e-3  # a stale batch: pi != mu
+    adv = losses.group_advantages(chunk.rewards[:, 0].float(), 4)
     torch.testing.assert_close(chunk.advantages, adv.to(chunk.advantages.dtype))
     expected, _ = losses.score_centred_loss(
         out.logps, out.extra_logps, chunk.sampler_logps, chunk.sampler_top_logps, adv, mask, 0.5, 5.0,
@@ -359,6 +361,26 @@ def test_resume_is_exact(tmp_path) -> None:
         assert torch.equal(a, b)
     versions = lambda t: [h["batch/sampler_version"] for h in t.state.log_history if "loss" in h]  # noqa: E731
     assert versions(resumed) == versions(straight) == [0.0, 0.0, 0.0, 1.0, 2.0]
+
+
+def test_resuming_with_another_staleness_is_refused(tmp_path) -> None:
+    async_trainer(tmp_path, max_staleness=1, max_steps=1, save_strategy="steps", save_steps=1).train()
+    other = async_trainer(tmp_path, max_staleness=2, max_steps=2)
+    with pytest.raises(ValueError, match="was saved with max_staleness=1, this run has max_staleness=2"):
+        other.train(resume_from_checkpoint=str(tmp_path / "checkpoint-1"))
+
+
+def test_a_sampler_slower_than_the_timeout_is_reported(tmp_path) -> None:
+    import time
+
+    class Slow(PromptKeyedGenerator):
+        def generate(self, prompt_ids, prompt_mask, **kwargs):
+            time.sleep(2.0)
+            return super().generate(prompt_ids, prompt_mask, **kwargs)
+
+    trainer = async_trainer(tmp_path, generator=Slow, max_steps=1, weight_sync_timeout=0.3)
+    with pytest.raises(TimeoutError, match=r"waited 0.3 s for the generation batch of step 0; raise"):
+        trainer.train()
 
 
 def test_a_sampler_failure_reaches_the_trainer(tmp_path) -> None:

@@ -14,7 +14,20 @@ from pathlib import Path
 import pytest
 
 SRC = Path(__file__).resolve().parent.parent / "src" / "posttrain"
-FAMILIES = {"grpo", "sft", "dpo", "kto", "orpo", "cpo", "reward", "rloo", "online_dpo", "distill", "a2po"}
+FAMILIES = {
+    "grpo",
+    "async_grpo",
+    "sft",
+    "dpo",
+    "kto",
+    "orpo",
+    "cpo",
+    "reward",
+    "rloo",
+    "online_dpo",
+    "distill",
+    "a2po",
+}
 
 
 def _packages() -> list[str]:

@@ -147,7 +147,7 @@ class A2POTrainer(OnlineTrainer):
     def estimate_values(self, extra_dataset: Any = None) -> None:
         """Make sure every training and evaluation prompt has its ``num_value_samples`` rewards.
 
-        Missing prompts are sampled from the reference, ``per_device_train_batch_size`` prompts per
+        Missing prompts are sampled from the reference, ``per_device_eval_batch_size`` prompts per
         process at a time, and appended to ``output_dir/a2po_values.jsonl``. Then, once, the
         training prompts whose samples all scored 0 are dropped (``filter_all_incorrect``).
 
@@ -202,7 +202,7 @@ class A2POTrainer(OnlineTrainer):
         """Sample and score ``num_value_samples`` reference completions of each missing prompt."""
         a, store = self.args, self.value_store
         n, world, rank = a.num_value_samples, a.world_size, self.accelerator.process_index
-        per = a.per_device_train_batch_size
+        per = a.per_device_eval_batch_size  # no gradients: the evaluation batch size
         rounds = math.ceil(len(missing) / (per * world))
         bar = None
         if self.accelerator.is_main_process and not a.disable_tqdm:
@@ -235,13 +235,18 @@ class A2POTrainer(OnlineTrainer):
 
     @contextlib.contextmanager
     def _reference_sampling(self) -> Iterator[None]:
-        """Sampling from the reference: the policy before its first step (under PEFT, the base
-        with the adapters off, which may differ from a policy with trained adapters)."""
+        """Sampling from the reference: the frozen copy stands in for the policy while stage 1
+        generates (so prompts first met by ``evaluate()`` mid-training are still sampled from the
+        reference); under PEFT, the base with the adapters off."""
         if peft_utils.is_peft_model(self.model):
             with peft_utils.adapters_disabled(self.model):
                 yield
-        else:
+            return
+        policy, self.model = self.model, self.ref_model  # the generator reads self.model at each call
+        try:
             yield
+        finally:
+            self.model = policy
 
     def _filter_train_dataset(self) -> None:
         """Drop the training prompts the reference never solved (``filter_all_incorrect``) and say so."""

@@ -77,6 +77,7 @@ class BackgroundSampler:
         temperature, num_logprobs: the sampler's log-prob pass.
         timeout: seconds either side waits for the other before failing.
         ready: batches made before a checkpoint, not yet trained on (a resume).
+        last_index: the sampler makes no batch from this index on (the run's ``max_steps``).
     """
 
     def __init__(
@@ -93,12 +94,14 @@ class BackgroundSampler:
         num_logprobs: int,
         timeout: float,
         ready: list[SampledBatch] | None = None,
+        last_index: int | None = None,
     ) -> None:
         self.model, self.sampler, self.metrics = model, sampler, metrics
         self._batches, self._next, self._version = batches, first_index, version
         self.max_staleness, self.group = max_staleness, group
         self.temperature, self.num_logprobs, self.timeout = temperature, num_logprobs, timeout
         self._ready: dict[int, SampledBatch] = {b.index: b for b in ready or []}
+        self._last = last_index
         self._staged: tuple[int, dict[str, torch.Tensor]] | None = None
         self._buffers: dict[str, torch.Tensor] | None = None
         self._error: BaseException | None = None
@@ -115,8 +118,10 @@ class BackgroundSampler:
         """Hand over the weights after ``version`` optimizer steps (copied into the staging buffer).
 
         Waits while the buffer still holds the previous version, which the sampler takes when a
-        batch first needs it.
+        batch first needs it. Weights no batch will need (past ``last_index``) are not handed over.
         """
+        if self._last is not None and version + self.max_staleness >= self._last:
+            return
         with self._cond:
             self._wait(lambda: self._staged is None, f"the sampler to take the weights of step {version - 1}")
             if self._buffers is None:
@@ -135,6 +140,8 @@ class BackgroundSampler:
 
     def ready_until(self, index: int) -> list[SampledBatch]:
         """Wait until every batch before ``index`` is made; the made, untrained ones, in order."""
+        if self._last is not None:
+            index = min(index, self._last)
         with self._cond:
             self._wait(lambda: self._next >= index, f"the generation batches before step {index}")
             return [self._ready[i] for i in sorted(self._ready)]
@@ -167,7 +174,7 @@ class BackgroundSampler:
     def _run(self) -> None:
         try:
             rows = self._batches(self._next)
-            while True:
+            while self._last is None or self._next < self._last:
                 index = self._next
                 if not self._take_weights(max(0, index - self.max_staleness)):
                     return

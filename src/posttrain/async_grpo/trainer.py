@@ -171,6 +171,7 @@ class AsyncGRPOTrainer(OnlineTrainer):
             num_logprobs=a.num_sampler_logprobs,
             timeout=a.weight_sync_timeout,
             ready=ready,
+            last_index=self.state.max_steps if self.state.max_steps > 0 else None,
         )
         self.background.start()
 

@@ -14,17 +14,17 @@ from typing import Any
 from posttrain.cli.online import build_online_trainer
 from posttrain.cli.training import builtin_task_accuracy, run_training
 
-# Settings of the no-argument run: posttrain grpo's laptop run (two prompts x four completions
-# per step, 64 tokens, lr 2e-6), with the sampler one step ahead (max_staleness=1: on two cores
+# Settings of the no-argument run: posttrain grpo's laptop run (one prompt x eight completions
+# per step, 64 tokens, lr 1e-6), with the sampler one step ahead (max_staleness=1: on two cores
 # a deeper pipeline adds staleness without more overlap).
 LAPTOP_DEFAULTS: dict[str, Any] = {
     "output_dir": "grpo-async-smollm2-arithmetic",
     "max_steps": 60,
     "per_device_train_batch_size": 8,
-    "num_generations": 4,
+    "num_generations": 8,
     "max_completion_length": 64,
     "max_staleness": 1,
-    "learning_rate": 2e-6,
+    "learning_rate": 1e-6,
     "logging_steps": 1,
     "save_steps": 25,
     "save_total_limit": 2,
