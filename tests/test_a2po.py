@@ -1,7 +1,7 @@
 """A*-PO: the value estimate and the regression loss worked by hand, the config's contract, stage 1
 (sampling, caching, resuming, filtering, the binary-reward check) and the trainer end to end.
 
-The formulas are transcribed from the paper (Brantley et al. 2025, arXiv 2505.20686) and the
+The formulas are transcribed from the paper (arXiv 2505.20686) and the
 paper index: ``V*(x) = beta1 * log mean_j exp(r_j / beta1)`` over reference samples, and
 ``loss = mean_i (beta2 * log(pi / pi_ref)(y_i|x_i) - (r_i - V*(x_i)))^2``.
 """

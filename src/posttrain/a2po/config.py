@@ -49,7 +49,7 @@ _RULES: tuple[Rule, ...] = tuple(r for r in ONLINE_RULES if r.name not in _SHARE
 
 @dataclass
 class A2POConfig(OnlineConfig):
-    r"""Configuration of ``A2POTrainer`` (A*-PO: Brantley et al. 2025, arXiv 2505.20686).
+    r"""Configuration of ``A2POTrainer`` (A*-PO: arXiv 2505.20686).
 
     The reference's public API (``trl.experimental.a2po.A2POConfig``). Every
     ``transformers.TrainingArguments`` field is accepted too.

@@ -1,7 +1,7 @@
 """A*-PO: pure tensor math.
 
-A*-PO (Brantley, Chen, Gao et al. 2025, "Accelerating RL for LLM Reasoning with Optimal Advantage
-Regression", arXiv 2505.20686) works in two stages with a binary reward ``r`` in {0, 1}:
+A*-PO ("Accelerating RL for LLM Reasoning with Optimal Advantage Regression", arXiv 2505.20686)
+works in two stages with a binary reward ``r`` in {0, 1}:
 
 1. Before training, ``N`` completions of each prompt are sampled from the reference policy and
    scored; the optimal value is estimated as
