@@ -70,6 +70,16 @@ CPU_TEST_ARGS: dict[str, Any] = {
 }
 
 
+#: Plain SGD steps (no clipping, a constant rate): a step's update is the gradient, so two runs
+#: that must compute the same gradient end with the same parameters.
+SGD_ARGS: dict[str, Any] = {
+    "optim": "sgd",
+    "learning_rate": 0.5,
+    "max_grad_norm": 0.0,
+    "lr_scheduler_type": "constant",
+}
+
+
 def make_config(tmp_path: Any, **overrides: Any):
     """A small CPU GRPOConfig for tests; overrides win."""
     from posttrain import GRPOConfig

@@ -17,6 +17,7 @@ import torch
 from conftest import build_tiny_model, build_tiny_tokenizer
 from helpers import (
     CPU_TEST_ARGS,
+    SGD_ARGS,
     conversational_dataset,
     standard_dataset,
     two_processes_against_one,
@@ -413,10 +414,7 @@ def _sgd_params(tmp_path, per_device: int, accumulation: int) -> list[torch.Tens
         per_device_train_batch_size=per_device,
         gradient_accumulation_steps=accumulation,
         max_steps=1,
-        optim="sgd",
-        learning_rate=0.5,
-        max_grad_norm=0.0,
-        lr_scheduler_type="constant",
+        **SGD_ARGS,
         shuffle_dataset=False,
     )
     trainer.train()
@@ -460,10 +458,7 @@ def ddp_comparable_trainer(out_dir: str, per_device: int, **overrides) -> A2POTr
         out_dir,
         per_device_train_batch_size=per_device,
         max_steps=2,
-        optim="sgd",
-        learning_rate=0.5,
-        max_grad_norm=0.0,
-        lr_scheduler_type="constant",
+        **SGD_ARGS,
         shuffle_dataset=False,
         filter_all_incorrect=False,
         seed=1,

@@ -16,7 +16,7 @@ import threading
 import pytest
 import torch
 from conftest import build_tiny_model, build_tiny_tokenizer
-from helpers import CPU_TEST_ARGS, standard_dataset, two_processes_against_one
+from helpers import CPU_TEST_ARGS, SGD_ARGS, standard_dataset, two_processes_against_one
 from test_a2po import PromptKeyedGenerator
 from test_invariance import SCRIPT, token_sum_reward
 
@@ -401,8 +401,8 @@ def ddp_comparable_trainer(out_dir: str, per_device: int, **overrides) -> AsyncG
     """Three SGD steps with max_staleness=1 on groups of 4 (the two-process test)."""
     tok = build_tiny_tokenizer()
     args = async_config(
-        out_dir, per_device_train_batch_size=per_device, max_steps=3, optim="sgd", learning_rate=0.5,
-        max_grad_norm=0.0, shuffle_dataset=False, seed=1, **overrides,
+        out_dir, per_device_train_batch_size=per_device, max_steps=3, shuffle_dataset=False, seed=1, **SGD_ARGS,
+        **overrides,
     )  # fmt: skip
     return AsyncGRPOTrainer(
         build_tiny_model(tok, seed=3), token_sum_reward, args, standard_dataset(), processing_class=tok

@@ -393,12 +393,12 @@ def test_evaluation_samples_pairs_and_logs_eval_metrics(tmp_path) -> None:
     assert trainer.generator.calls == 4 * 2  # 4 prompts, each sampled twice
 
 
-@pytest.mark.parametrize("family", ["online_dpo", "rloo"])
+@pytest.mark.parametrize("family", ["online_dpo", "rloo", "a2po", "async_grpo"])
 def test_router_aux_loss_of_a_moe_policy_is_trained_and_logged(tmp_path, family) -> None:
     """``router_aux_loss_coef`` is resolved once by the online core and added by each family's loss."""
     from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 
-    from posttrain import RLOOConfig, RLOOTrainer
+    from posttrain import A2POConfig, A2POTrainer, AsyncGRPOConfig, AsyncGRPOTrainer, RLOOConfig, RLOOTrainer
 
     tok = build_tiny_tokenizer()
     torch.manual_seed(0)
@@ -413,6 +413,13 @@ def test_router_aux_loss_of_a_moe_policy_is_trained_and_logged(tmp_path, family)
     if family == "rloo":
         args = RLOOConfig(**common, num_generations=2, max_completion_length=8)
         trainer = RLOOTrainer(moe, token_sum_reward, args, standard_dataset(), processing_class=tok)
+    elif family == "a2po":
+        args = A2POConfig(**common, max_completion_length=8, num_value_samples=2, filter_all_incorrect=False)
+        odd = lambda completion_ids, **kw: [float(sum(ids) % 2) for ids in completion_ids]  # noqa: E731
+        trainer = A2POTrainer(moe, odd, args, standard_dataset(), processing_class=tok)
+    elif family == "async_grpo":
+        args = AsyncGRPOConfig(**common, num_generations=2, max_completion_length=8, num_sampler_logprobs=2)
+        trainer = AsyncGRPOTrainer(moe, token_sum_reward, args, standard_dataset(), processing_class=tok)
     else:
         args = OnlineDPOConfig(**{**common, "per_device_train_batch_size": 2}, max_new_tokens=8)
         trainer = OnlineDPOTrainer(

@@ -16,6 +16,7 @@ import torch
 from conftest import build_tiny_model, build_tiny_tokenizer
 from helpers import (
     CPU_TEST_ARGS,
+    SGD_ARGS,
     ScriptedGenerator,
     conversational_dataset,
     standard_dataset,
@@ -274,10 +275,7 @@ def _sgd_params(tmp_path, per_device: int, accumulation: int, **overrides) -> li
         per_device_train_batch_size=per_device,
         gradient_accumulation_steps=accumulation,
         max_steps=1,
-        optim="sgd",
-        learning_rate=0.5,
-        max_grad_norm=0.0,
-        lr_scheduler_type="constant",
+        **SGD_ARGS,
         **overrides,
     )
     trainer.train()
@@ -348,10 +346,7 @@ def ddp_comparable_trainer(out_dir: str, per_device: int, **overrides) -> RLOOTr
         num_generations=4,
         beta=0.2,
         max_steps=2,
-        optim="sgd",
-        learning_rate=0.5,
-        max_grad_norm=0.0,
-        lr_scheduler_type="constant",
+        **SGD_ARGS,
         seed=1,
         **overrides,
     )

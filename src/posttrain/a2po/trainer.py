@@ -29,7 +29,6 @@ from posttrain.a2po.config import A2POConfig
 from posttrain.a2po.values import VALUES_FILE, ValueStore, row_key
 from posttrain.core.batch import Rollout
 from posttrain.models import peft as peft_utils
-from posttrain.ops.logprobs import completion_logps
 from posttrain.rewards.runner import weighted_sum
 from posttrain.sampling.rollout import ScoredRollout
 from posttrain.sampling.trainer import OnlineTrainer
@@ -328,23 +327,18 @@ class A2POTrainer(OnlineTrainer):
         num_items_in_batch: Any = None,
     ) -> torch.Tensor:
         """The regression loss of one micro-batch (its share of the step's mean over completions)."""
-        if return_outputs:
-            raise ValueError("A2POTrainer.compute_loss does not return model outputs.")
-        a, r = self.args, inputs.rollout
-        mode = "train" if model.training else "eval"
-        out = completion_logps(
-            model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, a.temperature
-        )
-        mask = self._loss_mask(r)
+        out, mode = self._policy_forward(model, inputs, return_outputs)
+        mask = self._loss_mask(inputs.rollout)
         loss, implicit = losses.regression_loss(
-            out.logps, inputs.ref_logps, mask, inputs.advantages, a.beta2, inputs.norms
+            out.logps, inputs.ref_logps, mask, inputs.advantages, self.args.beta2, inputs.norms
         )
-        device = self.accelerator.device
-        sums = gather(torch.stack([implicit.sum(), torch.tensor(float(implicit.numel()))]).float().to(device))
+        sums = gather(
+            torch.stack([implicit.sum(), torch.tensor(float(implicit.numel()))])
+            .float()
+            .to(self.accelerator.device)
+        )
         metrics = {"implicit_reward": (sums[0::2].sum() / sums[1::2].sum().clamp(min=1.0)).item()}
-        if self.aux_loss_coef and out.aux_loss is not None:  # MoE load balancing (router_aux_loss_coef)
-            loss = loss + self.aux_loss_coef * out.aux_loss / inputs.norms.accumulation
-            metrics["aux_loss"] = gather(out.aux_loss.detach().float().reshape(1).to(device)).mean().item()
+        loss = self._with_aux_loss(loss, out, inputs, metrics)
         self._metrics.add_all(mode, metrics)
         return loss
 

@@ -25,7 +25,7 @@ from posttrain.async_grpo import losses
 from posttrain.async_grpo.config import AsyncGRPOConfig
 from posttrain.async_grpo.sampler import BackgroundSampler, SampledBatch
 from posttrain.observe.metrics import MetricStore
-from posttrain.ops.logprobs import completion_logps, sampler_topk
+from posttrain.ops.logprobs import sampler_topk
 from posttrain.rewards.runner import weighted_sum
 from posttrain.sampling.pipeline import OnlineSampler
 from posttrain.sampling.rollout import ScoredRollout
@@ -263,25 +263,14 @@ class AsyncGRPOTrainer(OnlineTrainer):
         num_items_in_batch: Any = None,
     ) -> torch.Tensor:
         """The score-centred (or clipped) objective of one micro-batch against its sampler."""
-        if return_outputs:
-            raise ValueError("AsyncGRPOTrainer.compute_loss does not return model outputs.")
         a, r = self.args, inputs.rollout
-        mode = "train" if model.training else "eval"
         if inputs.sampler_logps is None:  # evaluation samples with the policy itself
             inputs.sampler_logps, inputs.sampler_top_logps, inputs.sampler_top_ids = sampler_topk(
                 model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, a.temperature,
                 a.num_sampler_logprobs,
             )  # fmt: skip
-        out = completion_logps(
-            model,
-            r.prompt_ids,
-            r.prompt_mask,
-            r.completion_ids,
-            r.completion_mask,
-            a.temperature,
-            with_entropy=True,
-            extra_ids=inputs.sampler_top_ids if a.score_centering else None,
-        )
+        top_ids = inputs.sampler_top_ids if a.score_centering else None
+        out, mode = self._policy_forward(model, inputs, return_outputs, with_entropy=True, extra_ids=top_ids)
         mask = self._loss_mask(r).to(out.logps.dtype)
         lo, hi = a.vllm_importance_sampling_clip_min, a.vllm_importance_sampling_clip_max
         if a.score_centering:
@@ -294,15 +283,13 @@ class AsyncGRPOTrainer(OnlineTrainer):
                 out.logps, inputs.sampler_logps, inputs.advantages, mask, a.epsilon, self.epsilon_high, lo, hi,
                 inputs.norms,
             )  # fmt: skip
-        aux = None
-        if self.aux_loss_coef and out.aux_loss is not None:
-            aux = out.aux_loss
-            loss = loss + self.aux_loss_coef * aux / inputs.norms.accumulation
-        self._metrics.add_all(mode, self._loss_metrics(out, inputs, mask, stats, aux))
+        metrics = self._loss_metrics(out, inputs, mask, stats)
+        loss = self._with_aux_loss(loss, out, inputs, metrics)
+        self._metrics.add_all(mode, metrics)
         return loss
 
     def _loss_metrics(
-        self, out: Any, inputs: ScoredRollout, mask: torch.Tensor, stats: dict[str, torch.Tensor], aux: Any
+        self, out: Any, inputs: ScoredRollout, mask: torch.Tensor, stats: dict[str, torch.Tensor]
     ) -> dict[str, float]:
         """Token means over every process: ``entropy``, ``kl`` (sampler to policy, ``log mu - log pi``),
         the importance ratio and the share of tokens its bounds mask; the clip ratios when clipping."""
@@ -321,10 +308,7 @@ class AsyncGRPOTrainer(OnlineTrainer):
         local = torch.stack([*values.values(), mask.sum()]).float().to(self.accelerator.device)
         totals = gather(local.unsqueeze(0)).sum(dim=0).tolist()
         tokens = max(totals[-1], 1.0)
-        m = {name: total / tokens for name, total in zip(values, totals[:-1], strict=False)}
-        if aux is not None:
-            m["aux_loss"] = gather(aux.detach().float().reshape(1).to(self.accelerator.device)).mean().item()
-        return m
+        return {name: total / tokens for name, total in zip(values, totals[:-1], strict=False)}
 
     # ---- checkpoints ----------------------------------------------------------------------------
 

@@ -21,7 +21,6 @@ from transformers import PreTrainedModel, TrainerCallback
 from posttrain.core.batch import Rollout
 from posttrain.online_dpo import losses
 from posttrain.online_dpo.config import OnlineDPOConfig
-from posttrain.ops.logprobs import completion_logps
 from posttrain.sampling.rollout import ScoredRollout
 from posttrain.sampling.trainer import OnlineTrainer
 
@@ -242,14 +241,9 @@ class OnlineDPOTrainer(OnlineTrainer):
         num_items_in_batch: Any = None,
     ) -> torch.Tensor:
         """The DPO loss of the micro-batch's pairs (its share of the step's mean over pairs)."""
-        if return_outputs:
-            raise ValueError("OnlineDPOTrainer.compute_loss does not return model outputs.")
-        a, r = self.args, inputs.rollout
-        mode = "train" if model.training else "eval"
-        out = completion_logps(
-            model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, a.temperature
-        )
-        mask = self._loss_mask(r).to(out.logps.dtype)
+        a = self.args
+        out, mode = self._policy_forward(model, inputs, return_outputs)
+        mask = self._loss_mask(inputs.rollout).to(out.logps.dtype)
         seq = (out.logps * mask).sum(dim=1)  # [B]
         ref = (inputs.ref_logps.to(out.logps.dtype) * mask).sum(dim=1)  # [B]
         first = inputs.advantages.view(-1, 2)[:, 0] > 0  # [B / 2]
@@ -258,11 +252,7 @@ class OnlineDPOTrainer(OnlineTrainer):
         result = losses.online_dpo_loss(pairs, a.loss_type, beta)
         loss = result.loss * seq.shape[0] / inputs.norms.sequences  # mean over the step's pairs
         metrics = self._pair_metrics(pairs, seq.detach(), seq.detach() - ref, inputs, beta)
-        if self.aux_loss_coef and out.aux_loss is not None:  # MoE load balancing (router_aux_loss_coef)
-            loss = loss + self.aux_loss_coef * out.aux_loss / inputs.norms.accumulation
-            metrics["aux_loss"] = (
-                gather(out.aux_loss.detach().float().reshape(1).to(self.accelerator.device)).mean().item()
-            )
+        loss = self._with_aux_loss(loss, out, inputs, metrics)
         self._metrics.add_all(mode, metrics)
         return loss
 

@@ -18,7 +18,6 @@ import torch
 from accelerate.utils import gather
 from transformers import PreTrainedModel, TrainerCallback
 
-from posttrain.ops.logprobs import completion_logps
 from posttrain.rloo import losses
 from posttrain.rloo.config import RLOOConfig
 from posttrain.sampling.rollout import ScoredRollout
@@ -140,33 +139,20 @@ class RLOOTrainer(OnlineTrainer):
         num_items_in_batch: Any = None,
     ) -> torch.Tensor:
         """The RLOO loss of one micro-batch (already normalised for accumulation and processes)."""
-        if return_outputs:
-            raise ValueError("RLOOTrainer.compute_loss does not return model outputs.")
-        a, r = self.args, inputs.rollout
-        mode = "train" if model.training else "eval"
-        out = completion_logps(
-            model,
-            r.prompt_ids,
-            r.prompt_mask,
-            r.completion_ids,
-            r.completion_mask,
-            a.temperature,
-            with_entropy=True,
-        )
-        mask = self._loss_mask(r).to(out.logps.dtype)
+        a = self.args
+        out, mode = self._policy_forward(model, inputs, return_outputs, with_entropy=True)
+        mask = self._loss_mask(inputs.rollout).to(out.logps.dtype)
         old = inputs.old_logps if inputs.old_logps is not None else out.logps.detach()
         loss, stats = losses.sequence_clipped_loss(
             out.logps, old, inputs.advantages, mask, a.epsilon, self.epsilon_high, inputs.norms
         )
-        aux = None
-        if self.aux_loss_coef and out.aux_loss is not None:
-            aux = out.aux_loss
-            loss = loss + self.aux_loss_coef * aux / inputs.norms.accumulation
-        self._metrics.add_all(mode, self._loss_metrics(out.entropy, mask, stats, aux))
+        metrics = self._loss_metrics(out.entropy, mask, stats)
+        loss = self._with_aux_loss(loss, out, inputs, metrics)
+        self._metrics.add_all(mode, metrics)
         return loss
 
     def _loss_metrics(
-        self, entropy: torch.Tensor, mask: torch.Tensor, stats: dict[str, torch.Tensor], aux: Any
+        self, entropy: torch.Tensor, mask: torch.Tensor, stats: dict[str, torch.Tensor]
     ) -> dict[str, float]:
         """``entropy`` (token mean) and the clip ratios (per-process means, then mean / min / max)."""
         device = self.accelerator.device
@@ -174,7 +160,7 @@ class RLOOTrainer(OnlineTrainer):
         entropy_sum, tokens = gather(sums.unsqueeze(0)).sum(dim=0).tolist()
         local = torch.stack([stats[k].float().mean() for k in ("low", "high", "region")]).to(device)
         per_process = gather(local.unsqueeze(0))  # [processes, 3]
-        m = {
+        return {
             "entropy": entropy_sum / max(tokens, 1.0),
             "clip_ratio/low_mean": per_process[:, 0].mean().item(),
             "clip_ratio/low_min": per_process[:, 0].min().item(),
@@ -182,6 +168,3 @@ class RLOOTrainer(OnlineTrainer):
             "clip_ratio/high_max": per_process[:, 1].max().item(),
             "clip_ratio/region_mean": per_process[:, 2].mean().item(),
         }
-        if aux is not None:
-            m["aux_loss"] = gather(aux.detach().float().reshape(1).to(device)).mean().item()
-        return m

@@ -442,6 +442,40 @@ class OnlineTrainer(BaseTrainer):
             mask = mask * rollout.is_terminated.unsqueeze(1).to(mask.dtype)
         return mask
 
+    def _policy_forward(
+        self, model: torch.nn.Module, inputs: ScoredRollout, return_outputs: bool, **options: Any
+    ) -> tuple[Any, str]:
+        """The start of every family's ``compute_loss``: the micro-batch's completion log-probs
+        under ``model`` (at ``temperature``; ``options`` go to ``completion_logps``) and the mode.
+
+        Raises:
+            ValueError: ``return_outputs`` is asked for (no logits are built).
+        """
+        if return_outputs:
+            raise ValueError(f"{type(self).__name__}.compute_loss does not return model outputs.")
+        r = inputs.rollout
+        out = completion_logps(
+            model,
+            r.prompt_ids,
+            r.prompt_mask,
+            r.completion_ids,
+            r.completion_mask,
+            self.args.temperature,
+            **options,
+        )
+        return out, ("train" if model.training else "eval")
+
+    def _with_aux_loss(
+        self, loss: torch.Tensor, out: Any, inputs: ScoredRollout, metrics: dict[str, float]
+    ) -> torch.Tensor:
+        """Add the MoE load-balancing loss (``router_aux_loss_coef``), its share of the accumulated
+        step, and log ``aux_loss`` (the mean over processes) in ``metrics``; a dense model: unchanged."""
+        if not self.aux_loss_coef or out.aux_loss is None:
+            return loss
+        aux = out.aux_loss.detach().float().reshape(1).to(self.accelerator.device)
+        metrics["aux_loss"] = gather(aux).mean().item()
+        return loss + self.aux_loss_coef * out.aux_loss / inputs.norms.accumulation
+
     def prediction_step(
         self,
         model: torch.nn.Module,
