@@ -16,6 +16,10 @@ _LAZY = {
     "A2POTrainer": "posttrain.a2po.trainer",
     "AsyncGRPOConfig": "posttrain.async_grpo.config",
     "AsyncGRPOTrainer": "posttrain.async_grpo.trainer",
+    "DistillationConfig": "posttrain.distill.config",
+    "DistillationTrainer": "posttrain.distill.trainer",
+    "GKDConfig": "posttrain.distill.config",
+    "GKDTrainer": "posttrain.distill.trainer",
     "GRPOConfig": "posttrain.grpo.config",
     "GRPOTrainer": "posttrain.grpo.trainer",
     "SFTConfig": "posttrain.sft.config",
@@ -46,6 +50,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from posttrain.async_grpo.trainer import AsyncGRPOTrainer  # noqa: F401
     from posttrain.cpo.config import CPOConfig  # noqa: F401
     from posttrain.cpo.trainer import CPOTrainer  # noqa: F401
+    from posttrain.distill.config import DistillationConfig, GKDConfig  # noqa: F401
+    from posttrain.distill.trainer import DistillationTrainer, GKDTrainer  # noqa: F401
     from posttrain.dpo.config import DPOConfig  # noqa: F401
     from posttrain.dpo.trainer import DPOTrainer  # noqa: F401
     from posttrain.grpo.config import GRPOConfig  # noqa: F401

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from posttrain.ops import checkpointing, chunked, shared_prefix
+from posttrain.ops.divergence import HeadInputs
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -165,6 +166,38 @@ def sampler_topk(
     logp_all = torch.log_softmax(logits, dim=-1)
     top = logp_all.topk(k, dim=-1)
     return logp_all.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1), top.values, top.indices
+
+
+def completion_head_inputs(
+    model: torch.nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+    share_prompts: bool = True,
+) -> tuple[HeadInputs, Any]:
+    """What ``model``'s LM head turns into the logits of each completion position (distillation).
+
+    One forward of ``[prompt | completion]`` rows (each distinct prompt once where supported), with
+    gradient if the caller has one. On the chunked path: the [B, T, H] hidden states that predict
+    the completion tokens, with the head's weight and bias, so the vocabulary projection can be
+    chunked (``ops/divergence.py``); otherwise the model's own [B, T, V] logits.
+
+    Returns:
+        ``(HeadInputs, aux_loss)``: ``aux_loss`` is a Mixture-of-Experts model's router loss, or ``None``.
+    """
+    inputs = _row_inputs(prompt_ids, prompt_mask, completion_ids, completion_mask)
+    found = _completion_hidden(
+        model, inputs, prompt_ids, prompt_mask, completion_ids, completion_mask, share_prompts
+    )
+    if found is not None:
+        out, predicting = found
+        head = chunked.causal_lm(model).get_output_embeddings()
+        side = HeadInputs(chunked.head_input(model, predicting), head.weight, head.bias)
+        return side, getattr(out, "aux_loss", None)
+    T = completion_ids.shape[1]
+    out = model(**inputs, logits_to_keep=T + 1)
+    return HeadInputs(out.logits[:, :-1, :]), getattr(out, "aux_loss", None)  # [B, T, V]
 
 
 def _row_inputs(

@@ -71,8 +71,9 @@ class OnlineTrainer(BaseTrainer):
         train_dataset = self._check_inputs(
             args, train_dataset, eval_dataset, tools, rollout_func, environment_factory
         )
-        # environments may own the reward (get_reward); a judge may replace it (online DPO)
-        optional = environment_factory is not None or self._judged
+        # environments may own the reward (get_reward); a judge may replace it (online DPO);
+        # distillation learns from a teacher and only logs rewards when given some
+        optional = environment_factory is not None or self._judged or not self._reward_required
         rewards = setup.build_rewards(reward_funcs, reward_processing_classes, args, optional, name)
         super().__init__(
             model,
@@ -99,7 +100,7 @@ class OnlineTrainer(BaseTrainer):
             )
         self.sampler = self._setup_sampler()
         self.reward_weights = setup.build_reward_weights(
-            args, len(rewards.funcs), self.sampler.reward_names, name, self._judged
+            args, len(rewards.funcs), self.sampler.reward_names, name, no_reward_needed
         )
         self._completion_logs = self._setup_completion_logs()
         self.ref_model = self._setup_reference()
@@ -168,6 +169,9 @@ class OnlineTrainer(BaseTrainer):
             return None
         self._check_reference_sync()
         return self._create_reference()
+
+    #: whether the family learns from rewards (distillation learns from a teacher: rewards optional)
+    _reward_required: bool = True
 
     @property
     def _judged(self) -> bool:

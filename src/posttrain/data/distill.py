@@ -1,0 +1,108 @@
+"""Datasets of the distillation trainers: prompts, and (for GKD's off-policy steps) completions.
+
+The reference's GKD reads ``messages`` rows (the last message is the completion, the ones before
+it the prompt). Here a ``messages`` row becomes ``prompt`` / ``completion`` columns, so the
+shared sampler reads the prompt as for every online trainer; ``prompt`` / ``completion`` rows
+(standard or conversational) are taken as they are. ``dataset_rollout`` tokenises a batch of
+such rows into a ``Rollout`` the way the sampler would have produced it: the prompt rendered
+for generation and left-padded, the completion after it, right-padded, ending at its first EOS.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from posttrain.core.batch import Rollout
+from posttrain.data import sft
+from posttrain.generation.base import Samples, build_rollout
+from posttrain.ops.padding import left_pad
+
+__all__ = ["as_prompt_completion", "has_completions", "dataset_rollout"]
+
+Row = dict[str, Any]
+
+
+def as_prompt_completion(dataset: Any) -> Any:
+    """A ``messages`` dataset as ``prompt`` (all but the last message) and ``completion`` (the last).
+
+    Other datasets are returned as they are.
+
+    Raises:
+        ValueError: a conversation whose last message is not the assistant's.
+    """
+    if dataset is None:
+        return None
+    columns = list(getattr(dataset, "column_names", None) or [])
+    column = next((c for c in sft.MESSAGE_COLUMNS if c in columns), None)
+    if column is None or "prompt" in columns:
+        return dataset
+
+    def split(row: Row, index: int) -> Row:
+        messages = sft.to_messages(row[column], column, index)
+        if not messages or messages[-1].get("role") != "assistant":
+            raise ValueError(
+                f"{sft.row_label(index)}: the last message of '{column}' is "
+                f"{messages[-1].get('role') if messages else 'missing'!r}; GKD trains on the last message as the "
+                "completion, so it must be the assistant's. Drop such rows, or give 'prompt' and 'completion' "
+                "columns."
+            )
+        return {"prompt": messages[:-1], "completion": messages[-1:]}
+
+    return dataset.map(split, with_indices=True, remove_columns=[column])
+
+
+def has_completions(dataset: Any) -> bool:
+    """Whether the rows carry a ``completion`` (after ``as_prompt_completion``)."""
+    return dataset is not None and "completion" in list(getattr(dataset, "column_names", None) or [])
+
+
+def dataset_rollout(
+    rows: Sequence[Row],
+    tokenizer: Any,
+    eos_token_ids: list[int],
+    max_completion_length: int,
+    max_length: int | None,
+    chat_template_kwargs: dict[str, Any] | None = None,
+    device: torch.device | str = "cpu",
+) -> Rollout:
+    """The rows' own completions as a ``Rollout``, tokenised as the sampler tokenises prompts.
+
+    A completion longer than ``max_completion_length`` is cut at the end (and then counts as
+    truncated, without EOS); a prompt that would make the row longer than ``max_length`` keeps
+    its last tokens.
+
+    Raises:
+        ValueError: a row without a completion.
+    """
+    prompts, completions = [], []
+    for i, row in enumerate(rows):
+        if row.get("completion") is None:
+            raise ValueError(
+                f"Row {i} of this batch has no 'completion'; GKD's off-policy steps (lmbda < 1 and seq_kd=False) "
+                "train on the dataset's completions. Give every row a completion (or 'messages' ending with the "
+                "assistant's), or set lmbda=1.0 or seq_kd=True."
+            )
+        out = sft.tokenize_row(
+            {"prompt": row["prompt"], "completion": row["completion"]},
+            tokenizer,
+            "prompt_completion",
+            max_length=None,
+            completion_only_loss=True,
+            chat_template_kwargs=chat_template_kwargs,
+            index=i,
+        )
+        ids, mask = out["input_ids"], out["loss_mask"]
+        start = mask.index(1) if 1 in mask else len(ids)
+        completion = ids[start:][:max_completion_length]
+        prompt = ids[:start]
+        if max_length is not None and len(prompt) + len(completion) > max_length:
+            prompt = prompt[len(prompt) + len(completion) - max_length :]
+        prompts.append(prompt)
+        completions.append(completion)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_token_ids[0]
+    prompt_ids, prompt_mask = left_pad(prompts, pad)
+    samples = Samples.from_lists(completions, pad, device)
+    return build_rollout(prompt_ids.to(device), prompt_mask.to(device), samples, eos_token_ids, pad)

@@ -1,0 +1,370 @@
+"""DistillationTrainer and GKDTrainer: the configs' contract, the loss against the divergence of the
+two models' full logits, the teacher frozen, GKD's on/off-policy mix, bad inputs, accumulation,
+exact resume and two processes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from conftest import build_tiny_model, build_tiny_tokenizer
+from helpers import CPU_TEST_ARGS, SGD_ARGS, ScriptedGenerator, standard_dataset, two_processes_against_one
+from test_divergence import _textbook
+from test_invariance import SCRIPT
+
+from posttrain import DistillationConfig, DistillationTrainer, GKDConfig, GKDTrainer, GRPOConfig
+from posttrain.data.distill import dataset_rollout
+from posttrain.ops.logprobs import position_ids_from_mask
+
+
+def conversations(n: int = 16):
+    from datasets import Dataset
+
+    return Dataset.from_dict(
+        {
+            "messages": [
+                [
+                    {"role": "user", "content": f"What is {i} plus one?"},
+                    {"role": "assistant", "content": str(i + 1)},
+                ]
+                for i in range(n)
+            ]
+        }
+    )
+
+
+def distill_trainer(
+    tmp_path,
+    tok=None,
+    cls=DistillationTrainer,
+    config=DistillationConfig,
+    dataset=None,
+    scripted=True,
+    **overrides,
+):
+    tok = tok if tok is not None else build_tiny_tokenizer()
+    values = {"output_dir": str(tmp_path), **CPU_TEST_ARGS}
+    values["max_new_tokens" if config is GKDConfig else "max_completion_length"] = 8
+    values.update(overrides)
+    trainer = cls(
+        model=build_tiny_model(tok, seed=1),
+        teacher_model=build_tiny_model(tok, seed=2),
+        args=config(**values),
+        train_dataset=dataset
+        if dataset is not None
+        else (conversations() if cls is GKDTrainer else standard_dataset()),
+        processing_class=tok,
+    )
+    if scripted:
+        trainer.generator = ScriptedGenerator(SCRIPT, tok.pad_token_id or 0)
+    return trainer
+
+
+# ---- the configs ------------------------------------------------------------------------------------
+
+
+def test_configs_have_the_reference_fields_and_defaults(tmp_path) -> None:
+    d = DistillationConfig(output_dir=str(tmp_path))
+    assert (d.beta, d.temperature, d.max_completion_length, d.learning_rate) == (1.0, 1.0, 512, 1e-6)
+    assert (d.num_generations, d.disable_dropout, d.top_p, d.top_k) == (1, False, 1.0, 0)
+    assert d.teacher_model_name_or_path is None and d.teacher_model_init_kwargs is None
+    g = GKDConfig(output_dir=str(tmp_path))
+    assert (g.lmbda, g.beta, g.temperature, g.max_new_tokens, g.seq_kd) == (0.5, 0.5, 0.9, 128, False)
+    assert (g.disable_dropout, g.learning_rate, g.max_completion_length) == (True, 2e-5, 128)
+    rebuilt = dataclasses.replace(g)  # a copy of a built config rebuilds
+    assert rebuilt.max_completion_length == 128
+
+
+@pytest.mark.parametrize(
+    "config, overrides, match",
+    [
+        (DistillationConfig, {"beta": 1.5}, "beta=1.5 is invalid"),
+        (DistillationConfig, {"beta": -0.1}, "beta=-0.1 is invalid"),
+        (DistillationConfig, {"num_generations": 0}, "num_generations=0 is invalid"),
+        (DistillationConfig, {"epsilon": 0.3}, "epsilon=0.3 does not apply to distillation"),
+        (DistillationConfig, {"sync_ref_model": True}, "sync_ref_model=True does not apply"),
+        (GKDConfig, {"lmbda": 1.2}, "lmbda=1.2 is invalid"),
+        (GKDConfig, {"lmbda": -0.5}, "lmbda=-0.5 is invalid"),
+        (GKDConfig, {"max_new_tokens": 0}, "max_new_tokens=0 is invalid"),
+        (GKDConfig, {"max_completion_length": 64}, "max_completion_length=64 and max_new_tokens=128 differ"),
+    ],
+)
+def test_configs_reject_bad_values(tmp_path, config, overrides, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        config(output_dir=str(tmp_path), **overrides)
+
+
+def test_trainer_refuses_another_config(tmp_path) -> None:
+    tok = build_tiny_tokenizer()
+    with pytest.raises(TypeError, match="needs a DistillationConfig"):
+        DistillationTrainer(
+            build_tiny_model(tok), build_tiny_model(tok), GRPOConfig(output_dir=str(tmp_path))
+        )
+
+
+# ---- the loss -----------------------------------------------------------------------------------
+
+
+def _full_logits(model, r) -> torch.Tensor:
+    """[B, T, V] logits of the completion positions, the plain way."""
+    ids = torch.cat([r.prompt_ids, r.completion_ids], 1)
+    mask = torch.cat([r.prompt_mask, r.completion_mask], 1)
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask)).logits
+    return logits[:, r.prompt_ids.shape[1] - 1 : -1].double()
+
+
+@pytest.mark.parametrize(
+    "config, overrides, loss_temperature",
+    [
+        (DistillationConfig, {"beta": 1.0, "temperature": 0.7}, 0.7),
+        (DistillationConfig, {"beta": 0.0}, 1.0),
+        (GKDConfig, {"beta": 0.3, "temperature": 0.7, "lmbda": 1.0}, 1.0),  # GKD: sampling temperature only
+    ],
+)
+def test_loss_is_the_token_mean_of_the_divergence_of_full_logits(
+    tmp_path, config, overrides, loss_temperature
+) -> None:
+    cls = GKDTrainer if config is GKDConfig else DistillationTrainer
+    trainer = distill_trainer(tmp_path, cls=cls, config=config, **overrides)
+    rows = [{"prompt": f"Question {i}: what is {i} plus one?"} for i in range(4)]
+    (scored,) = trainer._generate_and_score(rows, "train", num_chunks=1)
+    loss = trainer.compute_loss(trainer.model, scored)
+    r = scored.rollout
+    keep = r.completion_mask.bool()
+    with torch.no_grad():
+        zs = _full_logits(trainer.model, r)[keep] / loss_temperature
+        zt = _full_logits(trainer.teacher_model, r)[keep] / loss_temperature
+    want = _textbook(zs, zt, trainer.args.beta).sum() / keep.sum()
+    assert loss.item() == pytest.approx(want.item(), rel=1e-5)
+    assert keep.sum() < keep.numel()  # completions of different lengths: padding is left out
+
+
+def test_a_student_equal_to_its_teacher_learns_nothing(tmp_path) -> None:
+    tok = build_tiny_tokenizer()
+    student = build_tiny_model(tok, seed=1)
+    trainer = DistillationTrainer(
+        student, student, DistillationConfig(output_dir=str(tmp_path), **CPU_TEST_ARGS, max_completion_length=8),
+        train_dataset=standard_dataset(), processing_class=tok,
+    )  # fmt: skip
+    assert trainer.teacher_model is not student  # a copy: training the student leaves it as it was
+    trainer.generator = ScriptedGenerator(SCRIPT, 0)
+    (scored,) = trainer._generate_and_score([{"prompt": "Question 1"}] * 4, "train", num_chunks=1)
+    loss = trainer.compute_loss(trainer.model, scored)
+    loss.backward()
+    assert abs(loss.item()) < 1e-6
+    assert max(p.grad.abs().max().item() for p in trainer.model.parameters() if p.grad is not None) < 1e-6
+
+
+def test_training_moves_the_student_toward_the_frozen_teacher(tmp_path) -> None:
+    trainer = distill_trainer(tmp_path, max_steps=12, learning_rate=0.01, lr_scheduler_type="constant")
+    before = [p.detach().clone() for p in trainer.teacher_model.parameters()]
+    (fixed,) = trainer._generate_and_score(
+        [{"prompt": f"Question {i}: what is {i} plus one?"} for i in range(4)], "eval", num_chunks=1
+    )
+    with torch.no_grad():
+        start = trainer.compute_loss(trainer.model.eval(), fixed).item()
+    trainer.train()
+    with torch.no_grad():
+        end = trainer.compute_loss(trainer.model.eval(), fixed).item()
+    trainer.model.train()
+    assert end < 0.6 * start
+    assert all(torch.equal(a, b) for a, b in zip(before, trainer.teacher_model.parameters(), strict=True))
+    assert not trainer.teacher_model.training
+    assert not any(p.requires_grad for p in trainer.teacher_model.parameters())
+    assert "entropy" in trainer.state.log_history[0]
+
+
+def test_evaluation_reports_the_divergence(tmp_path) -> None:
+    trainer = distill_trainer(tmp_path, per_device_eval_batch_size=4)
+    metrics = trainer.evaluate(standard_dataset(4))
+    assert metrics["eval_loss"] > 0
+    logged = trainer.state.log_history[-1]
+    assert logged["eval_on_policy_loss"] == pytest.approx(metrics["eval_loss"], rel=1e-5)
+    assert logged["eval_entropy"] > 0
+
+
+# ---- GKD's mix of on- and off-policy steps ----------------------------------------------------------------
+
+
+def test_lmbda_zero_trains_on_the_dataset_and_one_on_the_students_samples(tmp_path) -> None:
+    off = distill_trainer(tmp_path / "off", cls=GKDTrainer, config=GKDConfig, lmbda=0.0, max_steps=3)
+    off.train()
+    assert off.generator.calls == 0
+    assert all("off_policy_loss" in h for h in off.state.log_history if "loss" in h)
+    on = distill_trainer(tmp_path / "on", cls=GKDTrainer, config=GKDConfig, lmbda=1.0, max_steps=3)
+    on.train()
+    assert on.generator.calls == 12
+    assert all("on_policy_loss" in h for h in on.state.log_history if "loss" in h)
+
+
+def test_the_draw_depends_on_seed_and_step_only(tmp_path) -> None:
+    def sources(path, seed):
+        trainer = distill_trainer(path, cls=GKDTrainer, config=GKDConfig, lmbda=0.5, seed=seed)
+        picked = []
+        for step in range(40):
+            trainer.state.global_step = step
+            picked.append(trainer._source([{"prompt": "x", "completion": "y"}], "train"))
+        return picked
+
+    first, again, other = sources(tmp_path / "a", 0), sources(tmp_path / "b", 0), sources(tmp_path / "c", 1)
+    assert first == again and first != other
+    assert 10 < first.count("student") < 30 and set(first) == {"student", "dataset"}
+
+
+def test_seq_kd_samples_with_the_teacher(tmp_path) -> None:
+    trainer = distill_trainer(tmp_path, cls=GKDTrainer, config=GKDConfig, lmbda=0.0, seq_kd=True, max_steps=1)
+    seen = []
+
+    class Recording(ScriptedGenerator):
+        def generate(self, prompt_ids, prompt_mask, **kwargs):
+            seen.append(True)
+            return super().generate(prompt_ids, prompt_mask)
+
+    trainer._teacher_generator = Recording(SCRIPT, 0)
+    trainer.train()
+    assert seen and trainer.generator.calls == 0
+    assert trainer.sampler.generator is trainer.generator  # the student's generator is back
+
+
+def test_dataset_completions_are_tokenised_like_samples(tmp_path) -> None:
+    tok = build_tiny_tokenizer()
+    rows = [
+        {"prompt": [{"role": "user", "content": "What is 1 plus one?"}], "completion": [{"role": "assistant", "content": "2"}]},
+        {"prompt": "Question 3:", "completion": " four five six seven eight nine ten"},
+    ]  # fmt: skip
+    r = dataset_rollout(rows, tok, [tok.eos_token_id], max_completion_length=6, max_length=None)
+    first = r.completion_ids[0, : int(r.completion_mask[0].sum())].tolist()
+    assert first == tok("2<|im_end|>", add_special_tokens=False)["input_ids"]  # ends at its EOS
+    assert r.is_terminated.tolist() == [True, False]  # the long one is cut at 6 tokens
+    assert int(r.completion_mask[1].sum()) == 6
+    text = tok.apply_chat_template(rows[0]["prompt"], add_generation_prompt=True, tokenize=False)
+    prompt = tok(text, add_special_tokens=False)["input_ids"]
+    assert r.prompt_ids[0, -len(prompt) :].tolist() == list(prompt)
+    cut = dataset_rollout(rows, tok, [tok.eos_token_id], max_completion_length=6, max_length=8)
+    assert int(cut.prompt_mask[1].sum()) + int(cut.completion_mask[1].sum()) == 8  # the prompt keeps its end
+
+
+# ---- bad input ---------------------------------------------------------------------------------------
+
+
+def test_bad_inputs_fail_before_training(tmp_path) -> None:
+    from datasets import Dataset
+
+    tok = build_tiny_tokenizer()
+    prompts_only = Dataset.from_dict({"prompt": ["a", "b", "c", "d"]})
+    with pytest.raises(ValueError, match="train dataset has none"):
+        distill_trainer(tmp_path, tok, cls=GKDTrainer, config=GKDConfig, dataset=prompts_only)
+    distill_trainer(tmp_path, tok, cls=GKDTrainer, config=GKDConfig, dataset=prompts_only, lmbda=1.0)  # fine
+    with pytest.raises(ValueError, match="last message of 'messages' is 'user'"):
+        distill_trainer(
+            tmp_path, tok, cls=GKDTrainer, config=GKDConfig,
+            dataset=Dataset.from_dict({"messages": [[{"role": "user", "content": "hi"}]]}),
+        )  # fmt: skip
+    with pytest.raises(NotImplementedError, match="data_collator is not built"):
+        GKDTrainer(build_tiny_model(tok), build_tiny_model(tok), data_collator=object())
+    with pytest.raises(ValueError, match="needs a teacher"):
+        DistillationTrainer(build_tiny_model(tok), None, DistillationConfig(output_dir=str(tmp_path)))
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        DistillationTrainer(
+            build_tiny_model(tok), "./no/such/teacher", DistillationConfig(output_dir=str(tmp_path))
+        )
+
+
+def test_a_teacher_with_another_vocabulary_is_refused(tmp_path) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = build_tiny_tokenizer()
+    other = LlamaForCausalLM(
+        LlamaConfig(vocab_size=len(tok) + 7, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                    num_attention_heads=4, num_key_value_heads=2)
+    )  # fmt: skip
+    with pytest.raises(
+        ValueError, match=rf"teacher's vocabulary has {len(tok) + 7} tokens and the student's {len(tok)}"
+    ):
+        DistillationTrainer(
+            build_tiny_model(tok), other, DistillationConfig(output_dir=str(tmp_path), **CPU_TEST_ARGS),
+            train_dataset=standard_dataset(), processing_class=tok,
+        )  # fmt: skip
+
+
+def test_teacher_loads_by_path_with_its_init_kwargs(tmp_path, tiny_model_dir) -> None:
+    tok = build_tiny_tokenizer()
+    trainer = DistillationTrainer(
+        build_tiny_model(tok),
+        args=DistillationConfig(
+            output_dir=str(tmp_path), **CPU_TEST_ARGS, teacher_model_name_or_path=tiny_model_dir,
+            teacher_model_init_kwargs={"dtype": "bfloat16"},
+        ),
+        train_dataset=standard_dataset(), processing_class=tok,
+    )  # fmt: skip
+    assert trainer.teacher_model.dtype == torch.bfloat16  # the teacher in its own dtype
+    assert next(trainer.model.parameters()).dtype == torch.float32
+    trainer.generator = ScriptedGenerator(SCRIPT, 0)
+    trainer.train()
+    assert all(h["loss"] > 0 for h in trainer.state.log_history if "loss" in h)
+
+
+# ---- accumulation, resume, two processes ---------------------------------------------------------------
+
+
+def _sgd_params(path, per_device: int, accumulation: int) -> list[torch.Tensor]:
+    from datasets import Dataset
+
+    trainer = distill_trainer(
+        path, dataset=Dataset.from_dict({"prompt": [f"Question {i}" for i in range(8)]}),
+        per_device_train_batch_size=per_device, gradient_accumulation_steps=accumulation, max_steps=1,
+        shuffle_dataset=False, **SGD_ARGS,
+    )  # fmt: skip
+    trainer.train()
+    return [p.detach().clone() for p in trainer.model.parameters()]
+
+
+def test_accumulation_gives_the_same_update(tmp_path) -> None:
+    """The step's token mean, whether its 8 completions come in one micro-batch or four."""
+    one, four = _sgd_params(tmp_path / "one", 8, 1), _sgd_params(tmp_path / "four", 2, 4)
+    for a, b in zip(one, four, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_resume_is_exact(tmp_path) -> None:
+    tok = build_tiny_tokenizer()
+
+    def run(out, resume=None):
+        torch.manual_seed(0)
+        trainer = distill_trainer(
+            out, tok, cls=GKDTrainer, config=GKDConfig, scripted=False, max_steps=4, save_strategy="steps",
+            save_steps=1, learning_rate=0.05,
+        )  # fmt: skip
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
+
+    straight = run(tmp_path / "straight")
+    run(tmp_path / "stopped")
+    resumed = run(tmp_path / "stopped", resume=str(tmp_path / "stopped" / "checkpoint-2"))
+    for a, b in zip(straight.model.parameters(), resumed.model.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def ddp_comparable_trainer(out_dir: str, per_device: int, **overrides) -> DistillationTrainer:
+    """Two SGD steps of on-policy distillation (JSD) on one repeated prompt (the two-process test)."""
+    from datasets import Dataset
+
+    tok = build_tiny_tokenizer()
+    args = DistillationConfig(
+        output_dir=out_dir,
+        **{**CPU_TEST_ARGS, **SGD_ARGS, "per_device_train_batch_size": per_device, "max_steps": 2},
+        max_completion_length=8, beta=0.5, seed=1, **overrides,
+    )  # fmt: skip
+    prompts = Dataset.from_dict({"prompt": ["What is 2 plus 3?"] * 16})
+    return DistillationTrainer(
+        build_tiny_model(tok, seed=1), build_tiny_model(tok, seed=2), args, prompts, processing_class=tok
+    )
+
+
+@pytest.mark.slow
+def test_two_processes_train_like_one(tmp_path) -> None:
+    """2 processes x 2 completions give the parameters and metrics of 1 process x 4."""
+    keys = ("on_policy_loss", "entropy", "num_tokens")
+    two_processes_against_one("test_distill", ddp_comparable_trainer, SCRIPT, tmp_path, 29571, (2, 4), keys)

@@ -1,0 +1,199 @@
+"""The distillation engine (``ops/divergence.py``): each divergence against its formula worked by
+hand, chunked against unchunked (values and gradients), and the float32 gradients that the
+textbook formulas lose at high confidence, against float64.
+
+Formulas (GKD, arXiv 2306.13649; the reference's conventions): with teacher ``T`` and student
+``S``, forward KL ``KL(T || S) = sum T log(T / S)``, reverse KL ``KL(S || T)``, and the generalised
+JSD ``beta KL(T || M) + (1 - beta) KL(S || M)``, ``M = beta T + (1 - beta) S``; ``beta = 0`` is
+the forward KL and ``beta = 1`` the reverse KL.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from posttrain.ops.divergence import (
+    HeadInputs,
+    divergence_from_logps,
+    divergence_name,
+    log_softmax,
+    token_divergence,
+)
+
+STUDENT = [0.7, 0.2, 0.1]
+TEACHER = [0.5, 0.3, 0.2]
+
+
+def kl(p: list[float], q: list[float]) -> float:
+    return sum(a * math.log(a / b) for a, b in zip(p, q, strict=True))
+
+
+def by_hand(beta: float) -> float:
+    if beta == 0.0:
+        return kl(TEACHER, STUDENT)
+    if beta == 1.0:
+        return kl(STUDENT, TEACHER)
+    mix = [beta * t + (1 - beta) * s for s, t in zip(STUDENT, TEACHER, strict=True)]
+    return beta * kl(TEACHER, mix) + (1 - beta) * kl(STUDENT, mix)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.1, 0.5, 0.9, 1.0])
+def test_each_divergence_equals_its_formula(beta) -> None:
+    s = torch.tensor(STUDENT).log().unsqueeze(0)
+    t = torch.tensor(TEACHER).log().unsqueeze(0)
+    got = divergence_from_logps(s, t, beta).item()
+    assert got == pytest.approx(by_hand(beta), rel=1e-5)
+
+
+def test_hand_values_differ_between_the_divergences() -> None:
+    """The table's rows are different functions (the hand values are not one number)."""
+    values = [by_hand(b) for b in (0.0, 0.5, 1.0)]
+    assert len({round(v, 6) for v in values}) == 3
+    assert divergence_name(0.0) == "forward_kl"
+    assert divergence_name(1.0) == "reverse_kl"
+    assert divergence_name(0.3) == "jsd"
+
+
+def test_the_mixture_rescaled_tends_to_the_two_kls() -> None:
+    """Why the endpoints are special: JSD(beta) / beta -> KL(T || S) as beta -> 0, and
+    JSD(beta) / (1 - beta) -> KL(S || T) as beta -> 1; the raw mixture formula tends to 0."""
+    s = torch.tensor(STUDENT, dtype=torch.float64).log().unsqueeze(0)
+    t = torch.tensor(TEACHER, dtype=torch.float64).log().unsqueeze(0)
+    small = 1e-6
+    assert (divergence_from_logps(s, t, small) / small).item() == pytest.approx(
+        kl(TEACHER, STUDENT), rel=1e-4
+    )
+    near_one = 1 - 1e-6
+    rescaled = divergence_from_logps(s, t, near_one) / (1 - near_one)
+    assert rescaled.item() == pytest.approx(kl(STUDENT, TEACHER), rel=1e-4)
+
+
+def _textbook(z_s: torch.Tensor, z_t: torch.Tensor, beta: float) -> torch.Tensor:
+    """The textbook formulas with torch's log_softmax, differentiable by autograd."""
+    s, t = torch.log_softmax(z_s, -1), torch.log_softmax(z_t, -1)
+    if beta == 0.0:
+        return (t.exp() * (t - s)).sum(-1)
+    if beta == 1.0:
+        return (s.exp() * (s - t)).sum(-1)
+    m = torch.logsumexp(torch.stack([s + math.log(1 - beta), t + math.log(beta)]), 0)
+    return beta * (t.exp() * (t - m)).sum(-1) + (1 - beta) * (s.exp() * (s - m)).sum(-1)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.4, 1.0])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_chunked_equals_unchunked_values_and_gradients(beta, temperature) -> None:
+    """float64, so the comparison is exact to rounding: hidden states and head (with bias) against
+    autograd of the textbook formula on full logits, for chunks of 5 and one chunk of all rows."""
+    g = torch.Generator().manual_seed(0)
+    n, h, v = 23, 8, 40
+    hs = torch.randn(n, h, generator=g, dtype=torch.float64)
+    w = torch.randn(v, h, generator=g, dtype=torch.float64)
+    b = torch.randn(v, generator=g, dtype=torch.float64)
+    ht, wt = (
+        torch.randn(n, h, generator=g, dtype=torch.float64),
+        torch.randn(v, h, generator=g, dtype=torch.float64),
+    )
+    weights = torch.rand(n, generator=g, dtype=torch.float64)
+
+    leaves = [x.clone().requires_grad_() for x in (hs, w, b)]
+    want = _textbook((leaves[0] @ leaves[1].T + leaves[2]) / temperature, (ht @ wt.T) / temperature, beta)
+    (want * weights).sum().backward()
+    for chunk in (5, n):
+        mine = [x.clone().requires_grad_() for x in (hs, w, b)]
+        got, _ = token_divergence(HeadInputs(*mine), HeadInputs(ht, wt), beta, temperature, chunk)
+        (got * weights).sum().backward()
+        torch.testing.assert_close(got, want.detach(), rtol=1e-10, atol=1e-12)
+        for ours, theirs in zip(mine, leaves, strict=True):
+            torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-9, atol=1e-12)
+
+
+def test_logits_sides_equal_hidden_sides() -> None:
+    """A model whose logits are not lm_head(hidden) is given as logits: same values and gradient."""
+    g = torch.Generator().manual_seed(1)
+    hs, w = torch.randn(7, 6, generator=g), torch.randn(30, 6, generator=g)
+    ht, wt = torch.randn(7, 6, generator=g), torch.randn(30, 6, generator=g)
+    hidden = hs.clone().requires_grad_()
+    by_hidden, _ = token_divergence(HeadInputs(hidden, w), HeadInputs(ht, wt), 0.5, chunk_size=3)
+    by_hidden.sum().backward()
+    logits = (hs @ w.T).requires_grad_()
+    by_logits, _ = token_divergence(HeadInputs(logits), HeadInputs(ht @ wt.T), 0.5, chunk_size=3)
+    by_logits.sum().backward()
+    torch.testing.assert_close(by_hidden, by_logits, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(hidden.grad, logits.grad @ w, rtol=1e-5, atol=1e-7)
+
+
+def test_entropy_is_the_students() -> None:
+    z = torch.tensor([[2.0, 0.0, -1.0, 0.5]])
+    _, entropy = token_divergence(HeadInputs(z), HeadInputs(torch.zeros(1, 4)), 1.0)
+    p = torch.softmax(z, -1)
+    assert entropy.item() == pytest.approx(-(p * p.log()).sum().item(), rel=1e-6)
+    assert not entropy.requires_grad
+
+
+def test_identical_distributions_give_zero_and_no_gradient() -> None:
+    z = torch.randn(5, 12, generator=torch.Generator().manual_seed(2))
+    for beta in (0.0, 0.5, 1.0):
+        student = z.clone().requires_grad_()
+        div, _ = token_divergence(HeadInputs(student), HeadInputs(z.clone()), beta)
+        div.sum().backward()
+        assert div.abs().max().item() < 1e-6
+        assert student.grad.abs().max().item() < 1e-7
+
+
+# ---- high confidence: the small gradients survive in float32 ---------------------------------------
+
+
+def _confident_logits(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Student and teacher both put 1 - 1e-11 or so on token 0 (the margin 30 vs 30.5), the rest
+    spread: every probability difference lives in the 1e-13..1e-11 range."""
+    v = 64
+    g = torch.Generator().manual_seed(3)
+    rest_s = torch.randn(2, v - 1, generator=g, dtype=torch.float64) * 0.3
+    rest_t = torch.randn(2, v - 1, generator=g, dtype=torch.float64) * 0.3
+    z_s = torch.cat([torch.full((2, 1), 30.0, dtype=torch.float64), rest_s], 1)
+    z_t = torch.cat([torch.full((2, 1), 30.5, dtype=torch.float64), rest_t], 1)
+    return z_s.to(dtype), z_t.to(dtype)
+
+
+def test_log_softmax_keeps_the_argmax_log_prob() -> None:
+    z64, _ = _confident_logits(torch.float64)
+    exact = torch.log_softmax(z64, -1)[:, 0]  # about -1e-11
+    ours = log_softmax(z64.float())[:, 0].double()
+    naive = torch.log_softmax(z64.float(), -1)[:, 0].double()
+    assert exact.abs().min() > 1e-13
+    torch.testing.assert_close(ours, exact, rtol=1e-4, atol=0)
+    assert not torch.allclose(naive, exact, rtol=0.1, atol=0)  # the textbook float32 loses it
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_float32_gradient_survives_at_high_confidence(beta) -> None:
+    z_s64, z_t64 = _confident_logits(torch.float64)
+    exact = z_s64.clone().requires_grad_()
+    _textbook(exact, z_t64, beta).sum().backward()
+
+    z_s, z_t = _confident_logits(torch.float32)
+    ours = z_s.clone().requires_grad_()
+    div, _ = token_divergence(HeadInputs(ours), HeadInputs(z_t), beta)
+    div.sum().backward()
+    naive = z_s.clone().requires_grad_()
+    _textbook(naive, z_t, beta).sum().backward()
+
+    target = exact.grad[:, 0]  # the argmax's gradient: a tiny number that must not vanish
+    assert target.abs().min() > 1e-13
+    torch.testing.assert_close(ours.grad[:, 0].double(), target, rtol=2e-3, atol=0)
+    torch.testing.assert_close(ours.grad.double(), exact.grad, rtol=2e-3, atol=1e-16)
+    if beta in (0.0, 1.0):  # autograd of the textbook mixture happens to keep it; the KLs' do not
+        assert not torch.allclose(naive.grad[:, 0].double(), target, rtol=0.5, atol=0)
+
+
+def test_bad_inputs_are_named() -> None:
+    a, b = HeadInputs(torch.zeros(2, 5)), HeadInputs(torch.zeros(2, 6))
+    with pytest.raises(ValueError, match="5 logits and the teacher's 6"):
+        token_divergence(a, b, 1.0)
+    with pytest.raises(ValueError, match="beta must be in"):
+        token_divergence(a, HeadInputs(torch.zeros(2, 5)), 1.5)
+    with pytest.raises(ValueError, match="2 student positions against 3"):
+        token_divergence(a, HeadInputs(torch.zeros(3, 5)), 1.0)
