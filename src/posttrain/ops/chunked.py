@@ -9,10 +9,22 @@ recomputes each chunk's logits and turns ``grad_logps`` and ``grad_entropy`` int
 the hidden states and of the LM head's weight (and bias). At most one chunk's ``[chunk, V]``
 float32 logits (and two or three work copies of it) exist at any time, in forward and backward.
 
-The math, with ``z = (h @ W^T + b) / temperature``, ``lse = logsumexp(z)``, ``log p = z - lse``:
+The math, with ``z = (h @ W^T + b) / temperature``, its row maximum ``m`` at index ``a`` (the
+argmax), ``u = z - m`` and ``S = sum_{j != a} exp(u_j)`` (the argmax left out of the sum):
 
-- log-prob of target ``y``: ``z_y - lse``; ``d/dz = onehot(y) - p``;
-- entropy ``H = -sum(p * log p)``; ``dH/dz = -p * (log p + H)``.
+- log-partition ``lse = m + log1p(S)``; ``log p_j = u_j - log1p(S)``, ``p_j = exp(u_j) / (1 + S)``;
+- log-prob of target ``y``: ``u_y - log1p(S)``; ``d/dz = onehot(y) - p``, where the argmax's
+  entry ``onehot(y)_a - p_a`` is formed as ``(onehot(y)_a - 1) + S / (1 + S)``;
+- entropy ``H = -sum(p * log p) = log1p(S) - sum(exp(u) * u) / (1 + S)``; ``dH/dz = -p * (log p + H)``.
+
+Why not ``z_y - logsumexp(z)`` and ``onehot(y) - exp(log p)``: at high confidence (``p_a`` within
+float32's epsilon of 1, say ``1 - 1e-9``) ``logsumexp(z)`` rounds to ``z_a`` (or is off by
+``eps * |z|``), so the argmax's log-prob comes out 0 (or wrong by ~1e-7) instead of ``~ -S``, and
+its gradient ``1 - exp(0) = 0`` is lost while the other entries keep their tiny ``-p_j`` (the row
+no longer sums to zero; "softmax collapse", arXiv 2610.31642). Leaving the argmax out of ``S``
+(never ``sum(exp(u)) - 1``) keeps ``log1p(S) ~ S`` to float32's relative precision, and with it
+``log p_a``, ``1 - p_a`` and ``H``. Forward keeps ``m``, ``S`` and ``a`` of each row (three ``[N]``
+vectors) for backward, which writes the argmax's column of the gradient from them.
 
 How the hidden states are obtained: the model is called as usual, through whatever wraps it
 (DDP, a ``PeftModel``), with ``logits_to_keep=1`` so its own head projects a single position;
@@ -74,21 +86,43 @@ def _chunk_stats(
     temperature: float,
     with_entropy: bool,
     with_top: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Log-prob of each target, log-partition, entropy and top log-prob of one chunk: [c, H] -> 4 x [c].
+) -> tuple[torch.Tensor, ...]:
+    """Log-prob of each target and the softmax's row statistics of one chunk: [c, H] -> [c] vectors.
 
     ``targets`` is [c], or [c, M] for M targets per row (the log-probs are then [c, M]).
+
+    Returns:
+        ``(logps, peak, rest, argmax, entropy, top)``: the targets' log-probs; the row maximum
+        ``m`` of ``z``, ``S = sum_{j != a} exp(z_j - m)`` and the argmax ``a`` (long), all [c];
+        the entropy [c] (``None`` unless ``with_entropy``) and the top log-prob ``-log1p(S)``
+        [c] (``None`` unless ``with_top``).
     """
-    z = _scaled_logits(h, weight, bias, temperature)  # [c, V]
-    lse = torch.logsumexp(z, dim=-1)  # [c]
-    many = _as_columns(targets)  # [c, M]
-    logps = (z.gather(1, many) - lse.unsqueeze(1)).view(targets.shape)  # [c] or [c, M]
-    top = z.max(dim=-1).values - lse if with_top else None  # [c]; == logps where the target is the argmax
+    u = _scaled_logits(h, weight, bias, temperature)  # [c, V], z for now
+    peak, argmax = u.max(dim=-1)  # [c], [c]
+    u.sub_(peak.unsqueeze(1))  # u = z - m <= 0, exactly 0 at the argmax
+    logps = u.gather(1, _as_columns(targets))  # [c, M]: u_y for now
+    # exp in place unless the entropy still needs u: one [c, V] buffer, two with the entropy
+    e = u.exp() if with_entropy else u.exp_()  # [c, V]
+    rest = _sum_but_argmax(e, argmax)  # [c]: S
+    log_norm = torch.log1p(rest)  # [c]: lse - m, and -log p_a
+    logps = logps.sub_(log_norm.unsqueeze(1)).view(targets.shape)  # [c] or [c, M]
+    top = -log_norm if with_top else None  # [c]; == logps where the target is the argmax (u_a = 0)
     entropy = None
     if with_entropy:
-        logp_all = z.sub_(lse.unsqueeze(1))  # [c, V], in place: z is no longer needed
-        entropy = -(logp_all.exp().mul_(logp_all)).sum(dim=-1)  # [c]
-    return logps, lse, entropy, top
+        # H = -sum p (u - log1p(S)) = log1p(S) - sum(exp(u) * u) / (1 + S): two terms >= 0 (no
+        # cancellation), so an entropy ~S at high confidence keeps its relative precision
+        spread = e.mul_(u).sum(dim=-1)  # [c], over e's storage; the argmax adds 0 (u_a = 0)
+        entropy = log_norm - spread / (1 + rest)
+    return logps, peak, rest, argmax, entropy, top
+
+
+def _sum_but_argmax(e: torch.Tensor, argmax: torch.Tensor) -> torch.Tensor:
+    """``S = sum_{j != a} e_j`` of each row: [c, V] (its argmax's entry zeroed in place), [c] -> [c].
+
+    Zeroing the argmax's ``exp(0) = 1`` before summing, not subtracting 1 after: ``1 + S`` would
+    round to 1 for an ``S`` below float32's epsilon, which is exactly the high-confidence case.
+    """
+    return e.scatter_(1, argmax.unsqueeze(1), 0.0).sum(dim=-1)
 
 
 def _chunk_grad_logits(
@@ -96,7 +130,9 @@ def _chunk_grad_logits(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     targets: torch.Tensor,
-    lse: torch.Tensor,
+    peak: torch.Tensor,
+    rest: torch.Tensor,
+    argmax: torch.Tensor,
     entropy: torch.Tensor | None,
     grad_logps: torch.Tensor | None,
     grad_entropy: torch.Tensor | None,
@@ -104,23 +140,35 @@ def _chunk_grad_logits(
 ) -> torch.Tensor:
     """Gradient of the loss wrt one chunk's raw logits ``h @ W^T + b``, in the weight's dtype: [c, V].
 
-    One [c, V] float32 buffer without the entropy's gradient, two with it. The 1 / temperature of
-    ``dz / dlogits`` is folded into the [c] coefficients.
+    ``peak``, ``rest`` and ``argmax`` are forward's ``m``, ``S`` and ``a`` of these rows ([c]
+    each). One [c, V] float32 buffer without the entropy's gradient, two with it. The
+    1 / temperature of ``dz / dlogits`` is folded into the [c] coefficients, and so is the
+    softmax's ``1 / (1 + S)`` (``p = exp(u) / (1 + S)``).
     """
     g_cols = _as_columns(grad_logps / temperature) if grad_logps is not None else None  # [c, M]
     g_lp = g_cols.sum(dim=1) if g_cols is not None else None  # [c]: every target's -p part at once
     g_ent = grad_entropy / temperature if grad_entropy is not None else None  # [c]
-    logp_all = _scaled_logits(h, weight, bias, temperature).sub_(lse.unsqueeze(1))  # [c, V]
+    p_top = 1 / (1 + rest)  # [c]: p_a, and p_j = exp(u_j) * p_top
+    u = _scaled_logits(h, weight, bias, temperature).sub_(peak.unsqueeze(1))  # [c, V]: z - m
     if g_ent is None:
-        grad = logp_all.exp_().mul_(-g_lp.unsqueeze(1))  # d log p_y / dz = onehot(y) - p: the -p part
+        grad = u.exp_().mul_((-g_lp * p_top).unsqueeze(1))  # d log p_y / dz = onehot(y) - p: the -p part
     else:
-        probs = logp_all.exp()  # [c, V]
-        # dH/dz = -p * (log p + H), written over logp_all's storage
-        grad = logp_all.add_(entropy.unsqueeze(1)).mul_(probs).mul_(-g_ent.unsqueeze(1))
-        if g_lp is not None:
-            grad.sub_(probs.mul_(g_lp.unsqueeze(1)))
+        probs = u.exp()  # [c, V]: p * (1 + S)
+        # -g_ent * p * (log p + H) - g_lp * p = exp(u) * (alpha * u + beta), log p = u - log1p(S)
+        # (no -g_lp part when only the entropy has a gradient)
+        h_shift = entropy - torch.log1p(rest)  # [c]: H + log p - u
+        alpha = -g_ent * p_top
+        beta = alpha * h_shift - (g_lp * p_top if g_lp is not None else 0)
+        grad = u.mul_(alpha.unsqueeze(1)).add_(beta.unsqueeze(1)).mul_(probs)  # over u's storage
+    column = argmax.unsqueeze(1)  # [c, 1]
+    at_top = torch.zeros_like(rest)  # [c]: the argmax's entry, from S rather than 1 - p_a
     if g_cols is not None:
         grad.scatter_add_(1, _as_columns(targets), g_cols.to(grad.dtype))  # the onehot(y) parts
+        hit = g_cols.mul(_as_columns(targets) == column).sum(dim=1)  # [c]: g of the targets == a
+        at_top += (hit - g_lp) + g_lp * (rest * p_top)  # onehot_a - p_a = (onehot_a - 1) + S / (1 + S)
+    if g_ent is not None:
+        at_top += alpha * h_shift  # -g_ent * p_a * (log p_a + H), log p_a = -log1p(S)
+    grad.scatter_(1, column, at_top.unsqueeze(1).to(grad.dtype))
     return grad.to(weight.dtype)
 
 
@@ -137,7 +185,8 @@ class TokenStats(torch.autograd.Function):
     [N] (or [N, M]: one per target), entropy [N] (float32, or float64 for a float64 head; an empty tensor when
     ``with_entropy`` is off; not differentiable unless ``entropy_grad``) and the top log-prob
     [N] (empty unless ``with_top``; never differentiable; equal to ``logps`` where the target is
-    the argmax). Saved for backward: hidden, weight and three [N] vectors.
+    the argmax). Saved for backward: hidden, weight, the targets and four [N] vectors (the row
+    maximum, ``S``, the argmax and the entropy; see the module docstring).
     """
 
     @staticmethod
@@ -155,20 +204,22 @@ class TokenStats(torch.autograd.Function):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         n, dtype = hidden.shape[0], _stats_dtype(weight.dtype)
         logps = hidden.new_empty(targets.shape, dtype=dtype)  # [N] or [N, M]
-        lse = hidden.new_empty(n, dtype=dtype)  # [N]
+        peak = hidden.new_empty(n, dtype=dtype)  # [N]: m
+        rest = hidden.new_empty(n, dtype=dtype)  # [N]: S
+        argmax = targets.new_empty(n)  # [N]: a
         entropy = hidden.new_empty(n if with_entropy else 0, dtype=dtype)  # [N] or [0]
         top = hidden.new_empty(n if with_top else 0, dtype=dtype)  # [N] or [0]
         for start in range(0, n, chunk_size):
             rows = slice(start, start + chunk_size)
-            lp, ls, ent, tp = _chunk_stats(
+            lp, pk, rs, am, ent, tp = _chunk_stats(
                 hidden[rows], weight, bias, targets[rows], temperature, with_entropy, with_top
             )
-            logps[rows], lse[rows] = lp, ls
+            logps[rows], peak[rows], rest[rows], argmax[rows] = lp, pk, rs, am
             if ent is not None:
                 entropy[rows] = ent
             if tp is not None:
                 top[rows] = tp
-        ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
+        ctx.save_for_backward(hidden, weight, bias, targets, peak, rest, argmax, entropy)
         ctx.temperature, ctx.chunk_size = temperature, chunk_size
         ctx.set_materialize_grads(False)
         # one call: each call replaces the set of non-differentiable outputs
@@ -179,7 +230,7 @@ class TokenStats(torch.autograd.Function):
     def backward(
         ctx: Any, grad_logps: torch.Tensor | None, grad_entropy: torch.Tensor | None, grad_top: Any = None
     ):
-        hidden, weight, bias, targets, lse, entropy = ctx.saved_tensors
+        hidden, weight, bias, targets, peak, rest, argmax, entropy = ctx.saved_tensors
         if entropy.numel() == 0:
             grad_entropy = None
         grad_h, grad_w, grad_b = _grad_buffers(ctx.needs_input_grad, hidden, weight, bias)
@@ -193,7 +244,9 @@ class TokenStats(torch.autograd.Function):
                 weight,
                 bias,
                 targets[rows],
-                lse[rows],
+                peak[rows],
+                rest[rows],
+                argmax[rows],
                 entropy[rows] if grad_entropy is not None else None,
                 grad_logps[rows] if grad_logps is not None else None,
                 grad_entropy[rows] if grad_entropy is not None else None,
@@ -325,11 +378,15 @@ def token_topk(
     top_ids = flat_t.new_empty(flat_t.shape[0], k)
     for start in range(0, flat_t.shape[0], chunk_size):
         rows = slice(start, start + chunk_size)
-        z = _scaled_logits(flat_h[rows], weight, bias, temperature)  # [c, V]
-        z.sub_(torch.logsumexp(z, dim=-1, keepdim=True))
-        logps[rows] = z.gather(1, flat_t[rows].unsqueeze(1)).squeeze(1)
-        top = z.topk(k, dim=-1)
-        top_logps[rows], top_ids[rows] = top.values, top.indices
+        u = _scaled_logits(flat_h[rows], weight, bias, temperature)  # [c, V], z for now
+        top = u.topk(k, dim=-1)  # its first column: the row maximum m and the argmax a
+        peak = top.values[:, :1]  # [c, 1]
+        u.sub_(peak)  # z - m
+        target_u = u.gather(1, flat_t[rows].unsqueeze(1)).squeeze(1)  # [c]
+        # the accurate log-softmax of the module docstring: log p = u - log1p(S)
+        log_norm = torch.log1p(_sum_but_argmax(u.exp_(), top.indices[:, 0]))  # [c]
+        logps[rows] = target_u - log_norm
+        top_logps[rows], top_ids[rows] = (top.values - peak) - log_norm.unsqueeze(1), top.indices
     return logps.view(shape), top_logps.view(*shape, k), top_ids.view(*shape, k)
 
 
