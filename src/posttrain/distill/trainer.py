@@ -47,7 +47,37 @@ RewardFunc = Callable[..., list[float | None]]
 SOURCES = ("student", "teacher", "dataset")
 
 
-class DistillationTrainer(OnlineTrainer):
+class TeacherStudentTrainer(OnlineTrainer):
+    """What the trainers that learn a teacher's token distributions share (distillation, GKD, SDFT):
+    no rewards needed (any given are only logged), no KL reference, no advantages."""
+
+    loss_is_scaled_for_ga = True  # compute_loss divides by the accumulated batch itself
+    _reward_required = False
+
+    def _setup_reference(self) -> torch.nn.Module | None:
+        """No KL reference: the teacher is the target."""
+        return None
+
+    def _needs_ref_logps(self) -> bool:
+        return False
+
+    def _advantages(
+        self, scored: ScoredRollout, rewards: torch.Tensor, group: int
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """No advantages: the teacher's distribution is the signal (rewards, if any, are only logged)."""
+        return torch.zeros(rewards.shape[0]), {}
+
+    def _token_means(self, values: dict[str, torch.Tensor], tokens: int) -> dict[str, float]:
+        """Each [tokens] tensor's mean over every process's tokens."""
+        local = torch.stack(
+            [v.detach().float().sum() for v in values.values()] + [torch.tensor(float(tokens))]
+        )
+        sums = gather(local.to(self.accelerator.device).unsqueeze(0)).sum(0).tolist()
+        count = max(sums[-1], 1.0)
+        return {name: total / count for name, total in zip(values, sums[:-1], strict=True)}
+
+
+class DistillationTrainer(TeacherStudentTrainer):
     """On-policy distillation: the student samples, a frozen teacher scores every token.
 
     The public API is TRL's ``DistillationTrainer``: a script written for it runs after changing
@@ -73,8 +103,6 @@ class DistillationTrainer(OnlineTrainer):
     """
 
     _tag_names = ["posttrain", "distillation"]
-    loss_is_scaled_for_ga = True  # compute_loss divides by the accumulated batch itself
-    _reward_required = False
     _config_class: type = DistillationConfig
     _suffix = "Distillation"
 
@@ -156,22 +184,9 @@ class DistillationTrainer(OnlineTrainer):
             )
         return teacher.to(self.accelerator.device)
 
-    def _setup_reference(self) -> torch.nn.Module | None:
-        """No KL reference: the teacher is the target (``beta`` here is the divergence's)."""
-        return None
-
     def _needs_old_logps(self, mode: str) -> bool:
         """No importance ratio: the sampling policy's log-probs are never needed."""
         return False
-
-    def _needs_ref_logps(self) -> bool:
-        return False
-
-    def _advantages(
-        self, scored: ScoredRollout, rewards: torch.Tensor, group: int
-    ) -> tuple[torch.Tensor, dict[str, float]]:
-        """No advantages: the teacher's distribution is the signal (rewards, if any, are only logged)."""
-        return torch.zeros(rewards.shape[0]), {}
 
     @property
     def _loss_temperature(self) -> float:
@@ -209,13 +224,8 @@ class DistillationTrainer(OnlineTrainer):
     def _loss_metrics(self, divergence: torch.Tensor, entropy: torch.Tensor, source: str) -> dict[str, float]:
         """``entropy`` (the student's, token mean over processes) and the divergence's token mean,
         named by where the completions came from (``on_policy_loss`` for the student's own)."""
-        local = torch.stack([entropy.sum(), divergence.sum(), torch.tensor(float(entropy.numel()))])
-        entropy_sum, div_sum, tokens = (
-            gather(local.float().to(self.accelerator.device).unsqueeze(0)).sum(0).tolist()
-        )
-        tokens = max(tokens, 1.0)
         name = "on_policy_loss" if source == "student" else "off_policy_loss"
-        return {"entropy": entropy_sum / tokens, name: div_sum / tokens}
+        return self._token_means({"entropy": entropy, name: divergence}, entropy.numel())
 
 
 def _teacher_source(teacher_model: Any, args: DistillationConfig) -> str | PreTrainedModel:

@@ -120,8 +120,18 @@ class OnlineSampler:
         return rollout, rewards
 
     def generate(self, prompts: list[Any]) -> Rollout:
-        """Render and tokenise the prompts (cut to ``max_prompt_length``), left-pad them, and sample
-        one completion each."""
+        """Render and tokenise the prompts (``encode_prompts``) and sample one completion each."""
+        prompt_ids, prompt_mask = self.encode_prompts(prompts)
+        samples = self.generator.generate(prompt_ids, prompt_mask)
+        s = self.settings
+        return build_rollout(prompt_ids, prompt_mask, samples, s.eos_token_ids, self.tokenizer.pad_token_id)
+
+    def encode_prompts(self, prompts: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Render and tokenise the prompts (cut to ``max_prompt_length``), left-padded on the device.
+
+        Returns:
+            ``prompt_ids`` [N, P] and ``prompt_mask`` [N, P].
+        """
         tok, s = self.tokenizer, self.settings
         ids = [
             tok(chat.render_prompt(p, tok, s.chat_template_kwargs), add_special_tokens=isinstance(p, str))[
@@ -132,9 +142,7 @@ class OnlineSampler:
         if s.max_prompt_length is not None:  # cut on the left: the question at the end stays
             ids = [row[-s.max_prompt_length :] for row in ids]
         prompt_ids, prompt_mask = left_pad(ids, tok.pad_token_id, s.pad_to_multiple_of)
-        prompt_ids, prompt_mask = prompt_ids.to(self.device), prompt_mask.to(self.device)
-        samples = self.generator.generate(prompt_ids, prompt_mask)
-        return build_rollout(prompt_ids, prompt_mask, samples, s.eos_token_ids, tok.pad_token_id)
+        return prompt_ids.to(self.device), prompt_mask.to(self.device)
 
     def _decode(self, rollout: Rollout, prompts: list[Any]) -> tuple[list[Any], list[list[int]]]:
         lengths = rollout.completion_lengths.tolist()

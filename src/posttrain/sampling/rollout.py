@@ -34,6 +34,8 @@ class ScoredRollout:
         sampler_logps: [N, T] the sampler's own log-probs of the tokens (asynchronous GRPO).
         sampler_top_logps, sampler_top_ids: [N, T, K] the sampler's K most likely tokens at each
             position and their log-probs (score centering).
+        teacher_prompt_ids, teacher_prompt_mask: [N, P'] the prompts a teacher reads the same
+            completions after, left padded (self-distillation's privileged context), or ``None``.
         norms: the counts the micro-batch losses are normalised by (``ops.reductions.Normalizers``).
         extra: a family's other values, shared by every micro-batch.
     """
@@ -46,6 +48,8 @@ class ScoredRollout:
     sampler_logps: torch.Tensor | None = None
     sampler_top_logps: torch.Tensor | None = None
     sampler_top_ids: torch.Tensor | None = None
+    teacher_prompt_ids: torch.Tensor | None = None
+    teacher_prompt_mask: torch.Tensor | None = None
     norms: Normalizers = field(default_factory=Normalizers)
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -64,11 +68,18 @@ class ScoredRollout:
         for name in TOKEN_FIELDS:
             value = getattr(self, name)
             per_token[name] = value[rows, :keep_t] if value is not None else None
+        teacher_ids = teacher_mask = None
+        if self.teacher_prompt_ids is not None:  # the rows, without columns that are padding in all
+            mask = self.teacher_prompt_mask[rows]
+            start = mask.shape[1] - int(mask.sum(dim=1).max().item())
+            teacher_ids, teacher_mask = self.teacher_prompt_ids[rows, start:], mask[:, start:]
         return replace(
             self,
             rollout=sub,
             rewards=self.rewards[rows],
             advantages=self.advantages[rows],
+            teacher_prompt_ids=teacher_ids,
+            teacher_prompt_mask=teacher_mask,
             extra=dict(self.extra),
             **per_token,
         )

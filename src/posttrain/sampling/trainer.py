@@ -71,9 +71,9 @@ class OnlineTrainer(BaseTrainer):
         train_dataset = self._check_inputs(
             args, train_dataset, eval_dataset, tools, rollout_func, environment_factory
         )
-        # environments may own the reward (get_reward); a judge may replace it (online DPO);
-        # distillation learns from a teacher and only logs rewards when given some
-        optional = environment_factory is not None or self._judged or not self._reward_required
+        # environments may own the reward (get_reward); a judge (online DPO) or a teacher may replace it
+        no_reward_needed = self._judged or not self._reward_required
+        optional = environment_factory is not None or no_reward_needed
         rewards = setup.build_rewards(reward_funcs, reward_processing_classes, args, optional, name)
         super().__init__(
             model,
@@ -355,7 +355,12 @@ class OnlineTrainer(BaseTrainer):
             )
         n = rewards_local.shape[0]
         scored = ScoredRollout(rollout=rollout, rewards=rewards_local, advantages=torch.zeros(n))
+        self._annotate(scored, batch)
         return self._score_rollout(scored, mode, num_chunks, group)
+
+    def _annotate(self, scored: ScoredRollout, batch: list[dict[str, Any]]) -> None:
+        """A family's per-row additions to a sampled batch, from its dataset rows (one per
+        completion, in order), before the split (self-distillation: the teacher's prompts)."""
 
     def _score_rollout(
         self, scored: ScoredRollout, mode: str, num_chunks: int, group: int
