@@ -37,6 +37,8 @@ _LAZY = {
     "RewardTrainer": "posttrain.reward.trainer",
     "OnlineDPOConfig": "posttrain.online_dpo.config",
     "OnlineDPOTrainer": "posttrain.online_dpo.trainer",
+    "SDFTConfig": "posttrain.distill.config",
+    "SDFTTrainer": "posttrain.distill.self_distillation",
     "RLOOConfig": "posttrain.rloo.config",
     "RLOOTrainer": "posttrain.rloo.trainer",
 }
@@ -50,7 +52,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from posttrain.async_grpo.trainer import AsyncGRPOTrainer  # noqa: F401
     from posttrain.cpo.config import CPOConfig  # noqa: F401
     from posttrain.cpo.trainer import CPOTrainer  # noqa: F401
-    from posttrain.distill.config import DistillationConfig, GKDConfig  # noqa: F401
+    from posttrain.distill.config import DistillationConfig, GKDConfig, SDFTConfig  # noqa: F401
+    from posttrain.distill.self_distillation import SDFTTrainer  # noqa: F401
     from posttrain.distill.trainer import DistillationTrainer, GKDTrainer  # noqa: F401
     from posttrain.dpo.config import DPOConfig  # noqa: F401
     from posttrain.dpo.trainer import DPOTrainer  # noqa: F401

@@ -20,7 +20,14 @@ from posttrain.data import sft
 from posttrain.generation.base import Samples, build_rollout
 from posttrain.ops.padding import left_pad
 
-__all__ = ["as_prompt_completion", "has_completions", "dataset_rollout"]
+__all__ = [
+    "PRIVILEGED_COLUMN",
+    "as_prompt_completion",
+    "check_privileged_column",
+    "dataset_rollout",
+    "has_completions",
+    "teacher_prompt",
+]
 
 Row = dict[str, Any]
 
@@ -106,3 +113,51 @@ def dataset_rollout(
     prompt_ids, prompt_mask = left_pad(prompts, pad)
     samples = Samples.from_lists(completions, pad, device)
     return build_rollout(prompt_ids.to(device), prompt_mask.to(device), samples, eos_token_ids, pad)
+
+
+PRIVILEGED_COLUMN = "privileged_context"
+
+
+def check_privileged_column(dataset: Any, name: str) -> None:
+    """Self-distillation rows need a ``privileged_context`` column (what the teacher reads).
+
+    Raises:
+        ValueError: the column is missing.
+    """
+    columns = list(getattr(dataset, "column_names", None) or [])
+    if dataset is not None and PRIVILEGED_COLUMN not in columns:
+        raise ValueError(
+            f"The {name} has no '{PRIVILEGED_COLUMN}' column (its columns: {columns}); self-distillation's teacher "
+            f"reads each prompt with its privileged context (a worked solution, feedback, a hint). Add the column, "
+            "e.g. dataset.add_column('privileged_context', [...])."
+        )
+
+
+def teacher_prompt(prompt: Any, context: Any, template: str, index: int | str) -> Any:
+    """The teacher's prompt: ``template`` filled with the prompt and the privileged context.
+
+    A conversational prompt keeps its messages; its last user message's content is the one filled
+    in. A context given as messages is their contents, one per line.
+
+    Raises:
+        ValueError: the row has no context, or a conversational prompt has no user message.
+    """
+    if context is None or (isinstance(context, str) and not context):
+        raise ValueError(
+            f"Row {index} has an empty '{PRIVILEGED_COLUMN}'; the teacher needs one for every row. Fill it, or drop "
+            "the row."
+        )
+    if isinstance(context, list):
+        context = "\n".join(str(m.get("content", "")) if isinstance(m, dict) else str(m) for m in context)
+    if isinstance(prompt, str):
+        return template.format(prompt=prompt, privileged_context=context)
+    messages = [dict(m) for m in prompt]
+    last_user = next((i for i in range(len(messages) - 1, -1, -1) if messages[i].get("role") == "user"), None)
+    if last_user is None:
+        raise ValueError(
+            f"Row {index}: the conversational prompt has no user message to add the privileged context to."
+        )
+    messages[last_user]["content"] = template.format(
+        prompt=messages[last_user]["content"], privileged_context=context
+    )
+    return messages

@@ -16,10 +16,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from posttrain.core.config import Rule, is_num, optional, positive_int
-from posttrain.sampling.config import JSON_DICT_FIELDS, ONLINE_RULES, OnlineConfig
+from posttrain.core.config import Rule, UnbuiltOption, choice_rules, is_int, is_num, optional, positive_int
+from posttrain.sampling.config import JSON_DICT_FIELDS, ONLINE_RULES, ONLINE_UNBUILT, OnlineConfig
 
-__all__ = ["OFF_FIELDS", "DistillationConfig", "GKDConfig"]
+__all__ = ["OFF_FIELDS", "SELF_OFF_FIELDS", "DistillationConfig", "GKDConfig", "SDFTConfig"]
 
 #: Shared online fields distillation does not use: the values they may hold (the first is the
 #: default; a built config's derived value is accepted too, so a copy rebuilds) and why.
@@ -190,3 +190,129 @@ class GKDConfig(DistillationConfig):
                 "differ; GKDConfig's name for the completion budget is max_new_tokens: set only that."
             )
         self.max_completion_length = self.max_new_tokens
+
+
+#: The self-distillation options accepted but not built yet (one row per option).
+# fmt: off
+SELF_UNBUILT: dict[str, UnbuiltOption] = {
+    **ONLINE_UNBUILT,
+    "use_teacher_server": UnbuiltOption(False, "a teacher served by another process", "Use use_teacher_server=False (the teacher is the model itself, in this process).", True),
+    "generate_from_teacher": UnbuiltOption(False, "sampling from the teacher's privileged prompt", "Use generate_from_teacher=False (the student samples from its own prompt).", True),
+}
+
+SELF_CHOICES: dict[str, tuple[str, ...]] = {
+    "teacher_model_kind": ("base", "live", "ema"),
+    "distillation_mode": ("sampled_token", "full_logits", "topk_logits"),
+}
+
+SELF_OFF_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
+    **{k: v for k, v in OFF_FIELDS.items() if k != "num_iterations"},  # off-policy passes are importance-weighted
+    "beta": ((0.0,), "the divergence is set by distillation_alpha; there is no KL reference"),
+}
+
+_SELF_RULES: tuple[Rule, ...] = tuple(r for r in ONLINE_RULES if r.name != "num_generations") + choice_rules(SELF_CHOICES) + (
+    Rule("num_generations", positive_int, "an integer >= 1 (completions sampled per prompt)", "set num_generations=8 (the default) or another positive integer"),
+    Rule("max_prompt_length", optional(positive_int), "None or a positive integer (a longer prompt keeps its last tokens)", "set max_prompt_length=512 (the default), or None to keep whole prompts"),
+    Rule("distillation_alpha", lambda v: is_num(v) and 0 <= v <= 1, "a number in [0, 1] (0 forward KL, 1 reverse KL, in between the generalised JSD)", "set distillation_alpha=0.5 (the default)"),
+    Rule("distillation_topk", optional(positive_int), "None or a positive integer (the student's top tokens the divergence is taken over)", "set distillation_topk=100, or None with another distillation_mode"),
+    Rule("distillation_is_clip", optional(lambda v: is_num(v) and v > 0), "None or a number > 0 (the cap of the importance weight of off-policy tokens)", "set distillation_is_clip=2.0 (the default), or None for no importance weight"),
+    Rule("teacher_update_rate", lambda v: is_num(v) and 0 < v <= 1, "a number in (0, 1] (the EMA teacher's step toward the student)", "set teacher_update_rate=0.05 (the default)"),
+    Rule("teacher_sync_steps", positive_int, "a positive integer (optimizer steps between EMA updates)", "set teacher_sync_steps=1 (the default)"),
+    Rule("num_loss_tokens_to_skip", lambda v: is_int(v) and v >= 0, "an integer >= 0 (completion tokens left out of the loss at the start)", "set num_loss_tokens_to_skip=0 (the default)"),
+    Rule("teacher_prompt_template", lambda v: isinstance(v, str) and "{prompt}" in v and "{privileged_context}" in v, "a string holding both '{prompt}' and '{privileged_context}'", "use the default '{prompt}\\n\\n{privileged_context}', or another template with both fields"),
+)
+# fmt: on
+
+
+@dataclass
+class SDFTConfig(OnlineConfig):
+    r"""Configuration of ``SDFTTrainer``: Self-Distilled Fine-Tuning (arXiv 2601.19897).
+
+    The reference's public API (``trl.experimental.sdft.SDFTConfig``). The student samples
+    completions of each prompt; the teacher (the model itself: its start weights, its live
+    weights or their EMA) reads the same completions after the prompt with the row's
+    ``privileged_context``, and the student learns the teacher's next-token distributions.
+
+    SDFT's fields:
+        teacher_model_kind (`str`, defaults to `"base"`): The teacher: `"base"` the student's
+            start weights (the adapters-off base under PEFT), `"live"` the current weights, `"ema"`
+            an exponential moving average of them.
+        distillation_alpha (`float`, defaults to `0.5`): The divergence, in [0, 1]: 0 the forward
+            KL, 1 the reverse KL, in between the generalised Jensen-Shannon divergence.
+        distillation_mode (`str`, defaults to `"topk_logits"`): `"full_logits"` (whole vocabulary),
+            `"topk_logits"` (the student's `distillation_topk` tokens) or `"sampled_token"` (the
+            sampled token's reverse-KL estimate; needs `distillation_alpha=1`).
+        distillation_topk (`int | None`, defaults to `100`): Tokens of `"topk_logits"`.
+        distillation_add_tail (`bool`, defaults to `False`): In `"topk_logits"`, keep the rest of
+            each distribution's mass as one more category instead of renormalising.
+        distillation_is_clip (`float | None`, defaults to `2.0`): Cap of the importance weight of
+            off-policy tokens (`num_iterations > 1`); `None` drops the weight.
+        teacher_prompt_template (`str`, defaults to `"{prompt}\n\n{privileged_context}"`): How the
+            teacher's prompt is composed (for conversational prompts: the last user message's
+            content).
+        num_loss_tokens_to_skip (`int`, defaults to `0`): Completion tokens at the start left out
+            of the loss.
+        generate_from_teacher (`bool`, defaults to `False`): Not built (`True` raises
+            `NotImplementedError`).
+        teacher_update_rate (`float`, defaults to `0.05`): The EMA teacher's step toward the
+            student at each update.
+        teacher_sync_steps (`int`, defaults to `1`): Optimizer steps between EMA updates.
+        use_teacher_server (`bool`, defaults to `False`): Not built.
+        max_prompt_length (`int | None`, defaults to `512`): Most prompt tokens (student's and
+            teacher's); a longer prompt keeps its last tokens.
+        max_completion_length (`int`, defaults to `256`), num_generations (`int`, defaults to `8`).
+        disable_dropout (`bool`, defaults to `True`), learning_rate (`float`, defaults to `5e-5`).
+
+    Shared with ``GRPOConfig`` (same meaning; documented there): the generation options
+    (`temperature`, also applied in the loss, `top_p`, `top_k`, `min_p`, ...), `num_iterations`,
+    `generation_batch_size`, `steps_per_generation`, logging and vLLM (not built). The fields of
+    rewards, clipping and KL references keep their defaults (`SELF_OFF_FIELDS`).
+    """
+
+    teacher_model_kind: str = field(default="base", metadata={"help": "'base', 'live' or 'ema'."})
+    distillation_alpha: float = field(
+        default=0.5, metadata={"help": "0 forward KL, 1 reverse KL, in between the generalised JSD."}
+    )
+    distillation_mode: str = field(
+        default="topk_logits", metadata={"help": "'full_logits', 'topk_logits' or 'sampled_token'."}
+    )
+    distillation_topk: int | None = field(default=100, metadata={"help": "Tokens of 'topk_logits'."})
+    distillation_add_tail: bool = field(
+        default=False, metadata={"help": "In 'topk_logits', keep the rest of the mass as one category."}
+    )
+    distillation_is_clip: float | None = field(
+        default=2.0, metadata={"help": "Cap of the importance weight of off-policy tokens."}
+    )
+    teacher_prompt_template: str = field(
+        default="{prompt}\n\n{privileged_context}", metadata={"help": "How the teacher's prompt is composed."}
+    )
+    num_loss_tokens_to_skip: int = field(
+        default=0, metadata={"help": "Completion tokens at the start left out of the loss."}
+    )
+    generate_from_teacher: bool = field(default=False, metadata={"help": "Not built."})
+    teacher_update_rate: float = field(default=0.05, metadata={"help": "The EMA teacher's step."})
+    teacher_sync_steps: int = field(default=1, metadata={"help": "Optimizer steps between EMA updates."})
+    use_teacher_server: bool = field(default=False, metadata={"help": "Not built."})
+    max_prompt_length: int | None = field(default=512, metadata={"help": "Most prompt tokens."})
+    max_completion_length: int | None = field(default=256, metadata={"help": "Most completion tokens."})
+    disable_dropout: bool = field(default=True, metadata={"help": "Disable dropout in the model."})
+    learning_rate: float = field(default=5e-5, metadata={"help": "Initial learning rate (AdamW)."})
+
+    _rules: ClassVar[tuple[Rule, ...]] = _SELF_RULES
+    _unbuilt: ClassVar[dict[str, UnbuiltOption]] = SELF_UNBUILT
+    _off_fields: ClassVar[dict[str, tuple[tuple[Any, ...], str]]] = SELF_OFF_FIELDS
+    _method: ClassVar[str] = "SDFT"
+
+    def _check_combinations(self) -> None:
+        """The mode's own needs, then the shared checks."""
+        if self.distillation_mode == "sampled_token" and self.distillation_alpha != 1.0:
+            raise ValueError(
+                f"distillation_mode='sampled_token' estimates the reverse KL, so it needs distillation_alpha=1.0 "
+                f"(got {self.distillation_alpha}); set distillation_alpha=1.0, or use 'full_logits' or 'topk_logits'."
+            )
+        if self.distillation_mode == "topk_logits" and self.distillation_topk is None:
+            raise ValueError(
+                "distillation_mode='topk_logits' needs distillation_topk (the student's top tokens the divergence is "
+                "taken over); set distillation_topk=100, or use distillation_mode='full_logits'."
+            )
+        super()._check_combinations()

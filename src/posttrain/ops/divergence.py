@@ -47,6 +47,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from posttrain.ops import chunked
 from posttrain.ops.chunked import DEFAULT_CHUNK_SIZE
 
 __all__ = [
@@ -56,6 +57,8 @@ __all__ = [
     "log_softmax",
     "token_divergence",
     "divergence_from_logps",
+    "target_logps",
+    "top_ids",
 ]
 
 DIVERGENCES = {
@@ -290,3 +293,36 @@ def token_divergence(
         float(temperature),
         chunk_size,
     )
+
+
+def target_logps(
+    side: HeadInputs, targets: torch.Tensor, temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK_SIZE
+) -> torch.Tensor:
+    """Log-probs of given token ids at each position of one side, with gradient to its inputs.
+
+    Args:
+        side: [N, H] hidden states with the head (chunked, ``ops/chunked.py``), or [N, V] logits.
+        targets: [N] or [N, K] token ids.
+        temperature: the logits are divided by it.
+
+    Returns:
+        [N] or [N, K] log-probs, float32 or wider.
+    """
+    if side.weight is not None:
+        logps, _ = chunked.token_stats(side.hidden, side.weight, side.bias, targets, temperature, chunk_size)
+        return logps
+    many = targets if targets.dim() == 2 else targets.unsqueeze(-1)
+    logps = log_softmax(_scaled(side.hidden, None, None, temperature)).gather(-1, many)
+    return logps if targets.dim() == 2 else logps.squeeze(-1)
+
+
+@torch.no_grad()
+def top_ids(
+    side: HeadInputs, k: int, temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK_SIZE
+) -> torch.Tensor:
+    """The ``k`` most likely token ids at each position of one side: [N, k], without gradient."""
+    if side.weight is not None:
+        dummy = torch.zeros(side.hidden.shape[0], dtype=torch.long, device=side.hidden.device)
+        _, _, ids = chunked.token_topk(side.hidden, side.weight, side.bias, dummy, temperature, k, chunk_size)
+        return ids
+    return side.hidden.topk(k, dim=-1).indices
