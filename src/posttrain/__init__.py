@@ -20,6 +20,8 @@ _LAZY = {
     "DistillationTrainer": "posttrain.distill.trainer",
     "GKDConfig": "posttrain.distill.config",
     "GKDTrainer": "posttrain.distill.trainer",
+    "IWOPDConfig": "posttrain.distill.config",
+    "IWOPDTrainer": "posttrain.distill.trainer",
     "GRPOConfig": "posttrain.grpo.config",
     "GRPOTrainer": "posttrain.grpo.trainer",
     "SFTConfig": "posttrain.sft.config",
@@ -52,9 +54,9 @@ if TYPE_CHECKING:  # pragma: no cover
     from posttrain.async_grpo.trainer import AsyncGRPOTrainer  # noqa: F401
     from posttrain.cpo.config import CPOConfig  # noqa: F401
     from posttrain.cpo.trainer import CPOTrainer  # noqa: F401
-    from posttrain.distill.config import DistillationConfig, GKDConfig, SDFTConfig  # noqa: F401
+    from posttrain.distill.config import DistillationConfig, GKDConfig, IWOPDConfig, SDFTConfig  # noqa: F401
     from posttrain.distill.self_distillation import SDFTTrainer  # noqa: F401
-    from posttrain.distill.trainer import DistillationTrainer, GKDTrainer  # noqa: F401
+    from posttrain.distill.trainer import DistillationTrainer, GKDTrainer, IWOPDTrainer  # noqa: F401
     from posttrain.dpo.config import DPOConfig  # noqa: F401
     from posttrain.dpo.trainer import DPOTrainer  # noqa: F401
     from posttrain.grpo.config import GRPOConfig  # noqa: F401

@@ -32,13 +32,14 @@ __all__ = [
 Row = dict[str, Any]
 
 
-def as_prompt_completion(dataset: Any) -> Any:
+def as_prompt_completion(dataset: Any, completion_optional: bool = False) -> Any:
     """A ``messages`` dataset as ``prompt`` (all but the last message) and ``completion`` (the last).
 
-    Other datasets are returned as they are.
+    Other datasets are returned as they are. With ``completion_optional`` (IW-OPD), a conversation
+    that does not end with the assistant's message is a prompt alone (``completion`` None).
 
     Raises:
-        ValueError: a conversation whose last message is not the assistant's.
+        ValueError: a conversation whose last message is not the assistant's, where one is needed.
     """
     if dataset is None:
         return None
@@ -49,6 +50,8 @@ def as_prompt_completion(dataset: Any) -> Any:
 
     def split(row: Row, index: int) -> Row:
         messages = sft.to_messages(row[column], column, index)
+        if completion_optional and messages and messages[-1].get("role") != "assistant":
+            return {"prompt": messages, "completion": None}
         if not messages or messages[-1].get("role") != "assistant":
             raise ValueError(
                 f"{sft.row_label(index)}: the last message of '{column}' is "

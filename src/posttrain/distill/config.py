@@ -316,3 +316,108 @@ class SDFTConfig(OnlineConfig):
                 "taken over); set distillation_topk=100, or use distillation_mode='full_logits'."
             )
         super()._check_combinations()
+
+
+# fmt: off
+IWOPD_CHOICES: dict[str, tuple[str, ...]] = {
+    "distillation_objective": ("iw_opd", "jsd"),
+    "reverse_kl_top_1_mode": ("sampled", "argmax"),
+}
+
+_IWOPD_RULES: tuple[Rule, ...] = (
+    Rule("lmbda", lambda v: is_num(v) and 0 <= v <= 1, "a number in [0, 1] (the share of steps trained on the student's own samples)", "set lmbda=1.0 (the default: fully on-policy)"),
+    Rule("iw_opd_gamma", lambda v: is_num(v) and v >= 0, "a number >= 0 (how much more the early tokens weigh)", "set iw_opd_gamma=0.5 (the default), or 0 for plain on-policy distillation"),
+    Rule("iw_opd_epsilon", lambda v: is_num(v) and v > 0, "a number > 0 (keeps the weights' denominator away from 0)", "set iw_opd_epsilon=1e-8 (the default)"),
+    Rule("loss_top_k", lambda v: is_int(v) and v >= 0, "an integer >= 0 (the tokens of the reduced 'jsd' objective; 0: the whole vocabulary)", "set loss_top_k=1 (the default) or 0 for the whole vocabulary"),
+    Rule("max_length", positive_int, "a positive integer (the most prompt + completion tokens)", "set max_length=1024 (the default)"),
+    Rule("max_prompt_length", optional(positive_int), "None (max_length - max_completion_length) or a positive integer", "leave max_prompt_length=None, or set a positive integer"),
+    Rule("teacher_model_server_url", optional(lambda v: isinstance(v, str)), "None or a URL", "leave teacher_model_server_url=None"),
+) + choice_rules(IWOPD_CHOICES) + _RULES
+# fmt: on
+
+
+@dataclass
+class IWOPDConfig(DistillationConfig):
+    r"""Configuration of ``IWOPDTrainer``: importance-weighted on-policy distillation (IW-OPD).
+
+    The reference's public API (``trl.experimental.iw_opd.IWOPDConfig``), from "On Position Bias
+    in On-Policy Distillation" (paper index). The student samples; per sampled token the
+    advantage is `a_t = log p_T(y_t) - log p_rollout(y_t)`, weighted by
+    `w_t = 1 + gamma (1 - sum_{k<t} |a_k| / sum_k |a_k|)`, so the tokens before a large
+    discrepancy weigh more; the loss is `-sum_t w_t a_t log p_S(y_t) / N` (no gradient through
+    `a` or `w`).
+
+    IW-OPD's fields:
+        distillation_objective (`str`, defaults to `"iw_opd"`): `"iw_opd"` (needs `lmbda=1`) or
+            `"jsd"` (the generalised JSD with `beta`, over `loss_top_k` tokens).
+        iw_opd_gamma (`float`, defaults to `0.5`): The weights' amplification `gamma`.
+        iw_opd_epsilon (`float`, defaults to `1e-8`): Added to the weights' denominator.
+        lmbda (`float`, defaults to `1.0`): Probability that a step trains on the student's own
+            samples; otherwise on the dataset's completions (`messages` rows).
+        beta (`float`, defaults to `1.0`): The `"jsd"` objective's interpolation (1 reverse KL).
+        loss_top_k (`int`, defaults to `1`): Tokens of the `"jsd"` objective: the sampled (or
+            argmax: `reverse_kl_top_1_mode`) token for 1, the student's top k above; 0 the whole
+            vocabulary.
+        loss_add_tail (`bool`, defaults to `True`): Keep the rest of the mass as one more category
+            (else the k tokens are renormalised; with k = 1 that leaves nothing to learn).
+        reverse_kl_top_1_mode (`str`, defaults to `"sampled"`): `"sampled"` or `"argmax"`.
+        temperature (`float`, defaults to `1.0`): Sampling temperature, applied in the loss too.
+        top_p (`float`, defaults to `0.95`): Nucleus sampling mass.
+        max_length (`int`, defaults to `1024`): Most prompt + completion tokens.
+        max_completion_length (`int`, defaults to `512`): Most completion tokens (< `max_length`).
+        max_prompt_length (`int | None`, defaults to `None`): Most prompt tokens; `None` is
+            `max_length - max_completion_length`.
+        disable_dropout (`bool`, defaults to `True`).
+        use_teacher_server, teacher_model_server_url: Not built (`use_teacher_server=True` raises
+            `NotImplementedError`).
+        vllm_sync_frequency (`int`, defaults to `1`): Accepted for the paper's config; vLLM is not built.
+        teacher_model_name_or_path, teacher_model_revision, teacher_model_init_kwargs: as
+            ``DistillationConfig``.
+    """
+
+    distillation_objective: str = field(default="iw_opd", metadata={"help": "'iw_opd' or 'jsd'."})
+    iw_opd_gamma: float = field(default=0.5, metadata={"help": "The weights' amplification gamma."})
+    iw_opd_epsilon: float = field(default=1e-8, metadata={"help": "Added to the weights' denominator."})
+    lmbda: float = field(
+        default=1.0, metadata={"help": "Probability that a step uses the student's samples."}
+    )
+    loss_top_k: int = field(default=1, metadata={"help": "Tokens of the 'jsd' objective (0: all)."})
+    loss_add_tail: bool = field(default=True, metadata={"help": "Keep the rest of the mass as one category."})
+    reverse_kl_top_1_mode: str = field(default="sampled", metadata={"help": "'sampled' or 'argmax'."})
+    top_p: float = field(default=0.95, metadata={"help": "Nucleus sampling mass."})
+    max_length: int = field(default=1024, metadata={"help": "Most prompt + completion tokens."})
+    max_completion_length: int | None = field(default=512, metadata={"help": "Most completion tokens."})
+    max_prompt_length: int | None = field(
+        default=None, metadata={"help": "Most prompt tokens; None: max_length - max_completion_length."}
+    )
+    disable_dropout: bool = field(default=True, metadata={"help": "Disable dropout in the student."})
+    use_teacher_server: bool = field(default=False, metadata={"help": "Not built."})
+    teacher_model_server_url: str | None = field(default=None, metadata={"help": "Not built."})
+    vllm_sync_frequency: int = field(
+        default=1, metadata={"help": "vLLM weight sync period (vLLM not built)."}
+    )
+
+    _rules: ClassVar[tuple[Rule, ...]] = _IWOPD_RULES
+    _unbuilt: ClassVar[dict[str, UnbuiltOption]] = {
+        **ONLINE_UNBUILT,
+        "use_teacher_server": SELF_UNBUILT["use_teacher_server"],
+    }
+    _method: ClassVar[str] = "IW-OPD"
+
+    def _check_combinations(self) -> None:
+        if self.distillation_objective == "iw_opd" and self.lmbda != 1.0:
+            raise ValueError(
+                f"distillation_objective='iw_opd' weighs the student's own samples, so it needs lmbda=1.0 (got "
+                f"{self.lmbda}); set lmbda=1.0, or use distillation_objective='jsd' to mix in dataset completions."
+            )
+        if self.max_completion_length >= self.max_length:
+            raise ValueError(
+                f"max_completion_length={self.max_completion_length} must be below max_length={self.max_length} "
+                "(the prompt needs room); raise max_length or lower max_completion_length."
+            )
+        super()._check_combinations()
+
+    def _derive(self) -> None:
+        super()._derive()
+        if self.max_prompt_length is None:
+            self.max_prompt_length = self.max_length - self.max_completion_length

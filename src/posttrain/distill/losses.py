@@ -22,7 +22,15 @@ import torch
 
 from posttrain.ops.divergence import divergence_from_logps
 
-__all__ = ["MODES", "topk_divergence", "sampled_token_loss", "truncated_is_weights", "per_sample_means"]
+__all__ = [
+    "MODES",
+    "iw_opd_token_losses",
+    "iw_opd_weights",
+    "per_sample_means",
+    "sampled_token_loss",
+    "topk_divergence",
+    "truncated_is_weights",
+]
 
 MODES = {
     "full_logits": "the generalised JSD over the whole vocabulary",
@@ -73,3 +81,29 @@ def truncated_is_weights(student_logps: torch.Tensor, old_logps: torch.Tensor, c
 def per_sample_means(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Each row's mean over its masked tokens: [B, T] x 2 -> [B] (0 for a row with none)."""
     return (values * mask).sum(dim=-1) / mask.sum(dim=-1).clamp(min=1)
+
+
+def iw_opd_weights(
+    advantages: torch.Tensor, mask: torch.Tensor, gamma: float, epsilon: float
+) -> torch.Tensor:
+    """IW-OPD's position weights: ``1 + gamma (1 - sum_{k<t} |a_k| / (sum_k |a_k| + epsilon))``.
+
+    Args:
+        advantages: [n, T] ``log p_T(y_t) - log p_rollout(y_t)`` (0 outside the mask).
+        mask: [n, T] the completion tokens that count.
+
+    Returns:
+        [n, T] weights: ``1 + gamma`` up to the first discrepancy, falling toward 1 as the prefix's
+        share of the sample's total discrepancy grows; no gradient.
+    """
+    size = (advantages.abs() * mask).detach()
+    before = torch.cumsum(size, dim=-1) - size  # sum over k < t
+    total = size.sum(dim=-1, keepdim=True)
+    return 1.0 + gamma * (1.0 - before / (total + epsilon))
+
+
+def iw_opd_token_losses(
+    student_logps: torch.Tensor, advantages: torch.Tensor, weights: torch.Tensor
+) -> torch.Tensor:
+    """``-w_t a_t log p_S(y_t)``: a policy gradient with the teacher's log-ratio as the advantage."""
+    return -student_logps * (weights * advantages).detach()

@@ -28,11 +28,12 @@ from accelerate.utils import gather
 from transformers import PreTrainedModel, TrainerCallback
 
 from posttrain.data import distill as distill_data
-from posttrain.distill.config import DistillationConfig, GKDConfig
+from posttrain.distill import losses
+from posttrain.distill.config import DistillationConfig, GKDConfig, IWOPDConfig
 from posttrain.models import loading
 from posttrain.models.reference import create_reference
 from posttrain.ops import chunked
-from posttrain.ops.divergence import token_divergence
+from posttrain.ops.divergence import HeadInputs, target_logps, token_divergence, top_ids
 from posttrain.ops.logprobs import completion_head_inputs
 from posttrain.sampling import setup
 from posttrain.sampling.rollout import ScoredRollout
@@ -202,7 +203,7 @@ class DistillationTrainer(TeacherStudentTrainer):
         return_outputs: bool = False,
         num_items_in_batch: Any = None,
     ) -> torch.Tensor:
-        """The divergence summed over the micro-batch's completion tokens, over the step's token count."""
+        """The per-token losses summed over the micro-batch's completion tokens, over the step's token count."""
         if return_outputs:
             raise ValueError(f"{type(self).__name__}.compute_loss does not return model outputs.")
         r = inputs.rollout
@@ -212,14 +213,25 @@ class DistillationTrainer(TeacherStudentTrainer):
         student, aux_loss = completion_head_inputs(model, *args)
         with torch.no_grad():
             teacher, _ = completion_head_inputs(self.teacher_model, *args)
-        divergence, entropy = token_divergence(
-            student.rows(keep), teacher.rows(keep), self.args.beta, self._loss_temperature
-        )  # [tokens]
-        loss = divergence.sum() / inputs.norms.tokens
-        metrics = self._loss_metrics(divergence.detach(), entropy, inputs.extra.get("source", "student"))
+        per_token, metrics = self._token_losses(student.rows(keep), teacher.rows(keep), inputs, keep)
+        loss = per_token.sum() / inputs.norms.tokens
         loss = self._with_aux_loss(loss, SimpleNamespace(aux_loss=aux_loss), inputs, metrics)
         self._metrics.add_all(mode, metrics)
         return loss
+
+    def _token_losses(
+        self, student: HeadInputs, teacher: HeadInputs, inputs: ScoredRollout, keep: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """The loss of each kept completion token ([n_tokens], with gradient) and the metrics.
+
+        Args:
+            student, teacher: the two sides at the kept positions.
+            inputs: the micro-batch.
+            keep: [n, T] the kept positions (the loss mask).
+        """
+        divergence, entropy = token_divergence(student, teacher, self.args.beta, self._loss_temperature)
+        metrics = self._loss_metrics(divergence.detach(), entropy, inputs.extra.get("source", "student"))
+        return divergence, metrics
 
     def _loss_metrics(self, divergence: torch.Tensor, entropy: torch.Tensor, source: str) -> dict[str, float]:
         """``entropy`` (the student's, token mean over processes) and the divergence's token mean,
@@ -287,6 +299,8 @@ class GKDTrainer(DistillationTrainer):
     _tag_names = ["posttrain", "gkd"]
     _config_class = GKDConfig
     _suffix = "GKD"
+    #: whether a ``messages`` row may end without the assistant's message (a prompt alone)
+    _completion_optional = False
 
     def __init__(
         self,
@@ -341,11 +355,12 @@ class GKDTrainer(DistillationTrainer):
         Raises:
             ValueError: the train rows have no completions but some steps would train on them.
         """
-        train = distill_data.as_prompt_completion(train_dataset)
+        optional = self._completion_optional
+        train = distill_data.as_prompt_completion(train_dataset, optional)
         if isinstance(eval_dataset, dict):
-            evals = {k: distill_data.as_prompt_completion(v) for k, v in eval_dataset.items()}
+            evals = {k: distill_data.as_prompt_completion(v, optional) for k, v in eval_dataset.items()}
         else:
-            evals = distill_data.as_prompt_completion(eval_dataset)
+            evals = distill_data.as_prompt_completion(eval_dataset, optional)
         if (
             train is not None
             and args.lmbda < 1.0
@@ -368,7 +383,7 @@ class GKDTrainer(DistillationTrainer):
         draw = random.Random(f"gkd-{a.seed}-{self.state.global_step}").random()
         if draw < a.lmbda:
             return "student"
-        return "teacher" if a.seq_kd else "dataset"
+        return "teacher" if getattr(a, "seq_kd", False) else "dataset"
 
     def _generate_and_score(
         self, batch: list[dict[str, Any]], mode: str, num_chunks: int
@@ -424,3 +439,65 @@ class GKDTrainer(DistillationTrainer):
             yield
         finally:
             self.sampler.generator = student
+
+
+class IWOPDTrainer(GKDTrainer):
+    """Importance-weighted on-policy distillation (IW-OPD): sampled-token advantages, weighted by position.
+
+    The public API is TRL's ``trl.experimental.iw_opd.IWOPDTrainer`` (the arguments of
+    ``GKDTrainer``). With ``distillation_objective="iw_opd"`` each sampled token ``y_t`` gets the
+    advantage ``a_t = log p_T(y_t) - log p_rollout(y_t)`` and the weight
+    ``w_t = 1 + gamma (1 - sum_{k<t} |a_k| / (sum_k |a_k| + epsilon))`` (``losses.iw_opd_weights``);
+    the loss is ``-sum_t w_t a_t log p_S(y_t)`` over the step's tokens. ``"jsd"``: the generalised
+    JSD over the sampled (or argmax) token and the tail, the student's ``loss_top_k`` tokens, or
+    (``loss_top_k=0``) the whole vocabulary.
+    """
+
+    _tag_names = ["posttrain", "iw_opd"]
+    _config_class = IWOPDConfig
+    _suffix = "IWOPD"
+    _completion_optional = True  # the reference's IW-OPD reads prompt-only conversations
+
+    def _needs_old_logps(self, mode: str) -> bool:
+        """The rollout policy's log-probs, where they differ from the current ones (an off-policy micro-batch)."""
+        return OnlineTrainer._needs_old_logps(self, mode)
+
+    def _token_losses(
+        self, student: HeadInputs, teacher: HeadInputs, inputs: ScoredRollout, keep: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        a = self.args
+        if a.distillation_objective == "jsd" and a.loss_top_k == 0:
+            return super()._token_losses(student, teacher, inputs, keep)
+        temperature, tokens = self._loss_temperature, inputs.rollout.completion_ids[keep]
+        name = "on_policy_loss" if inputs.extra.get("source", "student") == "student" else "off_policy_loss"
+        if a.distillation_objective == "jsd":
+            if a.loss_top_k == 1 and a.reverse_kl_top_1_mode == "sampled":
+                ids = tokens.unsqueeze(-1)
+            else:
+                ids = top_ids(student, a.loss_top_k, temperature)
+            per_token = losses.topk_divergence(
+                target_logps(student, ids, temperature),
+                target_logps(teacher, ids, temperature),
+                a.beta,
+                a.loss_add_tail,
+            )
+            return per_token, self._token_means({name: per_token}, per_token.numel())
+        logps = target_logps(student, tokens, temperature)
+        with torch.no_grad():
+            teacher_logps = target_logps(teacher, tokens, temperature)
+            rollout = inputs.old_logps[keep] if inputs.old_logps is not None else logps.detach()
+            advantages = torch.zeros(keep.shape, dtype=logps.dtype, device=logps.device)
+            advantages[keep] = teacher_logps - rollout
+            weights = losses.iw_opd_weights(advantages, keep, a.iw_opd_gamma, a.iw_opd_epsilon)[keep]
+        per_token = losses.iw_opd_token_losses(logps, advantages[keep], weights)
+        metrics = self._token_means(
+            {name: per_token, "iw_opd/mean_advantage": advantages[keep], "iw_opd/mean_abs_advantage": advantages[keep].abs(),
+             "iw_opd/mean_weight": weights},
+            per_token.numel(),
+        )  # fmt: skip
+        extremes = gather(
+            torch.stack([-weights.min(), weights.max()]).unsqueeze(0).to(self.accelerator.device)
+        )
+        metrics["iw_opd/min_weight"] = -extremes[:, 0].max().item()
+        metrics["iw_opd/max_weight"] = extremes[:, 1].max().item()
+        return per_token, metrics
