@@ -368,3 +368,101 @@ def test_two_processes_train_like_one(tmp_path) -> None:
     """2 processes x 2 completions give the parameters and metrics of 1 process x 4."""
     keys = ("on_policy_loss", "entropy", "num_tokens")
     two_processes_against_one("test_distill", ddp_comparable_trainer, SCRIPT, tmp_path, 29571, (2, 4), keys)
+
+
+# ---- teachers served elsewhere, several teachers (MOPD) --------------------------------------------------
+
+
+def test_a_served_teacher_gives_the_sampled_reverse_kl(tmp_path) -> None:
+    from posttrain.distill.teachers import LocalTeacherServer
+
+    tok = build_tiny_tokenizer()
+    teacher = build_tiny_model(tok, seed=2)
+    server = LocalTeacherServer(teacher, pad_token_id=tok.eos_token_id)
+    trainer = DistillationTrainer(
+        build_tiny_model(tok, seed=1), server,
+        DistillationConfig(output_dir=str(tmp_path), **CPU_TEST_ARGS, max_completion_length=8, temperature=0.7),
+        train_dataset=standard_dataset(), processing_class=tok,
+    )  # fmt: skip
+    trainer.generator = ScriptedGenerator(SCRIPT, 0)
+    (scored,) = trainer._generate_and_score(
+        [{"prompt": f"Question {i}"} for i in range(4)], "train", num_chunks=1
+    )
+    loss = trainer.compute_loss(trainer.model, scored).item()
+    r = scored.rollout
+    keep, y = r.completion_mask.bool(), r.completion_ids.unsqueeze(-1)
+    with torch.no_grad():
+        s = torch.log_softmax(_full_logits(trainer.model, r) / 0.7, -1).gather(-1, y).squeeze(-1)[keep]
+        t = torch.log_softmax(_full_logits(teacher, r) / 0.7, -1).gather(-1, y).squeeze(-1)[keep]
+    assert loss == pytest.approx(((s - t) * s).mean().item(), rel=1e-4)
+    assert server.calls == 1
+    with pytest.raises(ValueError, match="sampled tokens only"):
+        DistillationTrainer(
+            "./no/such/student", server, DistillationConfig(output_dir=str(tmp_path), beta=0.5)
+        )
+
+
+def test_iwopd_with_a_served_teacher_equals_the_loaded_teacher(tmp_path) -> None:
+    from posttrain import IWOPDConfig, IWOPDTrainer
+    from posttrain.distill.teachers import LocalTeacherServer
+
+    tok = build_tiny_tokenizer()
+    losses = []
+    for served in (False, True):
+        teacher = build_tiny_model(tok, seed=2)
+        trainer = IWOPDTrainer(
+            build_tiny_model(tok, seed=1), LocalTeacherServer(teacher, tok.eos_token_id) if served else teacher,
+            IWOPDConfig(output_dir=str(tmp_path), **CPU_TEST_ARGS, max_completion_length=8, max_length=64),
+            train_dataset=conversations(), processing_class=tok,
+        )  # fmt: skip
+        trainer.generator = ScriptedGenerator(SCRIPT, 0)
+        (scored,) = trainer._generate_and_score([{"prompt": f"Question {i}"} for i in range(4)], "train", 1)
+        losses.append(trainer.compute_loss(trainer.model, scored).item())
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+
+
+def test_several_teachers_each_score_their_rows(tmp_path) -> None:
+    from datasets import Dataset
+
+    tok = build_tiny_tokenizer()
+    math_t, code_t = build_tiny_model(tok, seed=2), build_tiny_model(tok, seed=3)
+    rows = Dataset.from_dict(
+        {"prompt": [f"Question {i}" for i in range(8)], "teacher_id": ["math", "code"] * 4}
+    )
+    trainer = DistillationTrainer(
+        build_tiny_model(tok, seed=1), {"math": math_t, "code": code_t},
+        DistillationConfig(output_dir=str(tmp_path), **CPU_TEST_ARGS, max_completion_length=8),
+        train_dataset=rows, processing_class=tok,
+    )  # fmt: skip
+    assert trainer.teacher_model == {"math": math_t, "code": code_t}
+    trainer.generator = ScriptedGenerator(SCRIPT, 0)
+    batch = [dict(rows[i]) for i in range(4)]
+    (scored,) = trainer._generate_and_score(batch, "train", num_chunks=1)
+    assert scored.teacher_index.tolist() == [0, 1, 0, 1]
+    loss = trainer.compute_loss(trainer.model, scored).item()
+    r = scored.rollout
+    keep = r.completion_mask.bool()
+    with torch.no_grad():
+        zs = _full_logits(trainer.model, r)
+        zt = torch.stack([_full_logits(m, r)[i] for i, m in enumerate([math_t, code_t, math_t, code_t])])
+    want = _textbook(zs[keep], zt[keep], 1.0).sum() / keep.sum()
+    assert loss == pytest.approx(want.item(), rel=1e-5)
+    with pytest.raises(ValueError, match="teacher_id='bio', which names none of the teachers"):
+        trainer._generate_and_score(
+            [{"prompt": "Question 1", "teacher_id": "bio"}] * 4, "train", num_chunks=1
+        )
+
+
+def test_teachers_of_two_kinds_are_refused(tmp_path) -> None:
+    from posttrain.distill.teachers import LocalTeacherServer
+
+    tok = build_tiny_tokenizer()
+    model = build_tiny_model(tok, seed=2)
+    with pytest.raises(ValueError, match="mixes served teachers"):
+        DistillationTrainer(
+            "./no/such/student",
+            {"a": model, "b": LocalTeacherServer(model, 0)},
+            DistillationConfig(output_dir=str(tmp_path)),
+        )
+    with pytest.raises(TypeError, match="teacher_model\\['a'\\] is a int"):
+        DistillationTrainer("./no/such/student", {"a": 3}, DistillationConfig(output_dir=str(tmp_path)))

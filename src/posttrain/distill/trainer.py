@@ -27,8 +27,9 @@ import torch
 from accelerate.utils import gather
 from transformers import PreTrainedModel, TrainerCallback
 
+from posttrain.core.batch import Rollout
 from posttrain.data import distill as distill_data
-from posttrain.distill import losses
+from posttrain.distill import losses, teachers
 from posttrain.distill.config import DistillationConfig, GKDConfig, IWOPDConfig
 from posttrain.models import loading
 from posttrain.models.reference import create_reference
@@ -131,7 +132,10 @@ class DistillationTrainer(TeacherStudentTrainer):
                 f"args is a {type(args).__name__}; {type(self).__name__} needs a {self._config_class.__name__} "
                 "(its beta is the divergence's, in [0, 1], not a KL coefficient)."
             )
-        teacher_source = _teacher_source(teacher_model, args)  # a missing path fails before any load
+        sources = teachers.teacher_sources(teacher_model, args.teacher_model_name_or_path)  # paths checked
+        self._served = isinstance(next(iter(sources.values())), teachers.TeacherServer)
+        if self._served:
+            self._check_served(args)
         train_dataset, eval_dataset = self._prepare_datasets(train_dataset, eval_dataset, args)
         super().__init__(
             model,
@@ -147,7 +151,9 @@ class DistillationTrainer(TeacherStudentTrainer):
             peft_config,
             tools,
         )
-        self.teacher_model = self._setup_teacher(teacher_source)
+        self.teachers = {key: self._setup_teacher(source) for key, source in sources.items()}
+        #: the teacher (a dict of them, keyed by ``teacher_id``, for several)
+        self.teacher_model = self.teachers[None] if None in self.teachers else dict(self.teachers)
 
     # ---- setup ---------------------------------------------------------------------------------
 
@@ -155,23 +161,22 @@ class DistillationTrainer(TeacherStudentTrainer):
         """The datasets as the sampler reads them (GKD turns ``messages`` into prompt and completion)."""
         return train_dataset, eval_dataset
 
-    def _setup_teacher(self, source: str | PreTrainedModel) -> torch.nn.Module:
-        """The teacher, loaded (with ``teacher_model_init_kwargs``) or as given, frozen, on the device.
+    def _setup_teacher(self, source: Any) -> Any:
+        """A teacher, loaded (with ``teacher_model_init_kwargs``) or as given, frozen, on the device;
+        a ``TeacherServer`` as it is.
 
         Raises:
             ValueError: its vocabulary differs from the student's.
         """
         a = self.args
+        if isinstance(source, teachers.TeacherServer):
+            return source
         if isinstance(source, str):
             kwargs = dict(a.teacher_model_init_kwargs or {})
             if a.teacher_model_revision is not None:
                 kwargs.setdefault("revision", a.teacher_model_revision)
             source = loading.load_policy(source, kwargs, a.trust_remote_code)
-        teacher = (
-            create_reference(source.to(self.accelerator.device))
-            if _needs_copy(source, self.model)
-            else source
-        )
+        teacher = create_reference(source) if _needs_copy(source, self.model) else source
         teacher.eval()
         teacher.requires_grad_(False)
         student_vocab = _vocab_size(self.model)
@@ -184,6 +189,36 @@ class DistillationTrainer(TeacherStudentTrainer):
                 "(GOLD's use_uld_loss, X-Token's xtoken_loss_type) is not built yet in posttrain."
             )
         return teacher.to(self.accelerator.device)
+
+    @staticmethod
+    def _check_served(args: Any) -> None:
+        """A served teacher sends sampled-token log-probs: the objective must need no more.
+
+        Raises:
+            ValueError: the objective needs the teacher's whole distributions.
+        """
+        if args.beta != 1.0:
+            raise ValueError(
+                f"A served teacher (TeacherServer) sends the log-probs of the sampled tokens only, which estimate "
+                f"the reverse KL (beta=1.0), not beta={args.beta}; set beta=1.0, or load the teacher in this "
+                "process (a model or its path) for the forward KL or the JSD."
+            )
+
+    def _annotate(self, scored: ScoredRollout, batch: list[dict[str, Any]]) -> None:
+        """Several teachers: each row's index among them, from its ``teacher_id``."""
+        if None in self.teachers:
+            return
+        keys = list(self.teachers)
+        index = []
+        for i, row in enumerate(batch):
+            key = row.get(teachers.TEACHER_COLUMN)
+            if key not in self.teachers:
+                raise ValueError(
+                    f"Row {i} of this batch has {teachers.TEACHER_COLUMN}={key!r}, which names none of the teachers "
+                    f"{keys}; give every row the id of one of them."
+                )
+            index.append(keys.index(key))
+        scored.teacher_index = torch.tensor(index)
 
     def _needs_old_logps(self, mode: str) -> bool:
         """No importance ratio: the sampling policy's log-probs are never needed."""
@@ -209,58 +244,83 @@ class DistillationTrainer(TeacherStudentTrainer):
         r = inputs.rollout
         mode = "train" if model.training else "eval"
         keep = self._loss_mask(r).bool()  # [n, T]
-        args = (r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask)
-        student, aux_loss = completion_head_inputs(model, *args)
-        with torch.no_grad():
-            teacher, _ = completion_head_inputs(self.teacher_model, *args)
-        per_token, metrics = self._token_losses(student.rows(keep), teacher.rows(keep), inputs, keep)
+        student, aux_loss = completion_head_inputs(
+            model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask
+        )
+        parts: list[tuple[torch.Tensor, dict[str, torch.Tensor]]] = []
+        for teacher_model, rows in self._teacher_groups(inputs):
+            sub = r if rows is None else _rows(r, rows)
+            sub_keep = keep if rows is None else keep & rows.unsqueeze(1)
+            with torch.no_grad():
+                if self._served:
+                    teacher = teachers.served_logps(
+                        teacher_model, sub, keep[rows] if rows is not None else keep, self._loss_temperature
+                    )
+                else:
+                    side, _ = completion_head_inputs(
+                        teacher_model,
+                        sub.prompt_ids,
+                        sub.prompt_mask,
+                        sub.completion_ids,
+                        sub.completion_mask,
+                    )
+                    teacher = side.rows(keep[rows] if rows is not None else keep)
+            parts.append(self._token_losses(student.rows(sub_keep), teacher, inputs, sub_keep))
+        per_token = torch.cat([p for p, _ in parts])
+        metrics = self._reduce_metrics({k: torch.cat([t[k] for _, t in parts]) for k in parts[0][1]})
         loss = per_token.sum() / inputs.norms.tokens
         loss = self._with_aux_loss(loss, SimpleNamespace(aux_loss=aux_loss), inputs, metrics)
         self._metrics.add_all(mode, metrics)
         return loss
 
+    def _teacher_groups(self, inputs: ScoredRollout) -> list[tuple[Any, torch.Tensor | None]]:
+        """Each teacher with the rows it scores ([n] bool; ``None``: all rows)."""
+        if inputs.teacher_index is None:
+            return [(next(iter(self.teachers.values())), None)]
+        index = inputs.teacher_index.to(inputs.rollout.completion_ids.device)
+        models = list(self.teachers.values())
+        return [(models[i], index == i) for i in index.unique().tolist()]
+
     def _token_losses(
-        self, student: HeadInputs, teacher: HeadInputs, inputs: ScoredRollout, keep: torch.Tensor
-    ) -> tuple[torch.Tensor, dict[str, float]]:
-        """The loss of each kept completion token ([n_tokens], with gradient) and the metrics.
+        self,
+        student: HeadInputs,
+        teacher: HeadInputs | torch.Tensor,
+        inputs: ScoredRollout,
+        keep: torch.Tensor,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The loss of each kept completion token ([n_tokens], with gradient) and per-token metric values.
 
         Args:
-            student, teacher: the two sides at the kept positions.
+            student: the student's side at the kept positions.
+            teacher: the teacher's side there, or (a served teacher) its log-probs of the sampled tokens.
             inputs: the micro-batch.
-            keep: [n, T] the kept positions (the loss mask).
+            keep: [n, T] the kept positions (the loss mask, restricted to one teacher's rows).
+
+        Returns:
+            ``(per_token, values)``: ``values`` maps metric names to [n_tokens] tensors, reduced over
+            the micro-batch and every process by ``_reduce_metrics``.
         """
+        name = "on_policy_loss" if inputs.extra.get("source", "student") == "student" else "off_policy_loss"
+        if isinstance(teacher, torch.Tensor):  # served: the reverse KL's sampled-token estimate
+            logps = target_logps(student, inputs.rollout.completion_ids[keep], self._loss_temperature)
+            per_token = losses.sampled_token_loss(logps, teacher)
+            return per_token, {name: (logps - teacher).detach()}
         divergence, entropy = token_divergence(student, teacher, self.args.beta, self._loss_temperature)
-        metrics = self._loss_metrics(divergence.detach(), entropy, inputs.extra.get("source", "student"))
-        return divergence, metrics
+        return divergence, {"entropy": entropy, name: divergence.detach()}
 
-    def _loss_metrics(self, divergence: torch.Tensor, entropy: torch.Tensor, source: str) -> dict[str, float]:
-        """``entropy`` (the student's, token mean over processes) and the divergence's token mean,
-        named by where the completions came from (``on_policy_loss`` for the student's own)."""
-        name = "on_policy_loss" if source == "student" else "off_policy_loss"
-        return self._token_means({"entropy": entropy, name: divergence}, entropy.numel())
+    def _reduce_metrics(self, values: dict[str, torch.Tensor]) -> dict[str, float]:
+        """The per-token metric values' means over every process's tokens."""
+        tokens = next(iter(values.values())).numel()
+        return self._token_means(values, tokens)
 
 
-def _teacher_source(teacher_model: Any, args: DistillationConfig) -> str | PreTrainedModel:
-    """The teacher as given, or its resolved path (checked to exist before anything loads).
-
-    Raises:
-        ValueError: neither a teacher model nor ``teacher_model_name_or_path``.
-        FileNotFoundError: a local path that does not exist.
-    """
-    teacher = teacher_model if teacher_model is not None else args.teacher_model_name_or_path
-    if teacher is None:
-        raise ValueError(
-            "Distillation needs a teacher: pass teacher_model (a model or its id / path) to the trainer, or set "
-            "teacher_model_name_or_path in the config."
-        )
-    if isinstance(teacher, str):
-        return loading.resolve_model_path(teacher)
-    if not isinstance(teacher, PreTrainedModel):
-        raise TypeError(
-            f"teacher_model is a {type(teacher).__name__}; pass a transformers PreTrainedModel (a causal LM) or "
-            "its hub id / local path."
-        )
-    return teacher
+def _rows(r: Rollout, rows: torch.Tensor) -> Rollout:
+    """The rows of a rollout where ``rows`` ([n] bool) holds, columns kept."""
+    return Rollout(
+        r.prompt_ids[rows], r.prompt_mask[rows], r.completion_ids[rows], r.completion_mask[rows], r.is_terminated[rows],
+        r.sampler_logps[rows] if r.sampler_logps is not None else None,
+        r.tool_mask[rows] if r.tool_mask is not None else None,
+    )  # fmt: skip
 
 
 def _needs_copy(teacher: torch.nn.Module, student: torch.nn.Module) -> bool:
@@ -458,15 +518,36 @@ class IWOPDTrainer(GKDTrainer):
     _suffix = "IWOPD"
     _completion_optional = True  # the reference's IW-OPD reads prompt-only conversations
 
+    @staticmethod
+    def _check_served(args: Any) -> None:
+        """IW-OPD needs only the sampled tokens' log-probs, as does the JSD over the sampled token and the tail.
+
+        Raises:
+            ValueError: the JSD over more tokens than the sampled one.
+        """
+        if args.distillation_objective == "jsd" and not (
+            args.loss_top_k == 1 and args.reverse_kl_top_1_mode == "sampled"
+        ):
+            raise ValueError(
+                "A served teacher (TeacherServer) sends the log-probs of the sampled tokens only; with "
+                "distillation_objective='jsd' that allows loss_top_k=1 with reverse_kl_top_1_mode='sampled' (the "
+                "token and the tail). Use those, distillation_objective='iw_opd', or a teacher loaded in this process."
+            )
+
     def _needs_old_logps(self, mode: str) -> bool:
         """The rollout policy's log-probs, where they differ from the current ones (an off-policy micro-batch)."""
         return OnlineTrainer._needs_old_logps(self, mode)
 
     def _token_losses(
-        self, student: HeadInputs, teacher: HeadInputs, inputs: ScoredRollout, keep: torch.Tensor
-    ) -> tuple[torch.Tensor, dict[str, float]]:
+        self,
+        student: HeadInputs,
+        teacher: HeadInputs | torch.Tensor,
+        inputs: ScoredRollout,
+        keep: torch.Tensor,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         a = self.args
-        if a.distillation_objective == "jsd" and a.loss_top_k == 0:
+        served = isinstance(teacher, torch.Tensor)
+        if a.distillation_objective == "jsd" and a.loss_top_k == 0 and not served:
             return super()._token_losses(student, teacher, inputs, keep)
         temperature, tokens = self._loss_temperature, inputs.rollout.completion_ids[keep]
         name = "on_policy_loss" if inputs.extra.get("source", "student") == "student" else "off_policy_loss"
@@ -475,29 +556,36 @@ class IWOPDTrainer(GKDTrainer):
                 ids = tokens.unsqueeze(-1)
             else:
                 ids = top_ids(student, a.loss_top_k, temperature)
+            teacher_logps = teacher.unsqueeze(-1) if served else target_logps(teacher, ids, temperature)
             per_token = losses.topk_divergence(
-                target_logps(student, ids, temperature),
-                target_logps(teacher, ids, temperature),
-                a.beta,
-                a.loss_add_tail,
+                target_logps(student, ids, temperature), teacher_logps, a.beta, a.loss_add_tail
             )
-            return per_token, self._token_means({name: per_token}, per_token.numel())
+            return per_token, {name: per_token.detach()}
         logps = target_logps(student, tokens, temperature)
         with torch.no_grad():
-            teacher_logps = target_logps(teacher, tokens, temperature)
+            teacher_logps = teacher if served else target_logps(teacher, tokens, temperature)
             rollout = inputs.old_logps[keep] if inputs.old_logps is not None else logps.detach()
             advantages = torch.zeros(keep.shape, dtype=logps.dtype, device=logps.device)
             advantages[keep] = teacher_logps - rollout
             weights = losses.iw_opd_weights(advantages, keep, a.iw_opd_gamma, a.iw_opd_epsilon)[keep]
         per_token = losses.iw_opd_token_losses(logps, advantages[keep], weights)
-        metrics = self._token_means(
-            {name: per_token, "iw_opd/mean_advantage": advantages[keep], "iw_opd/mean_abs_advantage": advantages[keep].abs(),
-             "iw_opd/mean_weight": weights},
-            per_token.numel(),
-        )  # fmt: skip
-        extremes = gather(
-            torch.stack([-weights.min(), weights.max()]).unsqueeze(0).to(self.accelerator.device)
-        )
-        metrics["iw_opd/min_weight"] = -extremes[:, 0].max().item()
-        metrics["iw_opd/max_weight"] = extremes[:, 1].max().item()
-        return per_token, metrics
+        values = {
+            name: per_token.detach(),
+            "iw_opd/mean_advantage": advantages[keep],
+            "iw_opd/mean_abs_advantage": advantages[keep].abs(),
+            "iw_opd/mean_weight": weights,
+        }
+        return per_token, values
+
+    def _reduce_metrics(self, values: dict[str, torch.Tensor]) -> dict[str, float]:
+        """The token means, and the extreme position weights over every process."""
+        metrics = super()._reduce_metrics(values)
+        weights = values.get("iw_opd/mean_weight")
+        if weights is not None:
+            local = (
+                torch.stack([-weights.min(), weights.max()]) if weights.numel() else torch.tensor([-1.0, 1.0])
+            )
+            extremes = gather(local.float().unsqueeze(0).to(self.accelerator.device))
+            metrics["iw_opd/min_weight"] = -extremes[:, 0].max().item()
+            metrics["iw_opd/max_weight"] = extremes[:, 1].max().item()
+        return metrics

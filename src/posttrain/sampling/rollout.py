@@ -36,6 +36,7 @@ class ScoredRollout:
             position and their log-probs (score centering).
         teacher_prompt_ids, teacher_prompt_mask: [N, P'] the prompts a teacher reads the same
             completions after, left padded (self-distillation's privileged context), or ``None``.
+        teacher_index: [N] which of several teachers scores each row (multi-teacher distillation), or ``None``.
         norms: the counts the micro-batch losses are normalised by (``ops.reductions.Normalizers``).
         extra: a family's other values, shared by every micro-batch.
     """
@@ -50,6 +51,7 @@ class ScoredRollout:
     sampler_top_ids: torch.Tensor | None = None
     teacher_prompt_ids: torch.Tensor | None = None
     teacher_prompt_mask: torch.Tensor | None = None
+    teacher_index: torch.Tensor | None = None
     norms: Normalizers = field(default_factory=Normalizers)
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -80,6 +82,7 @@ class ScoredRollout:
             advantages=self.advantages[rows],
             teacher_prompt_ids=teacher_ids,
             teacher_prompt_mask=teacher_mask,
+            teacher_index=self.teacher_index[rows] if self.teacher_index is not None else None,
             extra=dict(self.extra),
             **per_token,
         )
