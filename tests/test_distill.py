@@ -90,6 +90,17 @@ def test_configs_have_the_reference_fields_and_defaults(tmp_path) -> None:
         (GKDConfig, {"max_new_tokens": 0}, "max_new_tokens=0 is invalid"),
         (GKDConfig, {"max_completion_length": 64}, "max_completion_length=64 and max_new_tokens=128 differ"),
     ],
+    ids=[
+        "beta_above_1",
+        "beta_below_0",
+        "num_generations_0",
+        "epsilon",
+        "sync_ref_model",
+        "lmbda_above_1",
+        "lmbda_below_0",
+        "max_new_tokens_0",
+        "max_completion_length",
+    ],
 )
 def test_configs_reject_bad_values(tmp_path, config, overrides, match) -> None:
     with pytest.raises(ValueError, match=match):

@@ -25,6 +25,7 @@ AREAS = (
     "Checkpoints and resume",
     "Numerical faults",
     "Command line",
+    "Distillation",
     "Not built yet",
 )
 COLUMNS = ["ID", "Bad input", "Raised", "Exception", "Message starts", "Fix", "Test"]

@@ -69,6 +69,7 @@ def test_config_has_the_reference_fields_and_defaults(tmp_path) -> None:
         ({"distillation_objective": "kl"}, ValueError, "distillation_objective='kl' is invalid"),
         ({"use_teacher_server": True}, NotImplementedError, "use_teacher_server"),
     ],
+    ids=["lmbda", "lengths", "gamma", "loss_top_k", "objective", "use_teacher_server"],
 )
 def test_config_rejects_bad_values(tmp_path, overrides, error, match) -> None:
     with pytest.raises(error, match=match):

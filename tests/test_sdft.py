@@ -97,6 +97,18 @@ def test_config_has_the_reference_fields_and_defaults(tmp_path) -> None:
         ({"generate_from_teacher": True}, NotImplementedError, "generate_from_teacher"),
         ({"use_teacher_server": True}, NotImplementedError, "use_teacher_server"),
     ],
+    ids=[
+        "sampled_token_alpha",
+        "topk_none",
+        "mode",
+        "teacher_kind",
+        "template",
+        "alpha",
+        "update_rate",
+        "beta",
+        "generate_from_teacher",
+        "use_teacher_server",
+    ],
 )
 def test_config_rejects_bad_values(tmp_path, overrides, error, match) -> None:
     with pytest.raises(error, match=match):
