@@ -41,6 +41,8 @@ _LAZY = {
     "OnlineDPOTrainer": "posttrain.online_dpo.trainer",
     "SDFTConfig": "posttrain.distill.config",
     "SDFTTrainer": "posttrain.distill.self_distillation",
+    "SDPOConfig": "posttrain.distill.config",
+    "SDPOTrainer": "posttrain.distill.self_distillation",
     "RLOOConfig": "posttrain.rloo.config",
     "RLOOTrainer": "posttrain.rloo.trainer",
 }
@@ -54,8 +56,14 @@ if TYPE_CHECKING:  # pragma: no cover
     from posttrain.async_grpo.trainer import AsyncGRPOTrainer  # noqa: F401
     from posttrain.cpo.config import CPOConfig  # noqa: F401
     from posttrain.cpo.trainer import CPOTrainer  # noqa: F401
-    from posttrain.distill.config import DistillationConfig, GKDConfig, IWOPDConfig, SDFTConfig  # noqa: F401
-    from posttrain.distill.self_distillation import SDFTTrainer  # noqa: F401
+    from posttrain.distill.config import (  # noqa: F401
+        DistillationConfig,
+        GKDConfig,
+        IWOPDConfig,
+        SDFTConfig,
+        SDPOConfig,
+    )
+    from posttrain.distill.self_distillation import SDFTTrainer, SDPOTrainer  # noqa: F401
     from posttrain.distill.trainer import DistillationTrainer, GKDTrainer, IWOPDTrainer  # noqa: F401
     from posttrain.dpo.config import DPOConfig  # noqa: F401
     from posttrain.dpo.trainer import DPOTrainer  # noqa: F401

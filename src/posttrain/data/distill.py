@@ -24,6 +24,8 @@ __all__ = [
     "PRIVILEGED_COLUMN",
     "as_prompt_completion",
     "check_privileged_column",
+    "context_text",
+    "fill_prompt",
     "dataset_rollout",
     "has_completions",
     "teacher_prompt",
@@ -137,7 +139,7 @@ def check_privileged_column(dataset: Any, name: str) -> None:
 
 
 def teacher_prompt(prompt: Any, context: Any, template: str, index: int | str) -> Any:
-    """The teacher's prompt: ``template`` filled with the prompt and the privileged context.
+    """SDFT's teacher prompt: ``template`` filled with the prompt and the privileged context.
 
     A conversational prompt keeps its messages; its last user message's content is the one filled
     in. A context given as messages is their contents, one per line.
@@ -150,17 +152,30 @@ def teacher_prompt(prompt: Any, context: Any, template: str, index: int | str) -
             f"Row {index} has an empty '{PRIVILEGED_COLUMN}'; the teacher needs one for every row. Fill it, or drop "
             "the row."
         )
+    text = context_text(context)
+    return fill_prompt(prompt, lambda p: template.format(prompt=p, privileged_context=text), index)
+
+
+def context_text(context: Any) -> str:
+    """A privileged context as text: a string as it is, messages as their contents, one per line."""
     if isinstance(context, list):
-        context = "\n".join(str(m.get("content", "")) if isinstance(m, dict) else str(m) for m in context)
+        return "\n".join(str(m.get("content", "")) if isinstance(m, dict) else str(m) for m in context)
+    return str(context)
+
+
+def fill_prompt(prompt: Any, fill: Any, index: int | str) -> Any:
+    """``fill(text)`` of a standard prompt, or the messages with the last user message's content filled.
+
+    Raises:
+        ValueError: a conversational prompt without a user message.
+    """
     if isinstance(prompt, str):
-        return template.format(prompt=prompt, privileged_context=context)
+        return fill(prompt)
     messages = [dict(m) for m in prompt]
     last_user = next((i for i in range(len(messages) - 1, -1, -1) if messages[i].get("role") == "user"), None)
     if last_user is None:
         raise ValueError(
-            f"Row {index}: the conversational prompt has no user message to add the privileged context to."
+            f"Row {index}: the conversational prompt has no user message to add the teacher's context to."
         )
-    messages[last_user]["content"] = template.format(
-        prompt=messages[last_user]["content"], privileged_context=context
-    )
+    messages[last_user]["content"] = fill(messages[last_user]["content"])
     return messages

@@ -19,7 +19,16 @@ from typing import Any, ClassVar
 from posttrain.core.config import Rule, UnbuiltOption, choice_rules, is_int, is_num, optional, positive_int
 from posttrain.sampling.config import JSON_DICT_FIELDS, ONLINE_RULES, ONLINE_UNBUILT, OnlineConfig
 
-__all__ = ["OFF_FIELDS", "SELF_OFF_FIELDS", "DistillationConfig", "GKDConfig", "SDFTConfig"]
+__all__ = [
+    "OFF_FIELDS",
+    "SELF_OFF_FIELDS",
+    "DistillationConfig",
+    "GKDConfig",
+    "IWOPDConfig",
+    "SDFTConfig",
+    "SDPOConfig",
+    "SelfDistillationConfig",
+]
 
 #: Shared online fields distillation does not use: the values they may hold (the first is the
 #: default; a built config's derived value is accepted too, so a copy rebuilds) and why.
@@ -197,6 +206,9 @@ class GKDConfig(DistillationConfig):
 SELF_UNBUILT: dict[str, UnbuiltOption] = {
     **ONLINE_UNBUILT,
     "use_teacher_server": UnbuiltOption(False, "a teacher served by another process", "Use use_teacher_server=False (the teacher is the model itself, in this process).", True),
+}
+_SDFT_UNBUILT: dict[str, UnbuiltOption] = {
+    **SELF_UNBUILT,
     "generate_from_teacher": UnbuiltOption(False, "sampling from the teacher's privileged prompt", "Use generate_from_teacher=False (the student samples from its own prompt).", True),
 }
 
@@ -218,6 +230,9 @@ _SELF_RULES: tuple[Rule, ...] = tuple(r for r in ONLINE_RULES if r.name != "num_
     Rule("distillation_is_clip", optional(lambda v: is_num(v) and v > 0), "None or a number > 0 (the cap of the importance weight of off-policy tokens)", "set distillation_is_clip=2.0 (the default), or None for no importance weight"),
     Rule("teacher_update_rate", lambda v: is_num(v) and 0 < v <= 1, "a number in (0, 1] (the EMA teacher's step toward the student)", "set teacher_update_rate=0.05 (the default)"),
     Rule("teacher_sync_steps", positive_int, "a positive integer (optimizer steps between EMA updates)", "set teacher_sync_steps=1 (the default)"),
+)
+
+_SDFT_RULES: tuple[Rule, ...] = _SELF_RULES + (
     Rule("num_loss_tokens_to_skip", lambda v: is_int(v) and v >= 0, "an integer >= 0 (completion tokens left out of the loss at the start)", "set num_loss_tokens_to_skip=0 (the default)"),
     Rule("teacher_prompt_template", lambda v: isinstance(v, str) and "{prompt}" in v and "{privileged_context}" in v, "a string holding both '{prompt}' and '{privileged_context}'", "use the default '{prompt}\\n\\n{privileged_context}', or another template with both fields"),
 )
@@ -225,7 +240,52 @@ _SELF_RULES: tuple[Rule, ...] = tuple(r for r in ONLINE_RULES if r.name != "num_
 
 
 @dataclass
-class SDFTConfig(OnlineConfig):
+class SelfDistillationConfig(OnlineConfig):
+    """The fields SDFT and SDPO share (the model as its own teacher); documented in their configs."""
+
+    teacher_model_kind: str = field(default="base", metadata={"help": "'base', 'live' or 'ema'."})
+    distillation_alpha: float = field(
+        default=0.5, metadata={"help": "0 forward KL, 1 reverse KL, in between the generalised JSD."}
+    )
+    distillation_mode: str = field(
+        default="topk_logits", metadata={"help": "'full_logits', 'topk_logits' or 'sampled_token'."}
+    )
+    distillation_topk: int | None = field(default=100, metadata={"help": "Tokens of 'topk_logits'."})
+    distillation_add_tail: bool = field(
+        default=False, metadata={"help": "In 'topk_logits', keep the rest of the mass as one category."}
+    )
+    distillation_is_clip: float | None = field(
+        default=2.0, metadata={"help": "Cap of the importance weight of off-policy tokens."}
+    )
+    teacher_update_rate: float = field(default=0.05, metadata={"help": "The EMA teacher's step."})
+    teacher_sync_steps: int = field(default=1, metadata={"help": "Optimizer steps between EMA updates."})
+    use_teacher_server: bool = field(default=False, metadata={"help": "Not built."})
+    max_prompt_length: int | None = field(default=512, metadata={"help": "Most prompt tokens."})
+    max_completion_length: int | None = field(default=256, metadata={"help": "Most completion tokens."})
+    disable_dropout: bool = field(default=True, metadata={"help": "Disable dropout in the model."})
+    learning_rate: float = field(default=5e-5, metadata={"help": "Initial learning rate (AdamW)."})
+
+    _rules: ClassVar[tuple[Rule, ...]] = _SELF_RULES
+    _unbuilt: ClassVar[dict[str, UnbuiltOption]] = SELF_UNBUILT
+    _off_fields: ClassVar[dict[str, tuple[tuple[Any, ...], str]]] = SELF_OFF_FIELDS
+
+    def _check_combinations(self) -> None:
+        """The mode's own needs, then the shared checks."""
+        if self.distillation_mode == "sampled_token" and self.distillation_alpha != 1.0:
+            raise ValueError(
+                f"distillation_mode='sampled_token' estimates the reverse KL, so it needs distillation_alpha=1.0 "
+                f"(got {self.distillation_alpha}); set distillation_alpha=1.0, or use 'full_logits' or 'topk_logits'."
+            )
+        if self.distillation_mode == "topk_logits" and self.distillation_topk is None:
+            raise ValueError(
+                "distillation_mode='topk_logits' needs distillation_topk (the student's top tokens the divergence is "
+                "taken over); set distillation_topk=100, or use distillation_mode='full_logits'."
+            )
+        super()._check_combinations()
+
+
+@dataclass
+class SDFTConfig(SelfDistillationConfig):
     r"""Configuration of ``SDFTTrainer``: Self-Distilled Fine-Tuning (arXiv 2601.19897).
 
     The reference's public API (``trl.experimental.sdft.SDFTConfig``). The student samples
@@ -269,20 +329,6 @@ class SDFTConfig(OnlineConfig):
     rewards, clipping and KL references keep their defaults (`SELF_OFF_FIELDS`).
     """
 
-    teacher_model_kind: str = field(default="base", metadata={"help": "'base', 'live' or 'ema'."})
-    distillation_alpha: float = field(
-        default=0.5, metadata={"help": "0 forward KL, 1 reverse KL, in between the generalised JSD."}
-    )
-    distillation_mode: str = field(
-        default="topk_logits", metadata={"help": "'full_logits', 'topk_logits' or 'sampled_token'."}
-    )
-    distillation_topk: int | None = field(default=100, metadata={"help": "Tokens of 'topk_logits'."})
-    distillation_add_tail: bool = field(
-        default=False, metadata={"help": "In 'topk_logits', keep the rest of the mass as one category."}
-    )
-    distillation_is_clip: float | None = field(
-        default=2.0, metadata={"help": "Cap of the importance weight of off-policy tokens."}
-    )
     teacher_prompt_template: str = field(
         default="{prompt}\n\n{privileged_context}", metadata={"help": "How the teacher's prompt is composed."}
     )
@@ -290,30 +336,143 @@ class SDFTConfig(OnlineConfig):
         default=0, metadata={"help": "Completion tokens at the start left out of the loss."}
     )
     generate_from_teacher: bool = field(default=False, metadata={"help": "Not built."})
-    teacher_update_rate: float = field(default=0.05, metadata={"help": "The EMA teacher's step."})
-    teacher_sync_steps: int = field(default=1, metadata={"help": "Optimizer steps between EMA updates."})
-    use_teacher_server: bool = field(default=False, metadata={"help": "Not built."})
-    max_prompt_length: int | None = field(default=512, metadata={"help": "Most prompt tokens."})
-    max_completion_length: int | None = field(default=256, metadata={"help": "Most completion tokens."})
-    disable_dropout: bool = field(default=True, metadata={"help": "Disable dropout in the model."})
-    learning_rate: float = field(default=5e-5, metadata={"help": "Initial learning rate (AdamW)."})
 
-    _rules: ClassVar[tuple[Rule, ...]] = _SELF_RULES
-    _unbuilt: ClassVar[dict[str, UnbuiltOption]] = SELF_UNBUILT
-    _off_fields: ClassVar[dict[str, tuple[tuple[Any, ...], str]]] = SELF_OFF_FIELDS
+    _rules: ClassVar[tuple[Rule, ...]] = _SDFT_RULES
+    _unbuilt: ClassVar[dict[str, UnbuiltOption]] = _SDFT_UNBUILT
     _method: ClassVar[str] = "SDFT"
 
+
+# fmt: off
+SDPO_CHOICES: dict[str, tuple[str, ...]] = {
+    "scale_rewards": ("group", "batch", "none"),
+    "importance_sampling_level": ("token", "sequence"),
+}
+
+_SDPO_RULES: tuple[Rule, ...] = _SELF_RULES + choice_rules(SDPO_CHOICES) + (
+    Rule("distillation_weight", lambda v: is_num(v) and 0 <= v <= 1, "a number in [0, 1] (loss = (1 - w) policy + w distillation)", "set distillation_weight=1.0 (the default: pure distillation) or 0.5"),
+    Rule("success_reward_threshold", is_num, "a number (a sample whose reward reaches it is a success)", "set success_reward_threshold=1.0 (the default)"),
+    Rule("max_reprompt_len", positive_int, "a positive integer (the most tokens of the teacher's prompt; a longer one keeps its last tokens)", "set max_reprompt_len=10240 (the default)"),
+    Rule("reprompt_template", lambda v: isinstance(v, str) and all(f in v for f in ("{prompt}", "{solution}", "{feedback}")), "a string holding '{prompt}', '{solution}' and '{feedback}'", "keep the default template, or write one with all three fields"),
+    Rule("solution_template", lambda v: isinstance(v, str) and "{successful_previous_attempt}" in v, "a string holding '{successful_previous_attempt}'", "keep the default template, or write one with that field"),
+    Rule("feedback_template", lambda v: isinstance(v, str) and "{feedback_raw}" in v, "a string holding '{feedback_raw}'", "keep the default template, or write one with that field"),
+    Rule("diagnostics_warning_interval", positive_int, "a positive integer (steps between warnings about flat rewards)", "set diagnostics_warning_interval=10 (the default)"),
+    Rule("diagnostics_flat_tolerance", lambda v: is_num(v) and v >= 0, "a number >= 0 (a group whose rewards spread less is flat)", "set diagnostics_flat_tolerance=1e-8 (the default)"),
+)
+
+_SDPO_OFF_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
+    "sync_ref_model": OFF_FIELDS["sync_ref_model"],
+    "dynamic_sampling": ((False,), "every group is distilled on, flat or not: its failures still get a teacher"),
+}
+
+_SDPO_UNBUILT: dict[str, UnbuiltOption] = {
+    **SELF_UNBUILT,
+    "beta": UnbuiltOption(0.0, "a KL penalty in SDPO's policy term", "Use beta=0.0 (the reference's default).", 0.04),
+}
+# fmt: on
+
+
+@dataclass
+class SDPOConfig(SelfDistillationConfig):
+    r"""Configuration of ``SDPOTrainer``: Self-Distillation Policy Optimization (arXiv 2601.20802).
+
+    The reference's public API (``trl.experimental.sdpo.SDPOConfig``). The student samples
+    `num_generations` completions per prompt, scored by reward functions; each failed completion
+    gets a teacher prompt (the reprompt): the prompt with a successful sibling's completion (the
+    first other completion of its group whose reward reaches `success_reward_threshold`) and/or
+    the environment's feedback (`privileged_context`). The teacher (the model itself) reads the
+    completion after that reprompt, and the student learns its token distributions; a GRPO-style
+    policy term can be mixed in (`distillation_weight < 1`).
+
+    SDPO's fields (the others as ``SDFTConfig``):
+        teacher_model_kind (`str`, defaults to `"ema"`), distillation_alpha (`float`, defaults to
+            `1.0`), distillation_mode (`str`, defaults to `"sampled_token"`), distillation_topk
+            (`int | None`, defaults to `None`).
+        distillation_weight (`float`, defaults to `1.0`): `loss = (1 - w) policy + w distillation`.
+        loss_type (`str`, defaults to `"dapo"`), epsilon (`0.2`), epsilon_high (`None`),
+            importance_sampling_level (`"token"`), scale_rewards (`"group"`), reward_weights,
+            mask_truncated_completions: the policy term's, as ``GRPOConfig``'s.
+        beta (`float`, defaults to `0.0`): Not built above 0 (`NotImplementedError`).
+        use_successful_as_teacher (`bool`, defaults to `True`): Put a successful sibling's
+            completion in the reprompt.
+        success_reward_threshold (`float`, defaults to `1.0`): The reward a success reaches.
+        dont_reprompt_on_self_success (`bool`, defaults to `True`): A completion that succeeded
+            itself gets no reprompt (no distillation term).
+        include_environment_feedback (`bool`, defaults to `False`): Put the row's
+            `privileged_context` (the environment's feedback) in the reprompt.
+        environment_feedback_only_without_solution (`bool`, defaults to `False`): Only where no
+            successful sibling exists.
+        remove_thinking_from_demonstration (`bool`, defaults to `False`): Drop `<think>...</think>`
+            from the sibling's completion.
+        reprompt_template, solution_template, feedback_template (`str`): How the reprompt is
+            composed (the reference's defaults); for conversational prompts, the last user
+            message's content is the `{prompt}`.
+        max_reprompt_len (`int`, defaults to `10240`): Most tokens of the reprompt (its last kept).
+        diagnostics_warning_interval (`int`, defaults to `10`), diagnostics_flat_tolerance
+            (`float`, defaults to `1e-8`): Warn every that many steps while every group's rewards
+            are flat (no success to teach from).
+        num_generations (`int`, defaults to `8`), learning_rate (`float`, defaults to `5e-5`).
+    """
+
+    teacher_model_kind: str = field(default="ema", metadata={"help": "'base', 'live' or 'ema'."})
+    distillation_alpha: float = field(default=1.0, metadata={"help": "0 forward KL, 1 reverse KL."})
+    distillation_mode: str = field(
+        default="sampled_token", metadata={"help": "'full_logits', 'topk_logits' or 'sampled_token'."}
+    )
+    distillation_topk: int | None = field(default=None, metadata={"help": "Tokens of 'topk_logits'."})
+    distillation_weight: float = field(
+        default=1.0, metadata={"help": "loss = (1 - w) policy + w distillation."}
+    )
+    loss_type: str = field(default="dapo", metadata={"help": "The policy term's loss type (GRPO's)."})
+    importance_sampling_level: str = field(default="token", metadata={"help": "'token' or 'sequence'."})
+    scale_rewards: str = field(default="group", metadata={"help": "'group', 'batch' or 'none'."})
+    dont_reprompt_on_self_success: bool = field(
+        default=True, metadata={"help": "A completion that succeeded itself gets no reprompt."}
+    )
+    max_reprompt_len: int = field(default=10240, metadata={"help": "Most tokens of the reprompt."})
+    use_successful_as_teacher: bool = field(
+        default=True, metadata={"help": "Put a successful sibling's completion in the reprompt."}
+    )
+    success_reward_threshold: float = field(default=1.0, metadata={"help": "The reward a success reaches."})
+    reprompt_template: str = field(
+        default="{prompt}{solution}{feedback}\n\nCorrectly solve the original question.\n",
+        metadata={"help": "How the reprompt is composed."},
+    )
+    solution_template: str = field(
+        default="\nCorrect solution:\n\n{successful_previous_attempt}\n\n",
+        metadata={"help": "How a successful sibling's completion enters the reprompt."},
+    )
+    feedback_template: str = field(
+        default="\nThe following is feedback from your unsuccessful earlier attempt:\n\n{feedback_raw}\n\n",
+        metadata={"help": "How the environment's feedback enters the reprompt."},
+    )
+    include_environment_feedback: bool = field(
+        default=False, metadata={"help": "Put the row's privileged_context in the reprompt."}
+    )
+    environment_feedback_only_without_solution: bool = field(
+        default=False, metadata={"help": "Feedback only where no successful sibling exists."}
+    )
+    remove_thinking_from_demonstration: bool = field(
+        default=False, metadata={"help": "Drop <think>...</think> from the sibling's completion."}
+    )
+    diagnostics_warning_interval: int = field(
+        default=10, metadata={"help": "Steps between warnings about flat rewards."}
+    )
+    diagnostics_flat_tolerance: float = field(
+        default=1e-8, metadata={"help": "Reward spread of a flat group."}
+    )
+
+    _rules: ClassVar[tuple[Rule, ...]] = _SDPO_RULES
+    _unbuilt: ClassVar[dict[str, UnbuiltOption]] = _SDPO_UNBUILT
+    _off_fields: ClassVar[dict[str, tuple[tuple[Any, ...], str]]] = _SDPO_OFF_FIELDS
+    _method: ClassVar[str] = "SDPO"
+
     def _check_combinations(self) -> None:
-        """The mode's own needs, then the shared checks."""
-        if self.distillation_mode == "sampled_token" and self.distillation_alpha != 1.0:
+        from posttrain.grpo.objectives import LOSS_TYPES
+
+        if self.loss_type not in LOSS_TYPES:
             raise ValueError(
-                f"distillation_mode='sampled_token' estimates the reverse KL, so it needs distillation_alpha=1.0 "
-                f"(got {self.distillation_alpha}); set distillation_alpha=1.0, or use 'full_logits' or 'topk_logits'."
-            )
-        if self.distillation_mode == "topk_logits" and self.distillation_topk is None:
-            raise ValueError(
-                "distillation_mode='topk_logits' needs distillation_topk (the student's top tokens the divergence is "
-                "taken over); set distillation_topk=100, or use distillation_mode='full_logits'."
+                f"loss_type={self.loss_type!r} is invalid: it must be one of {sorted(LOSS_TYPES)} (GRPO's policy "
+                "terms); set loss_type='dapo' (the default)."
             )
         super()._check_combinations()
 

@@ -179,8 +179,15 @@ class DistillationTrainer(TeacherStudentTrainer):
         teacher = create_reference(source) if _needs_copy(source, self.model) else source
         teacher.eval()
         teacher.requires_grad_(False)
-        student_vocab = _vocab_size(self.model)
-        teacher_vocab = _vocab_size(teacher)
+        self._check_vocabularies(_vocab_size(self.model), _vocab_size(teacher))
+        return teacher.to(self.accelerator.device)
+
+    def _check_vocabularies(self, student_vocab: int, teacher_vocab: int) -> None:
+        """The teacher's logits must be the student's tokens (a hook: GOLD compares across tokenizers).
+
+        Raises:
+            ValueError: the two vocabularies differ.
+        """
         if student_vocab != teacher_vocab:
             raise ValueError(
                 f"The teacher's vocabulary has {teacher_vocab} tokens and the student's {student_vocab}; "
@@ -188,7 +195,6 @@ class DistillationTrainer(TeacherStudentTrainer):
                 "share one tokenizer. Pick a teacher of the student's family; distillation across tokenizers "
                 "(GOLD's use_uld_loss, X-Token's xtoken_loss_type) is not built yet in posttrain."
             )
-        return teacher.to(self.accelerator.device)
 
     @staticmethod
     def _check_served(args: Any) -> None:
@@ -204,7 +210,7 @@ class DistillationTrainer(TeacherStudentTrainer):
                 "process (a model or its path) for the forward KL or the JSD."
             )
 
-    def _annotate(self, scored: ScoredRollout, batch: list[dict[str, Any]]) -> None:
+    def _annotate(self, scored: ScoredRollout, batch: list[dict[str, Any]], mode: str) -> None:
         """Several teachers: each row's index among them, from its ``teacher_id``."""
         if None in self.teachers:
             return
@@ -249,7 +255,7 @@ class DistillationTrainer(TeacherStudentTrainer):
         )
         parts: list[tuple[torch.Tensor, dict[str, torch.Tensor]]] = []
         for teacher_model, rows in self._teacher_groups(inputs):
-            sub = r if rows is None else _rows(r, rows)
+            sub = r if rows is None else select_rows(r, rows)
             sub_keep = keep if rows is None else keep & rows.unsqueeze(1)
             with torch.no_grad():
                 if self._served:
@@ -314,7 +320,7 @@ class DistillationTrainer(TeacherStudentTrainer):
         return self._token_means(values, tokens)
 
 
-def _rows(r: Rollout, rows: torch.Tensor) -> Rollout:
+def select_rows(r: Rollout, rows: torch.Tensor) -> Rollout:
     """The rows of a rollout where ``rows`` ([n] bool) holds, columns kept."""
     return Rollout(
         r.prompt_ids[rows], r.prompt_mask[rows], r.completion_ids[rows], r.completion_mask[rows], r.is_terminated[rows],

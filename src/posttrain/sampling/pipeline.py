@@ -126,21 +126,29 @@ class OnlineSampler:
         s = self.settings
         return build_rollout(prompt_ids, prompt_mask, samples, s.eos_token_ids, self.tokenizer.pad_token_id)
 
-    def encode_prompts(self, prompts: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Render and tokenise the prompts (cut to ``max_prompt_length``), left-padded on the device.
+    def encode_prompts(
+        self, prompts: list[Any], max_length: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Render and tokenise the prompts, left-padded on the device.
+
+        Args:
+            prompts: standard or conversational prompts.
+            max_length: keep a prompt's last this many tokens instead of ``max_prompt_length``'s
+                (SDPO's reprompts have their own budget).
 
         Returns:
             ``prompt_ids`` [N, P] and ``prompt_mask`` [N, P].
         """
         tok, s = self.tokenizer, self.settings
+        limit = max_length if max_length is not None else s.max_prompt_length
         ids = [
             tok(chat.render_prompt(p, tok, s.chat_template_kwargs), add_special_tokens=isinstance(p, str))[
                 "input_ids"
             ]
             for p in prompts
         ]
-        if s.max_prompt_length is not None:  # cut on the left: the question at the end stays
-            ids = [row[-s.max_prompt_length :] for row in ids]
+        if limit is not None:  # cut on the left: the question at the end stays
+            ids = [row[-limit:] for row in ids]
         prompt_ids, prompt_mask = left_pad(ids, tok.pad_token_id, s.pad_to_multiple_of)
         return prompt_ids.to(self.device), prompt_mask.to(self.device)
 

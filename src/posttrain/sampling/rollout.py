@@ -37,6 +37,7 @@ class ScoredRollout:
         teacher_prompt_ids, teacher_prompt_mask: [N, P'] the prompts a teacher reads the same
             completions after, left padded (self-distillation's privileged context), or ``None``.
         teacher_index: [N] which of several teachers scores each row (multi-teacher distillation), or ``None``.
+        teacher_rows: [N] bool, the rows that have a teacher prompt (SDPO: the others add 0), or ``None``: all.
         norms: the counts the micro-batch losses are normalised by (``ops.reductions.Normalizers``).
         extra: a family's other values, shared by every micro-batch.
     """
@@ -52,6 +53,7 @@ class ScoredRollout:
     teacher_prompt_ids: torch.Tensor | None = None
     teacher_prompt_mask: torch.Tensor | None = None
     teacher_index: torch.Tensor | None = None
+    teacher_rows: torch.Tensor | None = None
     norms: Normalizers = field(default_factory=Normalizers)
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -83,6 +85,7 @@ class ScoredRollout:
             teacher_prompt_ids=teacher_ids,
             teacher_prompt_mask=teacher_mask,
             teacher_index=self.teacher_index[rows] if self.teacher_index is not None else None,
+            teacher_rows=self.teacher_rows[rows] if self.teacher_rows is not None else None,
             extra=dict(self.extra),
             **per_token,
         )

@@ -355,10 +355,10 @@ class OnlineTrainer(BaseTrainer):
             )
         n = rewards_local.shape[0]
         scored = ScoredRollout(rollout=rollout, rewards=rewards_local, advantages=torch.zeros(n))
-        self._annotate(scored, batch)
+        self._annotate(scored, batch, mode)
         return self._score_rollout(scored, mode, num_chunks, group)
 
-    def _annotate(self, scored: ScoredRollout, batch: list[dict[str, Any]]) -> None:
+    def _annotate(self, scored: ScoredRollout, batch: list[dict[str, Any]], mode: str) -> None:
         """A family's per-row additions to a sampled batch, from its dataset rows (one per
         completion, in order), before the split (self-distillation: the teacher's prompts)."""
 
