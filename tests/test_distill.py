@@ -477,3 +477,28 @@ def test_teachers_of_two_kinds_are_refused(tmp_path) -> None:
         )
     with pytest.raises(TypeError, match="teacher_model\\['a'\\] is a int"):
         DistillationTrainer("./no/such/student", {"a": 3}, DistillationConfig(output_dir=str(tmp_path)))
+
+
+def test_distillation_resume_is_exact(tmp_path) -> None:
+    tok = build_tiny_tokenizer()
+
+    def run(out, resume=None):
+        torch.manual_seed(0)
+        trainer = distill_trainer(
+            out,
+            tok,
+            scripted=False,
+            max_steps=3,
+            save_strategy="steps",
+            save_steps=1,
+            learning_rate=0.05,
+            beta=0.5,
+        )
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
+
+    straight = run(tmp_path / "straight")
+    run(tmp_path / "stopped")
+    resumed = run(tmp_path / "stopped", resume=str(tmp_path / "stopped" / "checkpoint-1"))
+    for a, b in zip(straight.model.parameters(), resumed.model.parameters(), strict=True):
+        assert torch.equal(a, b)

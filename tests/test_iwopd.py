@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 from conftest import build_tiny_model, build_tiny_tokenizer
-from helpers import CPU_TEST_ARGS, ScriptedGenerator
+from helpers import CPU_TEST_ARGS, SGD_ARGS, ScriptedGenerator
 from test_distill import _full_logits, conversations
 from test_divergence import _textbook
 from test_invariance import SCRIPT
@@ -140,3 +140,60 @@ def test_prompt_only_messages_train_without_nan(tmp_path) -> None:
         0
     ].keys()
     assert 1.0 <= logs[0]["iw_opd/min_weight"] <= logs[0]["iw_opd/max_weight"] <= 1.5
+
+
+def test_resume_is_exact(tmp_path) -> None:
+    def train(out, resume=None):
+        torch.manual_seed(0)
+        tok = build_tiny_tokenizer()
+        trainer = IWOPDTrainer(
+            build_tiny_model(tok, seed=1), build_tiny_model(tok, seed=2),
+            IWOPDConfig(
+                output_dir=str(out),
+                **{**CPU_TEST_ARGS, "max_steps": 3, "learning_rate": 0.05, "save_strategy": "steps", "save_steps": 1},
+                max_completion_length=8, max_length=64,
+            ),
+            train_dataset=conversations(), processing_class=tok,
+        )  # fmt: skip
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
+
+    straight = train(tmp_path / "straight")
+    train(tmp_path / "stopped")
+    resumed = train(tmp_path / "stopped", resume=str(tmp_path / "stopped" / "checkpoint-1"))
+    for a, b in zip(straight.model.parameters(), resumed.model.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def ddp_comparable_trainer(out_dir: str, per_device: int, **overrides) -> IWOPDTrainer:
+    """Two SGD steps of IW-OPD on one repeated prompt (the two-process test)."""
+    from datasets import Dataset
+
+    tok = build_tiny_tokenizer()
+    args = IWOPDConfig(
+        output_dir=out_dir,
+        **{**CPU_TEST_ARGS, **SGD_ARGS, "per_device_train_batch_size": per_device, "max_steps": 2},
+        max_completion_length=8, max_length=64, seed=1, **overrides,
+    )  # fmt: skip
+    rows = Dataset.from_dict({"prompt": ["What is 2 plus 3?"] * 16})
+    return IWOPDTrainer(
+        build_tiny_model(tok, seed=1),
+        build_tiny_model(tok, seed=2),
+        args,
+        train_dataset=rows,
+        processing_class=tok,
+    )
+
+
+@pytest.mark.slow
+def test_two_processes_train_like_one(tmp_path) -> None:
+    from helpers import two_processes_against_one
+
+    keys = (
+        "on_policy_loss",
+        "iw_opd/mean_advantage",
+        "iw_opd/mean_weight",
+        "iw_opd/max_weight",
+        "num_tokens",
+    )
+    two_processes_against_one("test_iwopd", ddp_comparable_trainer, SCRIPT, tmp_path, 29593, (2, 4), keys)
