@@ -197,3 +197,31 @@ def test_bad_inputs_are_named() -> None:
         token_divergence(a, HeadInputs(torch.zeros(2, 5)), 1.5)
     with pytest.raises(ValueError, match="2 student positions against 3"):
         token_divergence(a, HeadInputs(torch.zeros(3, 5)), 1.0)
+
+
+def test_the_full_logits_path_is_exact_at_high_confidence_too() -> None:
+    """``selective_log_softmax`` and ``entropy_from_logits`` (the path of models the chunked head
+    cannot serve) keep the argmax's log-prob and gradient, as the chunked path does."""
+    from posttrain.ops.logprobs import entropy_from_logits, selective_log_softmax
+
+    z64, _ = _confident_logits(torch.float64)
+    z64 = z64.unsqueeze(0)  # [1, 2, V]
+    targets = torch.tensor([[0, 5]])  # the argmax, and another token
+    exact = z64.clone().requires_grad_()
+    torch.log_softmax(exact, -1).gather(-1, targets.unsqueeze(-1)).sum().backward()
+    ours = z64.float().requires_grad_()
+    logps = selective_log_softmax(ours, targets)
+    logps.sum().backward()
+    torch.testing.assert_close(
+        logps.double(),
+        torch.log_softmax(z64, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1),
+        rtol=1e-4,
+        atol=0,
+    )
+    assert exact.grad[0, 0, 0] > 1e-13  # 1 - p of the argmax
+    torch.testing.assert_close(ours.grad[0, 0, 0].double(), exact.grad[0, 0, 0], rtol=1e-3, atol=0)
+    naive = z64.float().requires_grad_()
+    torch.log_softmax(naive, -1).gather(-1, targets.unsqueeze(-1)).sum().backward()
+    assert naive.grad[0, 0, 0] == 0.0  # what the textbook float32 gives
+    want = -(torch.softmax(z64, -1) * torch.log_softmax(z64, -1)).sum(-1)
+    torch.testing.assert_close(entropy_from_logits(z64.float()).double(), want, rtol=1e-4, atol=0)

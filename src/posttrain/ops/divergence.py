@@ -76,16 +76,37 @@ def divergence_name(beta: float) -> str:
 
 
 def log_softmax(z: torch.Tensor) -> torch.Tensor:
-    """``log_softmax`` over the last dim, exact for the argmax at high confidence.
+    """``log_softmax`` over the last dim, exact for the argmax at high confidence, values and gradients.
 
     Normalises with the argmax excluded: ``log p = (z - max) - log1p(S)``, ``S = sum over the
     other entries of exp(z - max)``. ``torch.log_softmax`` computes ``log(1 + S)``, which rounds
-    to 0 once ``S`` is below float32's epsilon. Returns a new tensor of ``z``'s dtype.
+    to 0 once ``S`` is below float32's epsilon; and its gradient at the argmax, ``g_a - p_a G``,
+    cancels to 0 there. Here the backward writes it as ``c G - sum_{k != a} g_k`` with
+    ``c = 1 - p_a = S / (1 + S)`` (``_StableLogSoftmax``). Returns a new tensor of ``z``'s dtype.
     """
-    top, where = z.max(dim=-1, keepdim=True)
-    u = z - top  # [..., V]
-    rest = u.exp().scatter_(-1, where, 0.0).sum(dim=-1, keepdim=True)  # [..., 1]
-    return u.sub_(torch.log1p(rest))
+    return _StableLogSoftmax.apply(z)
+
+
+class _StableLogSoftmax(torch.autograd.Function):
+    """``log_softmax`` normalised with the argmax excluded; saves log p [..., V], S and the argmax."""
+
+    @staticmethod
+    def forward(ctx: Any, z: torch.Tensor) -> torch.Tensor:
+        top, where = z.max(dim=-1, keepdim=True)
+        u = z - top  # [..., V]
+        rest = u.exp().scatter_(-1, where, 0.0).sum(dim=-1, keepdim=True)  # [..., 1]
+        logp = u.sub_(torch.log1p(rest))
+        ctx.save_for_backward(logp, rest, where)
+        return logp
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        logp, rest, where = ctx.saved_tensors
+        total = g.sum(dim=-1, keepdim=True)  # G
+        grad = g - logp.exp() * total  # g - p G, exact away from the argmax
+        others = g.scatter(-1, where, 0.0).sum(dim=-1, keepdim=True)  # sum_{k != a} g_k, no cancellation
+        at_top = rest / (1.0 + rest) * total - others  # g_a - p_a G = c G - sum_{k != a} g_k
+        return grad.scatter_(-1, where, at_top)
 
 
 def _divergence(

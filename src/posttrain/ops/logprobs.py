@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from posttrain.ops import checkpointing, chunked, shared_prefix
-from posttrain.ops.divergence import HeadInputs
+from posttrain.ops.divergence import HeadInputs, log_softmax
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -30,12 +30,15 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 def selective_log_softmax(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """``log_softmax(logits)[..., target]`` without building the full log-softmax: [B, T]."""
+    """``log_softmax(logits)[..., target]``, one row's ``[T, V]`` at a time: [B, T].
+
+    Exact at high confidence, values and gradients (``divergence.log_softmax``: normalised with
+    the argmax excluded), as the chunked path is.
+    """
     out = []
     for row_logits, row_targets in zip(logits, targets, strict=True):  # [T, V], [T]
-        row = row_logits.float()
-        chosen = row.gather(-1, row_targets.unsqueeze(-1)).squeeze(-1)
-        out.append(chosen - torch.logsumexp(row, dim=-1))
+        logp = log_softmax(row_logits.float())
+        out.append(logp.gather(-1, row_targets.unsqueeze(-1)).squeeze(-1))
     return torch.stack(out)
 
 
@@ -46,7 +49,7 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """
     out = []
     for row_logits in logits:
-        logp = torch.log_softmax(row_logits.float(), dim=-1)
+        logp = log_softmax(row_logits.float())
         out.append(-(logp.exp() * logp).sum(dim=-1))
     return torch.stack(out)
 
