@@ -19,7 +19,6 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -235,21 +234,12 @@ class SDFTTrainer(SelfTeacherTrainer):
         num_items_in_batch: Any = None,
     ) -> torch.Tensor:
         """The mean over the micro-batch's samples of each sample's token mean of the divergence."""
-        if return_outputs:
-            raise ValueError("SDFTTrainer.compute_loss does not return model outputs.")
-        r = inputs.rollout
-        mode = "train" if model.training else "eval"
-        mask = self._loss_mask(r).to(torch.float32)
-        student, aux_loss = completion_head_inputs(
-            model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask
-        )
+        student, aux_loss, mode = self._student_side(model, inputs, return_outputs)
+        mask = self._loss_mask(inputs.rollout).to(torch.float32)
         per_sample = self._distillation_per_sample(student, inputs, mask)  # [n]
-        loss = per_sample.sum() / inputs.norms.sequences
         metric = self._token_means({"loss": per_sample}, per_sample.numel())["loss"]
         metrics = {"self_distillation/distillation_loss": metric, "sdft/distillation_loss": metric}
-        loss = self._with_aux_loss(loss, SimpleNamespace(aux_loss=aux_loss), inputs, metrics)
-        self._metrics.add_all(mode, metrics)
-        return loss
+        return self._finish_loss(per_sample.sum() / inputs.norms.sequences, aux_loss, inputs, metrics, mode)
 
 
 class SDPOTrainer(SelfTeacherTrainer):
@@ -415,14 +405,9 @@ class SDPOTrainer(SelfTeacherTrainer):
         num_items_in_batch: Any = None,
     ) -> torch.Tensor:
         """``(1 - w) * policy + w * distillation`` of one micro-batch."""
-        if return_outputs:
-            raise ValueError("SDPOTrainer.compute_loss does not return model outputs.")
+        student, aux_loss, mode = self._student_side(model, inputs, return_outputs)
         a, r = self.args, inputs.rollout
-        mode = "train" if model.training else "eval"
         mask = self._loss_mask(r).to(torch.float32)
-        student, aux_loss = completion_head_inputs(
-            model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask
-        )
         logps = target_logps(student, r.completion_ids, a.temperature)  # [n, T]
         old = inputs.old_logps if inputs.old_logps is not None else logps.detach()
         policy, _ = objectives.policy_loss(logps, old, inputs.advantages, mask, self._objective, inputs.norms)
@@ -438,6 +423,4 @@ class SDPOTrainer(SelfTeacherTrainer):
             "sdpo/distillation_loss": values["d"],
             "self_distillation/policy_loss": values["p"] * inputs.norms.accumulation,
         }
-        loss = self._with_aux_loss(loss, SimpleNamespace(aux_loss=aux_loss), inputs, metrics)
-        self._metrics.add_all(mode, metrics)
-        return loss
+        return self._finish_loss(loss, aux_loss, inputs, metrics, mode)

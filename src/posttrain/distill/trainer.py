@@ -69,6 +69,31 @@ class TeacherStudentTrainer(OnlineTrainer):
         """No advantages: the teacher's distribution is the signal (rewards, if any, are only logged)."""
         return torch.zeros(rewards.shape[0]), {}
 
+    def _student_side(
+        self, model: torch.nn.Module, inputs: ScoredRollout, return_outputs: bool
+    ) -> tuple[HeadInputs, Any, str]:
+        """The start of each family's ``compute_loss``: the student's side at the completion
+        positions (with gradient), its MoE router loss, and the mode.
+
+        Raises:
+            ValueError: ``return_outputs`` is asked for (no logits are built).
+        """
+        if return_outputs:
+            raise ValueError(f"{type(self).__name__}.compute_loss does not return model outputs.")
+        r = inputs.rollout
+        side, aux_loss = completion_head_inputs(
+            model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask
+        )
+        return side, aux_loss, ("train" if model.training else "eval")
+
+    def _finish_loss(
+        self, loss: torch.Tensor, aux_loss: Any, inputs: ScoredRollout, metrics: dict[str, float], mode: str
+    ) -> torch.Tensor:
+        """The end of each family's ``compute_loss``: the MoE router loss added, the metrics recorded."""
+        loss = self._with_aux_loss(loss, SimpleNamespace(aux_loss=aux_loss), inputs, metrics)
+        self._metrics.add_all(mode, metrics)
+        return loss
+
     def _token_means(self, values: dict[str, torch.Tensor], tokens: int) -> dict[str, float]:
         """Each [tokens] tensor's mean over every process's tokens."""
         local = torch.stack(
@@ -245,14 +270,9 @@ class DistillationTrainer(TeacherStudentTrainer):
         num_items_in_batch: Any = None,
     ) -> torch.Tensor:
         """The per-token losses summed over the micro-batch's completion tokens, over the step's token count."""
-        if return_outputs:
-            raise ValueError(f"{type(self).__name__}.compute_loss does not return model outputs.")
+        student, aux_loss, mode = self._student_side(model, inputs, return_outputs)
         r = inputs.rollout
-        mode = "train" if model.training else "eval"
         keep = self._loss_mask(r).bool()  # [n, T]
-        student, aux_loss = completion_head_inputs(
-            model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask
-        )
         parts: list[tuple[torch.Tensor, dict[str, torch.Tensor]]] = []
         for teacher_model, rows in self._teacher_groups(inputs):
             sub = r if rows is None else select_rows(r, rows)
@@ -274,10 +294,7 @@ class DistillationTrainer(TeacherStudentTrainer):
             parts.append(self._token_losses(student.rows(sub_keep), teacher, inputs, sub_keep))
         per_token = torch.cat([p for p, _ in parts])
         metrics = self._reduce_metrics({k: torch.cat([t[k] for _, t in parts]) for k in parts[0][1]})
-        loss = per_token.sum() / inputs.norms.tokens
-        loss = self._with_aux_loss(loss, SimpleNamespace(aux_loss=aux_loss), inputs, metrics)
-        self._metrics.add_all(mode, metrics)
-        return loss
+        return self._finish_loss(per_token.sum() / inputs.norms.tokens, aux_loss, inputs, metrics, mode)
 
     def _teacher_groups(self, inputs: ScoredRollout) -> list[tuple[Any, torch.Tensor | None]]:
         """Each teacher with the rows it scores ([n] bool; ``None``: all rows)."""
