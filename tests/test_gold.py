@@ -445,6 +445,10 @@ def test_completion_text_follows_the_generated_bytes(toks) -> None:
     assert offsets[-3:] == [(3, 5), (3, 5), (5, 5)]  # both halves get the whole character; EOS none
     broken, spans = completion_text([e_acute[1], e_acute[0]], pieces, set())
     assert broken == "\ufffd\ufffd" and spans == [(0, 3), (3, 6)]  # invalid bytes are replaced
+    straddling, spans = completion_text(
+        [0, 1], [b"a\xc3", b"\xa9b"], set()
+    )  # "a" + half of "é", then the rest
+    assert straddling == "aéb" and spans == [(0, 4), (1, 4)]
 
 
 def test_the_teacher_tokenizer_must_be_found(tmp_path, toks) -> None:

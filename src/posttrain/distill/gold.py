@@ -21,8 +21,8 @@ How a batch crosses tokenizers (built once per generation batch, ``_attach_teach
 1. **The completion's text** is the concatenation of the student's completion tokens' bytes
    (``token_bytes``; special tokens have none), decoded incrementally as UTF-8 with invalid bytes
    replaced. Each student token's byte span is where its bytes land in that text, so the offsets
-   match the generated ids exactly (no re-tokenisation of the student's side); a token holding
-   part of a character gets the whole character's span, as fast tokenizers report it.
+   match the generated ids exactly (no re-tokenisation of the student's side); tokens that split
+   a character get overlapping spans, which ``align_spans`` keeps in one unit.
 2. **The teacher's tokens**: the prompt rendered with the *teacher's* chat template (a plain-text
    prompt as it is), then the completion text tokenised by the teacher's tokenizer
    (``byte_offsets``); a completion that ended with EOS gets the teacher's EOS too. With
@@ -370,8 +370,9 @@ def completion_text(
 
     Returns:
         ``(text, offsets)``: the bytes decoded as UTF-8 (invalid bytes replaced), and per token
-        ``(start, end)`` into ``text.encode()``. A token whose bytes end inside a character gets
-        the span of the text its bytes complete, shared with the token that completes it.
+        ``(start, end)`` into ``text.encode()``. A token whose bytes end inside a character
+        reaches to the end of the text the next token's bytes complete, so the two overlap (one
+        unit for ``align_spans``), as a fast tokenizer's offsets of a split character do.
     """
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     parts: list[str] = []
@@ -391,7 +392,8 @@ def completion_text(
             for p in pending:
                 offsets[p] = (offsets[p][0], end)
             parts.append(out)
-            at, pending = end, []
+            at = end
+            pending = [k] if decoder.getstate()[0] else []  # its last bytes start the next character
     tail = decoder.decode(b"", final=True)
     if tail:
         end = at + len(tail.encode("utf-8"))
