@@ -19,6 +19,8 @@ _LAZY = {
     "DistillationConfig": "posttrain.distill.config",
     "DistillationTrainer": "posttrain.distill.trainer",
     "GKDConfig": "posttrain.distill.config",
+    "GOLDConfig": "posttrain.distill.gold",
+    "GOLDTrainer": "posttrain.distill.gold",
     "GKDTrainer": "posttrain.distill.trainer",
     "IWOPDConfig": "posttrain.distill.config",
     "IWOPDTrainer": "posttrain.distill.trainer",
@@ -63,6 +65,7 @@ if TYPE_CHECKING:  # pragma: no cover
         SDFTConfig,
         SDPOConfig,
     )
+    from posttrain.distill.gold import GOLDConfig, GOLDTrainer  # noqa: F401
     from posttrain.distill.self_distillation import SDFTTrainer, SDPOTrainer  # noqa: F401
     from posttrain.distill.trainer import DistillationTrainer, GKDTrainer, IWOPDTrainer  # noqa: F401
     from posttrain.dpo.config import DPOConfig  # noqa: F401

@@ -97,7 +97,8 @@ class TeacherStudentTrainer(OnlineTrainer):
     def _token_means(self, values: dict[str, torch.Tensor], tokens: int) -> dict[str, float]:
         """Each [tokens] tensor's mean over every process's tokens."""
         local = torch.stack(
-            [v.detach().float().sum() for v in values.values()] + [torch.tensor(float(tokens))]
+            [v.detach().float().sum().to(self.accelerator.device) for v in values.values()]
+            + [torch.tensor(float(tokens), device=self.accelerator.device)]
         )
         sums = gather(local.to(self.accelerator.device).unsqueeze(0)).sum(0).tolist()
         count = max(sums[-1], 1.0)
@@ -217,8 +218,8 @@ class DistillationTrainer(TeacherStudentTrainer):
             raise ValueError(
                 f"The teacher's vocabulary has {teacher_vocab} tokens and the student's {student_vocab}; "
                 f"{type(self).__name__} compares their next-token distributions token by token, so they must "
-                "share one tokenizer. Pick a teacher of the student's family; distillation across tokenizers "
-                "(GOLD's use_uld_loss, X-Token's xtoken_loss_type) is not built yet in posttrain."
+                "share one tokenizer. Pick a teacher of the student's family, or distil across tokenizers with "
+                "GOLDTrainer (use_uld_loss=True, or X-Token's xtoken_loss_type)."
             )
 
     @staticmethod
