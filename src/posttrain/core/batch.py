@@ -2,14 +2,16 @@
 
 ``Sequences`` (tokens and a loss mask, what SFT trains on), ``Pairs`` (a chosen and a rejected
 ``Sequences`` sharing their prompts, what preference methods train on), ``PromptRows`` (rows
-split into prompt and completion, to score a shared prompt once) and ``Rollout``
-(prompts and sampled completions with the sampler's log-probs, what online methods score).
+split into prompt and completion, to score a shared prompt once), ``Rollout``
+(prompts and sampled completions with the sampler's log-probs, what online methods score) and
+``VisionInputs`` (a vision-language model's per-row image inputs, carried by a ``Rollout``).
 No module here imports a trainer family. Shapes: ``N`` rows, ``L`` tokens per row, ``P``
 prompt tokens (left padded), ``T`` completion tokens (right padded).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -100,6 +102,89 @@ class PromptRows:
                                                    self.completion_mask)))  # fmt: skip
 
 
+#: Processor outputs with one value per prompt token (aligned with ``input_ids``): they are padded
+#: with the prompts and continued with 0 over the completion tokens. Every other processor output
+#: (pixel values, grid sizes, image sizes, pixel masks) is per image and concatenated over rows.
+TOKEN_ALIGNED_INPUTS = ("mm_token_type_ids", "token_type_ids")
+
+
+@dataclass
+class VisionInputs:
+    """A vision-language model's inputs besides the tokens, kept per row of a batch.
+
+    The processor of each row is run on that row alone, so a row's tensors describe its own
+    images (Qwen2-VL: ``pixel_values`` [patches, D] and ``image_grid_thw`` [images, 3]; Idefics3 /
+    SmolVLM: ``pixel_values`` [1, images, C, H, W] and ``pixel_attention_mask``; LLaVA-NeXT:
+    ``pixel_values`` [images, crops, C, H, W] and ``image_sizes``; Gemma 3: ``pixel_values``
+    [images, C, H, W]), and a micro-batch concatenates the tensors of its own rows
+    (``model_kwargs``). A row without images has an empty dict.
+
+    Attributes:
+        rows: one dict per row: image tensors as the processor returned them for that row, and
+            the ``TOKEN_ALIGNED_INPUTS`` as 1-D tensors over the row's real prompt tokens.
+    """
+
+    rows: list[dict[str, torch.Tensor]]
+
+    def select(self, index: slice | Sequence[int]) -> VisionInputs:
+        """The inputs of the given rows, in that order."""
+        if isinstance(index, slice):
+            return VisionInputs(self.rows[index])
+        return VisionInputs([self.rows[i] for i in index])
+
+    @property
+    def has_images(self) -> bool:
+        """Whether any row has image tensors."""
+        return any(k not in TOKEN_ALIGNED_INPUTS for row in self.rows for k in row)
+
+    def model_kwargs(
+        self, prompt_width: int, completion_width: int, device: torch.device | str
+    ) -> dict[str, torch.Tensor]:
+        """The keyword arguments of the model's forward (or ``generate``) for these rows.
+
+        Args:
+            prompt_width: P, the width of the left-padded prompts the rows sit in.
+            completion_width: T, the completion tokens after the prompts (0 for generation).
+            device: where the tensors go.
+
+        Returns:
+            Token-aligned inputs as [N, P + T] (0 on padding and completions); the image
+            tensors of every row concatenated on their first dimension, the others zero-padded
+            to the largest row's (as a processor pads a batch: padding images are all zero).
+        """
+        names = dict.fromkeys(k for row in self.rows for k in row)
+        out: dict[str, torch.Tensor] = {}
+        for name in names:
+            if name in TOKEN_ALIGNED_INPUTS:
+                out[name] = _token_aligned(self.rows, name, prompt_width, completion_width)
+            else:
+                out[name] = _concat_padded([row[name] for row in self.rows if name in row])
+        return {k: v.to(device) for k, v in out.items()}
+
+
+def _token_aligned(rows: list[dict[str, torch.Tensor]], name: str, width: int, extra: int) -> torch.Tensor:
+    """[N, width + extra]: each row's values right-aligned in the prompt columns, 0 elsewhere."""
+    dtype = next(row[name].dtype for row in rows if name in row)
+    out = torch.zeros(len(rows), width + extra, dtype=dtype)
+    for i, row in enumerate(rows):
+        if name in row:
+            values = row[name].reshape(-1)[-width:]
+            out[i, width - values.shape[0] : width] = values
+    return out
+
+
+def _concat_padded(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Concatenate on dim 0, zero-padding every other dimension to the largest part's size."""
+    shape = [max(p.shape[d] for p in parts) for d in range(1, parts[0].dim())]
+    padded = []
+    for p in parts:
+        pad: list[int] = []
+        for d in reversed(range(1, p.dim())):
+            pad += [0, shape[d - 1] - p.shape[d]]
+        padded.append(torch.nn.functional.pad(p, pad) if any(pad) else p)
+    return torch.cat(padded, dim=0)
+
+
 @dataclass
 class Rollout:
     """What the generator produced for a batch of prompts.
@@ -114,6 +199,7 @@ class Rollout:
         tool_mask: [N, T] in agent rollouts, 1 on the tokens the model sampled and 0 on those the
             tool loop inserted (tool results, template text); ``None`` when every completion
             token was sampled.
+        vision: a vision-language model's image inputs of each row, or ``None`` (text only).
     """
 
     prompt_ids: torch.Tensor
@@ -123,6 +209,14 @@ class Rollout:
     is_terminated: torch.Tensor
     sampler_logps: torch.Tensor | None = None
     tool_mask: torch.Tensor | None = None
+    vision: VisionInputs | None = None
+
+    def vision_kwargs(self) -> dict[str, torch.Tensor] | None:
+        """The model's image inputs for scoring ``[prompt | completion]`` rows, or ``None``."""
+        if self.vision is None:
+            return None
+        P, T = self.prompt_ids.shape[1], self.completion_ids.shape[1]
+        return self.vision.model_kwargs(P, T, self.prompt_ids.device)
 
     @property
     def completion_lengths(self) -> torch.Tensor:
@@ -155,4 +249,5 @@ class Rollout:
             is_terminated=self.is_terminated[rows],
             sampler_logps=self.sampler_logps[rows, :keep_t] if self.sampler_logps is not None else None,
             tool_mask=self.tool_mask[rows, :keep_t] if self.tool_mask is not None else None,
+            vision=self.vision.select(rows) if self.vision is not None else None,
         )

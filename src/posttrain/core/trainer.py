@@ -80,7 +80,9 @@ class BaseTrainer(Trainer):
         **trainer_kwargs: Any,
     ) -> None:
         model, source = self._setup_model(model, args, peft_config, quantization_config)
-        processing_class = self._setup_tokenizer(processing_class, source, args)
+        processing_class = self._setup_tokenizer(
+            processing_class, source, args, loading.is_vision_model(model)
+        )
         super().__init__(model=model, args=args, processing_class=processing_class, **trainer_kwargs)
         self._trim_hooks: list[Any] = []
         if self.accelerator.device.type == "cpu":  # glibc's heap (ops/memory.py):
@@ -139,10 +141,13 @@ class BaseTrainer(Trainer):
         return policy, source
 
     @staticmethod
-    def _setup_tokenizer(processing_class: Any, source: str, args: Any) -> Any:
+    def _setup_tokenizer(processing_class: Any, source: str, args: Any, vision: bool = False) -> Any:
+        """The given processing class, or the model's tokenizer (its processor for a vision model ``vision``)."""
         if processing_class is None:
             revision = (args.model_init_kwargs or {}).get("revision")
-            processing_class = loading.load_tokenizer(source, revision, args.trust_remote_code)
+            processing_class = loading.load_tokenizer(
+                source, revision, args.trust_remote_code, processor=vision
+            )
         return loading.prepare_tokenizer(processing_class)
 
     @property

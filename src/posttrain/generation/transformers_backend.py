@@ -365,13 +365,20 @@ class TransformersGenerator:
 
     @torch.no_grad()
     def generate(
-        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_new_tokens: int | None = None
+        self,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        max_new_tokens: int | None = None,
+        model_inputs: Mapping[str, torch.Tensor] | None = None,
     ) -> Samples:
         """One sampled completion per prompt row: ``[N, P] -> Samples([N, T])``.
 
         Args:
             prompt_ids: [N, P] left-padded prompts; prompt_mask: [N, P].
             max_new_tokens: a tighter budget for this call (the tool loop's remaining tokens).
+            model_inputs: a vision-language model's image inputs of the rows (pixel values, grid
+                sizes, ...): passed to ``generate``, which then runs plain (the lean loop and the
+                shared prefill read tokens only).
         """
         config = self.config
         if max_new_tokens is not None and max_new_tokens < (config.max_new_tokens or max_new_tokens + 1):
@@ -384,10 +391,29 @@ class TransformersGenerator:
         model.eval()
         try:
             with self.full_parameters(model):
-                out = self._generate(model, prompt_ids, prompt_mask, config)
+                if model_inputs:
+                    out = self._generate_with_inputs(model, prompt_ids, prompt_mask, config, model_inputs)
+                else:
+                    out = self._generate(model, prompt_ids, prompt_mask, config)
         finally:
             model.train(was_training)
         return Samples(completion_ids=out[:, prompt_ids.shape[1] :])
+
+    def _generate_with_inputs(
+        self,
+        model: torch.nn.Module,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        config: GenerationConfig,
+        model_inputs: Mapping[str, torch.Tensor],
+    ) -> torch.Tensor:
+        """``model.generate`` with a vision-language model's image inputs beside the tokens."""
+        reason = "the batch has image inputs"
+        self.last_path, self.last_blocker, self.last_lean_blocker = "plain", reason, reason
+        self.last_fused_blocker = "the lean loop did not run"
+        return model.generate(
+            input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config, **model_inputs
+        )
 
     def _packing_pays(self, config: GenerationConfig) -> bool:
         return self.prepack_weights and (config.max_new_tokens or 0) >= PREPACK_MIN_NEW_TOKENS

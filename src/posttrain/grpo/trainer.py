@@ -28,7 +28,6 @@ from posttrain.grpo import advantages, regularizers
 from posttrain.grpo.config import GRPOConfig
 from posttrain.grpo.loss import LossSettings, grpo_loss
 from posttrain.grpo.metrics import loss_metrics
-from posttrain.ops.logprobs import completion_logps
 from posttrain.sampling.metrics import reduce_sampling_metrics
 from posttrain.sampling.rollout import ScoredRollout
 from posttrain.sampling.trainer import OnlineTrainer
@@ -152,17 +151,11 @@ class GRPOTrainer(OnlineTrainer):
         num_items_in_batch: Any = None,
     ) -> torch.Tensor:
         """The GRPO loss of one micro-batch (already normalised for accumulation and processes)."""
-        if return_outputs:
-            raise ValueError("GRPOTrainer.compute_loss does not return model outputs.")
         a, r = self.args, inputs.rollout
-        mode = "train" if model.training else "eval"
-        out = completion_logps(
+        out, mode = self._policy_forward(
             model,
-            r.prompt_ids,
-            r.prompt_mask,
-            r.completion_ids,
-            r.completion_mask,
-            a.temperature,
+            inputs,
+            return_outputs,
             with_entropy=True,
             entropy_grad=self.loss_settings.entropy_regularized,
         )

@@ -85,7 +85,23 @@ def load_policy(
         kwargs.setdefault("device_map", {"": device})
     if kind == "sequence_classification":
         return _load_sequence_classifier(resolve_model_path(name), kwargs)
-    return AutoModelForCausalLM.from_pretrained(resolve_model_path(name), **kwargs)
+    path = resolve_model_path(name)
+    try:
+        return AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    except ValueError as error:
+        # a vision-language model (Qwen2-VL, SmolVLM, LLaVA-NeXT) has no causal LM class
+        if "Unrecognized configuration class" not in str(error):
+            raise
+        from transformers import AutoModelForImageTextToText
+
+        return AutoModelForImageTextToText.from_pretrained(path, **kwargs)
+
+
+def is_vision_model(model: Any) -> bool:
+    """Whether ``model`` (or a ``PeftModel``'s base) reads images: its config has a vision part."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = getattr(base, "config", None)
+    return getattr(config, "vision_config", None) is not None
 
 
 def is_sequence_classifier(model: Any) -> bool:
@@ -146,14 +162,21 @@ def check_model_kind(model: Any, kind: str) -> None:
         )
 
 
-def load_tokenizer(source: str, revision: str | None, trust_remote_code: bool) -> Any:
-    """Load the tokenizer for a model name or path (embedded names resolved)."""
-    from transformers import AutoTokenizer
+def load_tokenizer(
+    source: str, revision: str | None, trust_remote_code: bool, processor: bool = False
+) -> Any:
+    """Load the tokenizer for a model name or path (embedded names resolved).
+
+    ``processor``: load the model's processor instead (``AutoProcessor``: a vision-language
+    model's image processor and tokenizer together).
+    """
+    from transformers import AutoProcessor, AutoTokenizer
 
     kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
     if revision is not None:
         kwargs["revision"] = revision
-    return AutoTokenizer.from_pretrained(resolve_model_path(source), **kwargs)
+    auto = AutoProcessor if processor else AutoTokenizer
+    return auto.from_pretrained(resolve_model_path(source), **kwargs)
 
 
 def prepare_tokenizer(tokenizer: Any) -> Any:

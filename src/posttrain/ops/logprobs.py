@@ -85,6 +85,7 @@ def completion_logps(
     chunk_size: int | None = chunked.DEFAULT_CHUNK_SIZE,
     share_prompts: bool = True,
     extra_ids: torch.Tensor | None = None,
+    model_inputs: dict[str, torch.Tensor] | None = None,
 ) -> PolicyOutput:
     """Log-probs (and optionally entropy) of each completion token under ``model``.
 
@@ -101,11 +102,15 @@ def completion_logps(
             all the rows that share it (``ops/shared_prefix.py``), where the model supports it.
         extra_ids: [B, T, K] more token ids whose log-probs are wanted at each completion position
             (score centering's sampler top-k); they share the completion tokens' projection.
+        model_inputs: a vision-language model's other inputs for the ``[prompt | completion]``
+            rows (``core.batch.Rollout.vision_kwargs``: pixel values, grid sizes, token types);
+            the rows are then run whole (no shared prompt pass).
 
     Returns:
         A ``PolicyOutput``.
     """
-    inputs = _row_inputs(prompt_ids, prompt_mask, completion_ids, completion_mask)
+    inputs = _row_inputs(prompt_ids, prompt_mask, completion_ids, completion_mask, model, model_inputs)
+    share_prompts = share_prompts and not model_inputs
     targets = (
         completion_ids if extra_ids is None else torch.cat([completion_ids.unsqueeze(-1), extra_ids], -1)
     )
@@ -208,16 +213,34 @@ def _row_inputs(
     prompt_mask: torch.Tensor,
     completion_ids: torch.Tensor,
     completion_mask: torch.Tensor,
+    model: torch.nn.Module | None = None,
+    model_inputs: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, Any]:
-    """The model inputs of the ``[prompt | completion]`` rows, positions counted over real tokens."""
+    """The model inputs of the ``[prompt | completion]`` rows, positions counted over real tokens.
+
+    With a vision-language model's ``model_inputs``, those are added; a model that places its
+    image tokens in several position dimensions (Qwen-VL's 3-D rotary positions, from the grid
+    sizes) computes its positions itself, from the tokens, image inputs and attention mask.
+    """
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [B, P + T]
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)  # [B, P + T]
-    return {
+    inputs = {
         "input_ids": input_ids,
         "attention_mask": attention_mask,
         "position_ids": position_ids_from_mask(attention_mask),
         "use_cache": False,
     }
+    if model_inputs:
+        inputs.update(model_inputs)
+        if model is not None and _positions_from_images(model):
+            del inputs["position_ids"]
+    return inputs
+
+
+def _positions_from_images(model: torch.nn.Module) -> bool:
+    """Whether the model derives its positions from its image inputs (a ``get_rope_index``)."""
+    lm = chunked.causal_lm(model)
+    return hasattr(lm, "get_rope_index") or hasattr(getattr(lm, "model", None), "get_rope_index")
 
 
 def _completion_hidden(

@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from posttrain.data import formats
+from posttrain.data import formats, vision
+from posttrain.models import loading
 from posttrain.sampling.pipeline import EPISODE_COLUMN
 
 
@@ -97,6 +98,58 @@ def check_chat_template(dataset: Any, processing_class: Any) -> None:
         raise ValueError(
             "train_dataset is conversational (its prompts are lists of messages) but the tokenizer has no chat "
             "template. Set tokenizer.chat_template (and pass it as processing_class), or use plain-text prompts."
+        )
+
+
+def check_vision_inputs(
+    train_dataset: Any, eval_dataset: Any, model: Any, processing_class: Any, args: Any
+) -> None:
+    """Datasets with images need a vision-language model, its processor and a backend that takes images.
+
+    Checked before training: each dataset's image column (``image`` / ``images``) against the
+    model and the processing class, and the first row's images against its prompt's placeholders
+    (every other row is checked when it is sampled).
+
+    Raises:
+        ValueError: an image column with a text-only model, or with a processing class that
+            has no image processor; the first row's images do not match its placeholders.
+        NotImplementedError: images with vLLM or continuous batching.
+    """
+    evals = eval_dataset.items() if isinstance(eval_dataset, Mapping) else [("", eval_dataset)]
+    named = [("train_dataset", train_dataset)] + [
+        (f"eval_dataset[{k!r}]" if k else "eval_dataset", ds) for k, ds in evals if ds is not None
+    ]
+    for name, dataset in named:
+        column = vision.image_column(getattr(dataset, "column_names", None))
+        if column is None:
+            continue
+        _check_image_model(name, column, model, processing_class, args)
+        if hasattr(dataset, "__len__") and len(dataset) > 0 and formats.PROMPT_COLUMN in dataset.column_names:
+            first = dataset[0]
+            images = vision.row_images(first)
+            vision.check_row_images(
+                first[formats.PROMPT_COLUMN], images, f"0 of {name}", vision.image_token_of(processing_class)
+            )
+
+
+def _check_image_model(name: str, column: str, model: Any, processing_class: Any, args: Any) -> None:
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if not loading.is_vision_model(model):
+        raise ValueError(
+            f"{name} has an {column!r} column, but the model is a {type(base).__name__}, a text-only model that "
+            "cannot read images. Train a vision-language model (e.g. Qwen2VLForConditionalGeneration) with its "
+            f"processor as processing_class, or remove the {column!r} column (dataset.remove_columns({column!r}))."
+        )
+    if vision.image_processor_of(processing_class) is None:
+        raise ValueError(
+            f"{name} has an {column!r} column, but processing_class is a {type(processing_class).__name__} without "
+            f"an image processor; pass the processor of the {type(base).__name__} "
+            "(AutoProcessor.from_pretrained(...)), or leave processing_class None to load it with the model."
+        )
+    if getattr(args, "use_vllm", False) or getattr(args, "use_transformers_continuous_batching", False):
+        raise NotImplementedError(
+            f"{name} has images; vision-language models sample with the transformers backend only for now: set "
+            "use_vllm=False and use_transformers_continuous_batching=False."
         )
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from posttrain.core.batch import Rollout
+from posttrain.core.batch import Rollout, VisionInputs
 from posttrain.ops.padding import left_pad
 from posttrain.rewards.runner import weighted_sum
 
@@ -83,6 +83,9 @@ def take_groups(
     tool_mask = None
     if rollouts[0].tool_mask is not None:
         tool_mask = torch.stack([right(rollouts[r].tool_mask[i], 0) for r, i in rows])
+    vision = None
+    if any(ro.vision is not None for ro in rollouts):  # each row keeps its own images
+        vision = VisionInputs([rollouts[r].vision.rows[i] if rollouts[r].vision else {} for r, i in rows])
     device = rollouts[0].prompt_ids.device
     return Rollout(
         prompt_ids=prompt_ids.to(device),
@@ -92,4 +95,5 @@ def take_groups(
         is_terminated=torch.stack([rollouts[r].is_terminated[i] for r, i in rows]),
         sampler_logps=sampler,
         tool_mask=tool_mask,
+        vision=vision,
     )

@@ -13,6 +13,7 @@ summed across processes, and dynamic sampling continues while any process still 
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,7 +22,7 @@ import torch
 from accelerate.utils import gather, gather_object
 
 from posttrain.core.batch import Rollout
-from posttrain.data import chat, formats
+from posttrain.data import chat, formats, vision
 from posttrain.generation.base import Generator, build_rollout
 from posttrain.generation.rollout_func import call_rollout_func
 from posttrain.observe.metrics import MetricStore
@@ -70,6 +71,8 @@ class OnlineSampler:
             functions as ``trainer_state``.
         agent: the tool loop (``agents.runner.AgentRunner``), when tools or environments are set.
         rollout_func: the user's own sampler, replacing ``generator``.
+        processor: the model's processor when it reads images (a vision-language model): rows with
+            an ``image`` / ``images`` column are encoded with it (``data.vision``); else ``None``.
         log_extra_columns: the columns reward functions added with ``log_extra`` in the last call.
         sampled_text: prompts, completions and extra columns of the last call.
     """
@@ -83,6 +86,7 @@ class OnlineSampler:
     trainer: Any = None
     agent: Any = None
     rollout_func: Callable | None = None
+    processor: Any = None
     log_extra_columns: dict[str, list[Any]] = field(default_factory=dict)
     sampled_text: Texts = field(default_factory=lambda: ([], [], {}))
 
@@ -112,19 +116,67 @@ class OnlineSampler:
             )
             rollout, extra = result.rollout, result.extra
         else:
-            rollout = self.generate(prompts)
+            rollout = self.generate(prompts, [vision.row_images(row) for row in batch])
         completions, completion_ids = self._decode(rollout, prompts)
         kwargs = {**self._reward_kwargs(batch, prompts, completions, completion_ids, mode), **extra}
         rewards = self.rewards.score(len(batch), kwargs)
         self.sampled_text = (prompts, completions, dict(self.log_extra_columns))
         return rollout, rewards
 
-    def generate(self, prompts: list[Any]) -> Rollout:
-        """Render and tokenise the prompts (``encode_prompts``) and sample one completion each."""
-        prompt_ids, prompt_mask = self.encode_prompts(prompts)
-        samples = self.generator.generate(prompt_ids, prompt_mask)
+    def generate(self, prompts: list[Any], images: list[list[Any]] | None = None) -> Rollout:
+        """Render and tokenise the prompts (``encode_prompts``) and sample one completion each.
+
+        ``images``: each row's images; with any, the processor encodes the rows
+        (``encode_with_images``) and the image inputs go to the generator and the rollout.
+        """
+        if not images or not any(images):
+            prompt_ids, prompt_mask = self.encode_prompts(prompts)
+            samples = self.generator.generate(prompt_ids, prompt_mask)
+            inputs = None
+        else:
+            prompt_ids, prompt_mask, inputs = self.encode_with_images(prompts, images)
+            kwargs = inputs.model_kwargs(prompt_ids.shape[1], 0, self.device)
+            samples = self.generator.generate(prompt_ids, prompt_mask, model_inputs=kwargs)
         s = self.settings
-        return build_rollout(prompt_ids, prompt_mask, samples, s.eos_token_ids, self.tokenizer.pad_token_id)
+        rollout = build_rollout(
+            prompt_ids, prompt_mask, samples, s.eos_token_ids, self.tokenizer.pad_token_id
+        )
+        rollout.vision = inputs
+        return rollout
+
+    def encode_with_images(
+        self, prompts: list[Any], images: list[list[Any]]
+    ) -> tuple[torch.Tensor, torch.Tensor, vision.VisionInputs]:
+        """``encode_prompts`` for rows with images: the processor renders and tokenises each row.
+
+        Returns:
+            ``prompt_ids`` [N, P], ``prompt_mask`` [N, P] and the rows' image inputs.
+
+        Raises:
+            ValueError: there is no processor; or a row's images do not match its placeholders.
+            NotImplementedError: the generator does not take image inputs.
+        """
+        if self.processor is None:
+            raise ValueError(
+                "The batch has images (an 'image' or 'images' column) but the processing class has no image "
+                "processor; pass the model's processor (AutoProcessor.from_pretrained(...)) as processing_class."
+            )
+        if "model_inputs" not in inspect.signature(self.generator.generate).parameters:
+            raise NotImplementedError(
+                f"{type(self.generator).__name__} does not take image inputs; vision-language models sample with "
+                "the transformers backend (use_vllm=False, use_transformers_continuous_batching=False)."
+            )
+        s = self.settings
+        ids, inputs = vision.encode_with_images(
+            self.processor, self.tokenizer, prompts, images, s.chat_template_kwargs
+        )
+        if s.max_prompt_length is not None and any(len(row) > s.max_prompt_length for row in ids):
+            raise ValueError(
+                f"A prompt with images is longer than max_prompt_length={s.max_prompt_length} tokens; cutting it "
+                "would cut its image tokens. Raise max_prompt_length or leave it None."
+            )
+        prompt_ids, prompt_mask = left_pad(ids, self.tokenizer.pad_token_id, s.pad_to_multiple_of)
+        return prompt_ids.to(self.device), prompt_mask.to(self.device), inputs
 
     def encode_prompts(
         self, prompts: list[Any], max_length: int | None = None

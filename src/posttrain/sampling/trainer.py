@@ -24,6 +24,7 @@ from posttrain.core.batch import Rollout
 from posttrain.core.trainer import BaseTrainer
 from posttrain.data import formats
 from posttrain.data.sampling import online_dataloader
+from posttrain.data.vision import image_processor_of
 from posttrain.generation.base import Generator
 from posttrain.models import peft as peft_utils
 from posttrain.models import reference as model_options
@@ -88,6 +89,7 @@ class OnlineTrainer(BaseTrainer):
             optimizers=optimizers,
         )
         checks.check_chat_template(train_dataset, self.processing_class)
+        checks.check_vision_inputs(train_dataset, eval_dataset, self.model, self.processing_class, args)
         for reward_model in reward_models(rewards.funcs):
             reward_model.to(self.accelerator.device)
         self.rewards = rewards
@@ -151,6 +153,9 @@ class OnlineTrainer(BaseTrainer):
             trainer=self,
             agent=self.agent,
             rollout_func=self.rollout_func,
+            processor=self.processing_class
+            if image_processor_of(self.processing_class) is not None
+            else None,
         )
 
     def _setup_completion_logs(self) -> dict[str, CompletionLog]:
@@ -440,7 +445,13 @@ class OnlineTrainer(BaseTrainer):
     def _frozen_logps(self, model: torch.nn.Module, r: Rollout) -> torch.Tensor:
         """Log-probs of a rollout's completions under ``model``, without gradient: [N, T]."""
         out = completion_logps(
-            model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, self.args.temperature
+            model,
+            r.prompt_ids,
+            r.prompt_mask,
+            r.completion_ids,
+            r.completion_mask,
+            self.args.temperature,
+            model_inputs=r.vision_kwargs(),
         )
         return out.logps
 
@@ -470,6 +481,7 @@ class OnlineTrainer(BaseTrainer):
             r.completion_ids,
             r.completion_mask,
             self.args.temperature,
+            model_inputs=r.vision_kwargs(),
             **options,
         )
         return out, ("train" if model.training else "eval")

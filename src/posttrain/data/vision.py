@@ -1,0 +1,145 @@
+"""Prompts with images for vision-language models: the dataset columns, checks and encoding.
+
+A row of a multimodal prompt dataset has a ``prompt`` and its images in an ``image`` column
+(one PIL image) or an ``images`` column (a list of them). A conversational prompt marks where
+each image goes with an ``{"type": "image"}`` content block; a plain-text prompt writes the
+processor's image token (``processor.image_token``) there. The model's processor renders and
+tokenises a row with its images: it expands each placeholder into the image's tokens and
+returns the pixel values and the model's other image inputs (``core.batch.VisionInputs``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from posttrain.core.batch import TOKEN_ALIGNED_INPUTS, VisionInputs
+from posttrain.data import chat
+
+#: The dataset columns that hold a row's images: one image, or a list of images.
+IMAGE_COLUMNS = ("image", "images")
+
+
+def image_column(column_names: Sequence[str] | None) -> str | None:
+    """The dataset's image column (``"image"`` or ``"images"``), or ``None``."""
+    return next((c for c in IMAGE_COLUMNS if column_names is not None and c in column_names), None)
+
+
+def row_images(row: Mapping[str, Any]) -> list[Any]:
+    """A dataset row's images as a list (empty when it has none)."""
+    if row.get("images") is not None:
+        images = row["images"]
+        return list(images) if isinstance(images, (list, tuple)) else [images]
+    if row.get("image") is not None:
+        return [row["image"]]
+    return []
+
+
+def image_processor_of(processing_class: Any) -> Any:
+    """The processing class's image processor, or ``None`` for a plain tokenizer."""
+    return getattr(processing_class, "image_processor", None)
+
+
+def placeholder_count(prompt: Any, image_token: str | None) -> int:
+    """How many images a prompt places: ``{"type": "image"}`` blocks, or image tokens in text."""
+    if isinstance(prompt, str):
+        return prompt.count(image_token) if image_token else 0
+    count = 0
+    for message in prompt:
+        content = message.get("content")
+        if isinstance(content, list):
+            count += sum(
+                1 for block in content if isinstance(block, Mapping) and block.get("type") == "image"
+            )
+    return count
+
+
+def check_row_images(prompt: Any, images: Sequence[Any], row: int | str, image_token: str | None) -> None:
+    """Raise a clear ``ValueError`` when a row's images do not match the placeholders of its prompt.
+
+    Args:
+        prompt: the row's prompt (text or messages).
+        images: the row's images.
+        row: the row's index (or a description), named in the message.
+        image_token: the processor's image placeholder in plain text.
+    """
+    places = placeholder_count(prompt, image_token)
+    if places == len(images):
+        return
+    where = (
+        f"image token {image_token!r}s in its text"
+        if isinstance(prompt, str)
+        else "{'type': 'image'} content blocks in its messages"
+    )
+    raise ValueError(
+        f"Row {row} of the dataset has {len(images)} image(s) but its prompt has {places} {where}. Each image "
+        "needs one placeholder where it goes: add one {'type': 'image'} block per image to the user message "
+        "(e.g. [{'type': 'image'}, {'type': 'text', 'text': ...}]), or give the row as many images as placeholders."
+    )
+
+
+def image_token_of(processing_class: Any) -> str | None:
+    """The processor's image placeholder in plain text (``image_token``), or ``None``."""
+    token = getattr(processing_class, "image_token", None)
+    return token if isinstance(token, str) else None
+
+
+def encode_with_images(
+    processor: Any,
+    tokenizer: Any,
+    prompts: Sequence[Any],
+    images: Sequence[Sequence[Any]],
+    chat_template_kwargs: Mapping[str, Any] | None = None,
+) -> tuple[list[list[int]], VisionInputs]:
+    """Render and tokenise prompts with their images, one row at a time, with the processor.
+
+    A row without images is tokenised by the tokenizer alone. Conversational prompts render
+    with the processor's chat template when it has one (it knows the image blocks), else the
+    tokenizer's.
+
+    Args:
+        processor: the model's processor (a ``ProcessorMixin`` with an image processor).
+        tokenizer: its text tokenizer.
+        prompts: standard or conversational prompts.
+        images: each row's images (PIL images), as many as the row's placeholders.
+        chat_template_kwargs: extra chat template variables.
+
+    Returns:
+        Each row's prompt tokens (placeholders expanded) and the rows' ``VisionInputs``.
+
+    Raises:
+        ValueError: a row's images do not match its placeholders (``check_row_images``).
+    """
+    variables = dict(chat_template_kwargs or {})
+    template = getattr(processor, "chat_template", None)
+    if isinstance(template, str) and "chat_template" not in variables:
+        variables["chat_template"] = template
+    ids: list[list[int]] = []
+    rows: list[dict[str, torch.Tensor]] = []
+    token = image_token_of(processor)
+    for i, (prompt, row_images_) in enumerate(zip(prompts, images, strict=True)):
+        check_row_images(prompt, row_images_, f"{i} of this batch", token)
+        text = chat.render_prompt(prompt, tokenizer, variables if not isinstance(prompt, str) else None)
+        special = isinstance(prompt, str)
+        if not row_images_:
+            ids.append(tokenizer(text, add_special_tokens=special)["input_ids"])
+            rows.append({})
+            continue
+        out = processor(
+            text=[text], images=list(row_images_), add_special_tokens=special, return_tensors="pt"
+        )
+        ids.append(out["input_ids"][0].tolist())
+        rows.append(_row_inputs(out))
+    return ids, VisionInputs(rows)
+
+
+def _row_inputs(out: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """A one-row processor output without its tokens: image tensors, and token-aligned ones as 1-D."""
+    row: dict[str, torch.Tensor] = {}
+    for name, value in out.items():
+        if name in ("input_ids", "attention_mask") or not isinstance(value, torch.Tensor):
+            continue
+        row[name] = value[0] if name in TOKEN_ALIGNED_INPUTS else value
+    return row

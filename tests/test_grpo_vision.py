@@ -1,0 +1,286 @@
+"""Vision-language GRPO: prompts with images, tiny models and processors built offline (no downloads)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import build_tiny_model, build_tiny_tokenizer
+from helpers import make_config
+from vision_models import build_qwen2_vl, image_dataset, image_prompt, random_image
+
+from posttrain import GRPOTrainer
+from posttrain.core.batch import Rollout
+from posttrain.data import vision
+from posttrain.ops.logprobs import completion_logps
+from posttrain.ops.padding import left_pad
+from posttrain.sampling.rollout import ScoredRollout
+
+
+def even_token_reward(completion_ids, **kwargs):
+    """How many completion tokens have an even id (varies between samples, unlike their count)."""
+    return [float(sum(1 for t in ids if t % 2 == 0)) for ids in completion_ids]
+
+
+def _vision_args(tmp_path, **overrides):
+    values = {"max_steps": 2, "per_device_train_batch_size": 4, "num_generations": 4, "logging_steps": 1}
+    return make_config(tmp_path, **{**values, **overrides})
+
+
+def _encoded_rows(processor, prompts, images):
+    """Left-padded prompt ids and mask, and the rows' image inputs, as the sampler encodes them."""
+    ids, inputs = vision.encode_with_images(processor, processor.tokenizer, prompts, images)
+    prompt_ids, prompt_mask = left_pad(ids, processor.tokenizer.pad_token_id)
+    return prompt_ids, prompt_mask, inputs
+
+
+def _rollout(processor, n=3, width=5, seed=0):
+    """A rollout of ``n`` rows with images of different sizes and completions of different lengths."""
+    sizes = [(40, 50), (28, 28), (56, 42), (30, 60)]
+    prompts = [image_prompt(i) for i in range(n)]
+    images = [[random_image(i, sizes[i % len(sizes)])] for i in range(n)]
+    prompt_ids, prompt_mask, inputs = _encoded_rows(processor, prompts, images)
+    g = torch.Generator().manual_seed(seed)
+    completion_ids = torch.randint(10, 300, (n, width), generator=g)
+    completion_mask = torch.ones(n, width, dtype=torch.long)
+    for i in range(n):
+        completion_mask[i, width - i :] = 0 if i else 1
+    return Rollout(
+        prompt_ids,
+        prompt_mask,
+        completion_ids,
+        completion_mask,
+        torch.zeros(n, dtype=torch.bool),
+        vision=inputs,
+    )
+
+
+def _full_logits_logps(model, r: Rollout) -> torch.Tensor:
+    """Completion log-probs from a plain forward with the processor's inputs and ``.logits``: [N, T]."""
+    T = r.completion_ids.shape[1]
+    kwargs = r.vision.model_kwargs(r.prompt_ids.shape[1], T, "cpu")
+    logits = model(
+        input_ids=torch.cat([r.prompt_ids, r.completion_ids], 1),
+        attention_mask=torch.cat([r.prompt_mask, r.completion_mask], 1),
+        **kwargs,
+    ).logits[:, -T - 1 : -1]
+    return torch.log_softmax(logits.float(), -1).gather(-1, r.completion_ids.unsqueeze(-1)).squeeze(-1)
+
+
+# ---- Qwen2-VL ----------------------------------------------------------------------------------
+
+
+def test_qwen2_vl_processor_expands_one_image_into_its_pad_tokens():
+    _, processor = build_qwen2_vl()
+    tok = processor.tokenizer
+    image = random_image(0, (40, 50))
+    ids, inputs = vision.encode_with_images(processor, tok, [image_prompt(3)], [[image]])
+    grid = inputs.rows[0]["image_grid_thw"]  # [1, 3]: t, h, w patches
+    assert grid.shape == (1, 3)
+    pads = ids[0].count(tok.convert_tokens_to_ids("<|image_pad|>"))
+    assert pads == int(grid.prod()) // 4 > 0  # patches merged 2 x 2
+    assert inputs.rows[0]["pixel_values"].shape[0] == int(grid.prod())
+    assert inputs.rows[0]["mm_token_type_ids"].shape == (len(ids[0]),)
+    assert int(inputs.rows[0]["mm_token_type_ids"].sum()) == pads
+    text = tok.decode(ids[0])
+    assert text.startswith("<|im_start|>user\n<|vision_start|><|image_pad|>")
+    assert text.endswith("What is 3 plus one?<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_qwen2_vl_trains_two_steps_and_moves_the_vision_tower(tmp_path):
+    model, processor = build_qwen2_vl()
+    visual = [p.detach().clone() for p in model.model.visual.parameters()]
+    language = [p.detach().clone() for p in model.model.language_model.parameters()]
+    seen = {}
+
+    def reward(completion_ids, image, prompts, **kwargs):
+        seen["images"] = image
+        return even_token_reward(completion_ids)
+
+    args = _vision_args(tmp_path, beta=0.1, num_iterations=2)  # old and reference log-probs with images too
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=reward,
+        args=args,
+        train_dataset=image_dataset(4),
+        processing_class=processor,
+    )
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h and "train_runtime" not in h]
+    assert len(logs) == 2
+    assert all(math.isfinite(h["loss"]) for h in logs)
+    assert (
+        logs[0]["reward_std"] > 0 and logs[1]["kl"] > 0
+    )  # the second step reuses the batch (num_iterations)
+    assert any(
+        not torch.equal(a, b) for a, b in zip(language, model.model.language_model.parameters(), strict=True)
+    )
+    assert any(not torch.equal(a, b) for a, b in zip(visual, model.model.visual.parameters(), strict=True))
+    assert len(seen["images"]) == 4 and all(img.size == (50, 40) for img in seen["images"])
+
+
+def test_qwen2_vl_rows_with_several_images_of_different_sizes_train(tmp_path):
+    model, processor = build_qwen2_vl()
+    dataset = image_dataset(4, column="images", images_per_row=2)
+    args = _vision_args(tmp_path, max_steps=1, steps_per_generation=2, gradient_accumulation_steps=2,
+                        per_device_train_batch_size=2)  # fmt: skip
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=even_token_reward,
+        args=args,
+        train_dataset=dataset,
+        processing_class=processor,
+    )
+    trainer.train()
+    (log,) = [h for h in trainer.state.log_history if "loss" in h and "train_runtime" not in h]
+    assert math.isfinite(log["loss"])
+
+
+def test_qwen2_vl_chunked_completion_logps_equal_a_plain_forward_with_pixel_values():
+    model, processor = build_qwen2_vl()
+    model.eval()
+    r = _rollout(processor, n=3)
+    with torch.no_grad():
+        expected = _full_logits_logps(model, r)
+        chunked = completion_logps(
+            model,
+            r.prompt_ids,
+            r.prompt_mask,
+            r.completion_ids,
+            r.completion_mask,
+            model_inputs=r.vision_kwargs(),
+        ).logps
+        naive = completion_logps(
+            model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask,
+            chunk_size=None, model_inputs=r.vision_kwargs(),
+        ).logps  # fmt: skip
+        without_images = completion_logps(
+            model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask
+        ).logps
+    mask = r.completion_mask.bool()
+    torch.testing.assert_close(chunked[mask], expected[mask], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(naive[mask], expected[mask], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(without_images[mask], expected[mask], atol=1e-4)  # the images count
+
+
+def test_qwen2_vl_micro_batches_keep_their_rows_images():
+    model, processor = build_qwen2_vl()
+    model.eval()
+    r = _rollout(processor, n=4)
+    scored = ScoredRollout(rollout=r, rewards=torch.zeros(4, 1), advantages=torch.arange(4.0))
+    halves = scored.split(2)
+    for k, half in enumerate(halves):
+        for j, row in enumerate(half.rollout.vision.rows):
+            original = r.vision.rows[2 * k + j]
+            assert row.keys() == original.keys()
+            assert all(torch.equal(row[name], original[name]) for name in row)
+    kwargs = halves[1].rollout.vision_kwargs()
+    grids = torch.cat([r.vision.rows[i]["image_grid_thw"] for i in (2, 3)])
+    assert torch.equal(kwargs["image_grid_thw"], grids)
+    assert kwargs["pixel_values"].shape[0] == int(grids.prod(dim=1).sum())
+    with torch.no_grad():
+        whole = _full_logits_logps(model, r)
+        for k, half in enumerate(halves):
+            h = half.rollout
+            part = completion_logps(
+                model, h.prompt_ids, h.prompt_mask, h.completion_ids, h.completion_mask,
+                model_inputs=h.vision_kwargs(),
+            ).logps  # fmt: skip
+            mask = h.completion_mask.bool()
+            torch.testing.assert_close(
+                part[mask], whole[2 * k : 2 * k + 2, : mask.shape[1]][mask], rtol=1e-5, atol=1e-5
+            )
+
+
+# ---- bad inputs --------------------------------------------------------------------------------
+
+
+def test_an_image_column_with_a_text_only_model_is_refused_before_training(tmp_path):
+    tok = build_tiny_tokenizer()
+    with pytest.raises(ValueError, match=r"train_dataset has an 'image' column.*LlamaForCausalLM.*text-only"):
+        GRPOTrainer(
+            model=build_tiny_model(tok),
+            reward_funcs=even_token_reward,
+            args=_vision_args(tmp_path),
+            train_dataset=image_dataset(4),
+            processing_class=tok,
+        )
+
+
+def test_a_vision_model_with_a_plain_tokenizer_is_refused(tmp_path):
+    model, processor = build_qwen2_vl()
+    with pytest.raises(
+        ValueError, match=r"'image' column.*without an image processor.*Qwen2VLForConditionalGeneration"
+    ):
+        GRPOTrainer(
+            model=model,
+            reward_funcs=even_token_reward,
+            args=_vision_args(tmp_path),
+            train_dataset=image_dataset(4),
+            processing_class=processor.tokenizer,
+        )
+
+
+def test_images_that_do_not_match_the_placeholders_are_refused_naming_the_row(tmp_path):
+    from datasets import Dataset
+
+    model, processor = build_qwen2_vl()
+    prompts = [image_prompt(i, images=2 if i == 0 else 1) for i in range(4)]
+    dataset = Dataset.from_dict({"prompt": prompts, "image": [random_image(i) for i in range(4)]})
+    with pytest.raises(
+        ValueError, match=r"Row 0 of train_dataset of the dataset has 1 image\(s\) but its prompt has 2"
+    ):
+        GRPOTrainer(
+            model=model, reward_funcs=even_token_reward, args=_vision_args(tmp_path), train_dataset=dataset,
+            processing_class=processor,
+        )  # fmt: skip
+
+
+def test_a_mismatch_in_a_later_row_is_refused_when_its_batch_is_sampled(tmp_path):
+    _, processor = build_qwen2_vl()
+    prompts = [image_prompt(0), [{"role": "user", "content": "no image here"}]]
+    images = [[random_image(0)], [random_image(1)]]
+    with pytest.raises(
+        ValueError, match=r"Row 1 of this batch of the dataset has 1 image\(s\) but its prompt has 0"
+    ):
+        vision.encode_with_images(processor, processor.tokenizer, prompts, images)
+
+
+def test_a_vision_model_loads_by_path(tmp_path):
+    from posttrain.models import loading
+
+    model, _ = build_qwen2_vl()
+    model.save_pretrained(tmp_path / "qwen2-vl")
+    loaded = loading.load_policy(str(tmp_path / "qwen2-vl"), None, False)
+    assert type(loaded).__name__ == "Qwen2VLForConditionalGeneration"
+    assert loading.is_vision_model(loaded) and not loading.is_vision_model(build_tiny_model(build_tiny_tokenizer()))
+
+
+# ---- Qwen2.5-VL --------------------------------------------------------------------------------
+
+
+def test_qwen2_5_vl_logps_match_a_plain_forward_and_it_trains(tmp_path):
+    model, processor = build_qwen2_vl(family="qwen2_5_vl")
+    model.eval()
+    r = _rollout(processor, n=2)
+    with torch.no_grad():
+        expected = _full_logits_logps(model, r)
+        chunked = completion_logps(
+            model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, model_inputs=r.vision_kwargs()
+        ).logps
+    mask = r.completion_mask.bool()
+    torch.testing.assert_close(chunked[mask], expected[mask], rtol=1e-5, atol=1e-5)
+    model.train()
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=even_token_reward,
+        args=_vision_args(tmp_path, max_steps=1),
+        train_dataset=image_dataset(4),
+        processing_class=processor,
+    )
+    trainer.train()
+    (log,) = [h for h in trainer.state.log_history if "loss" in h and "train_runtime" not in h]
+    assert math.isfinite(log["loss"])
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
