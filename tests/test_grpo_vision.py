@@ -8,7 +8,15 @@ import pytest
 import torch
 from conftest import build_tiny_model, build_tiny_tokenizer
 from helpers import make_config
-from vision_models import build_qwen2_vl, image_dataset, image_prompt, random_image
+from vision_models import (
+    build_gemma3,
+    build_llava_next,
+    build_qwen2_vl,
+    build_smolvlm,
+    image_dataset,
+    image_prompt,
+    random_image,
+)
 
 from posttrain import GRPOTrainer
 from posttrain.core.batch import Rollout
@@ -35,11 +43,14 @@ def _encoded_rows(processor, prompts, images):
     return prompt_ids, prompt_mask, inputs
 
 
-def _rollout(processor, n=3, width=5, seed=0):
+def _rollout(processor, n=3, width=5, seed=0, images_per_row=lambda i: 1):
     """A rollout of ``n`` rows with images of different sizes and completions of different lengths."""
     sizes = [(40, 50), (28, 28), (56, 42), (30, 60)]
-    prompts = [image_prompt(i) for i in range(n)]
-    images = [[random_image(i, sizes[i % len(sizes)])] for i in range(n)]
+    prompts = [image_prompt(i, images_per_row(i)) for i in range(n)]
+    images = [
+        [random_image(10 * i + k, sizes[(i + k) % len(sizes)]) for k in range(images_per_row(i))]
+        for i in range(n)
+    ]
     prompt_ids, prompt_mask, inputs = _encoded_rows(processor, prompts, images)
     g = torch.Generator().manual_seed(seed)
     completion_ids = torch.randint(10, 300, (n, width), generator=g)
@@ -254,7 +265,9 @@ def test_a_vision_model_loads_by_path(tmp_path):
     model.save_pretrained(tmp_path / "qwen2-vl")
     loaded = loading.load_policy(str(tmp_path / "qwen2-vl"), None, False)
     assert type(loaded).__name__ == "Qwen2VLForConditionalGeneration"
-    assert loading.is_vision_model(loaded) and not loading.is_vision_model(build_tiny_model(build_tiny_tokenizer()))
+    assert loading.is_vision_model(loaded) and not loading.is_vision_model(
+        build_tiny_model(build_tiny_tokenizer())
+    )
 
 
 # ---- Qwen2.5-VL --------------------------------------------------------------------------------
@@ -267,10 +280,99 @@ def test_qwen2_5_vl_logps_match_a_plain_forward_and_it_trains(tmp_path):
     with torch.no_grad():
         expected = _full_logits_logps(model, r)
         chunked = completion_logps(
-            model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, model_inputs=r.vision_kwargs()
+            model,
+            r.prompt_ids,
+            r.prompt_mask,
+            r.completion_ids,
+            r.completion_mask,
+            model_inputs=r.vision_kwargs(),
         ).logps
     mask = r.completion_mask.bool()
     torch.testing.assert_close(chunked[mask], expected[mask], rtol=1e-5, atol=1e-5)
+    model.train()
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=even_token_reward,
+        args=_vision_args(tmp_path, max_steps=1),
+        train_dataset=image_dataset(4),
+        processing_class=processor,
+    )
+    trainer.train()
+    (log,) = [h for h in trainer.state.log_history if "loss" in h and "train_runtime" not in h]
+    assert math.isfinite(log["loss"])
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+# ---- SmolVLM2 (Idefics3-style: [rows, images, C, H, W] pixel values with a pixel mask) ----------
+
+
+def test_smolvlm_rows_with_different_image_counts_score_as_a_plain_forward():
+    model, processor = build_smolvlm()
+    model.eval()
+    r = _rollout(processor, n=3, images_per_row=lambda i: 1 + i % 2)
+    kwargs = r.vision_kwargs()
+    assert kwargs["pixel_values"].shape[:2] == (3, 2)  # one row of images per row, padded with zero images
+    assert not kwargs["pixel_values"][0, 1].any() and not kwargs["pixel_attention_mask"][0, 1].any()
+    with torch.no_grad():
+        expected = _full_logits_logps(model, r)
+        chunked = completion_logps(
+            model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, model_inputs=kwargs
+        ).logps
+        without_images = completion_logps(
+            model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask
+        ).logps
+    mask = r.completion_mask.bool()
+    torch.testing.assert_close(chunked[mask], expected[mask], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(without_images[mask], expected[mask], atol=1e-4)
+
+
+def test_smolvlm_trains_and_moves_the_connector(tmp_path):
+    model, processor = build_smolvlm()
+    connector = [p.detach().clone() for p in model.model.connector.parameters()]
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=even_token_reward,
+        args=_vision_args(tmp_path),
+        train_dataset=image_dataset(4, column="images", images_per_row=2),
+        processing_class=processor,
+    )
+    image_token = processor.tokenizer.convert_tokens_to_ids("<image>")
+    assert trainer.generator.config.suppress_tokens == [
+        image_token
+    ]  # a sampled placeholder would want an image
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h and "train_runtime" not in h]
+    assert len(logs) == 2 and all(math.isfinite(h["loss"]) for h in logs)
+    assert any(
+        not torch.equal(a, b) for a, b in zip(connector, model.model.connector.parameters(), strict=True)
+    )
+
+
+# ---- Gemma 3 (token_type_ids, pooled soft tokens) and LLaVA-NeXT (any-resolution crops) ---------
+
+
+@pytest.mark.parametrize("build", [build_gemma3, build_llava_next], ids=["gemma3", "llava_next"])
+def test_family_scores_as_a_plain_forward_and_trains(tmp_path, build):
+    model, processor = build()
+    model.eval()
+    r = _rollout(processor, n=3, images_per_row=lambda i: 1 + i % 2)
+    with torch.no_grad():
+        expected = _full_logits_logps(model, r)
+        ours = completion_logps(
+            model,
+            r.prompt_ids,
+            r.prompt_mask,
+            r.completion_ids,
+            r.completion_mask,
+            model_inputs=r.vision_kwargs(),
+        ).logps
+        without_images = completion_logps(
+            model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask
+        ).logps
+    mask = r.completion_mask.bool()
+    torch.testing.assert_close(ours[mask], expected[mask], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(without_images[mask], expected[mask], atol=1e-4)
     model.train()
     before = [p.detach().clone() for p in model.parameters()]
     trainer = GRPOTrainer(

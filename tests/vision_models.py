@@ -105,6 +105,105 @@ def build_qwen2_vl(seed: int = 0, family: str = "qwen2_vl") -> tuple[Any, Any]:
     return Qwen2VLForConditionalGeneration(config), processor
 
 
+SMOLVLM_SPECIALS = ["<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>"]
+
+
+def build_smolvlm(seed: int = 0) -> tuple[Any, Any]:
+    """SmolVLM2 (Idefics3-style): 32-pixel images of 8-pixel patches, 4 image tokens each (scale factor 2)."""
+    import torch
+    from transformers import SmolVLMConfig, SmolVLMForConditionalGeneration, SmolVLMProcessor
+    from transformers.models.smolvlm.image_processing_pil_smolvlm import SmolVLMImageProcessorPil
+
+    tok = build_tokenizer(SMOLVLM_SPECIALS)
+    template = chat_template("<image>")
+    tok.chat_template = template
+    image_processor = SmolVLMImageProcessorPil(
+        do_image_splitting=False, size={"longest_edge": 32}, max_image_size={"longest_edge": 32}
+    )
+    processor = assemble_processor(
+        SmolVLMProcessor, image_processor=image_processor, tokenizer=tok, video_processor=None, image_seq_len=4,
+        chat_template=template,
+    )  # fmt: skip
+    text = {**TINY_DECODER, "vocab_size": len(tok), "max_position_embeddings": 256, "eos_token_id": tok.eos_token_id,
+            "pad_token_id": tok.pad_token_id, "bos_token_id": None, "tie_word_embeddings": False}  # fmt: skip
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+              "image_size": 32, "patch_size": 8}  # fmt: skip
+    config = SmolVLMConfig(
+        text_config=text, vision_config=vision, scale_factor=2, image_token_id=tok.convert_tokens_to_ids("<image>"),
+        pad_token_id=tok.pad_token_id,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    return SmolVLMForConditionalGeneration(config), processor
+
+
+GEMMA3_SPECIALS = ["<start_of_image>", "<end_of_image>", "<image_soft_token>"]
+
+
+def build_gemma3(seed: int = 0) -> tuple[Any, Any]:
+    """Gemma 3: 32-pixel images of 8-pixel patches pooled to 4 soft tokens, written ``<start_of_image>``."""
+    import torch
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3Processor
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    tok = build_tokenizer(GEMMA3_SPECIALS)
+    boi, eoi, soft = GEMMA3_SPECIALS
+    tok.boi_token, tok.eoi_token, tok.image_token = boi, eoi, soft
+    tok.boi_token_id, tok.eoi_token_id, tok.image_token_id = (
+        tok.convert_tokens_to_ids(t) for t in GEMMA3_SPECIALS
+    )
+    template = chat_template(boi)
+    tok.chat_template = template
+    image_processor = Gemma3ImageProcessorPil(size={"height": 32, "width": 32})
+    processor = assemble_processor(
+        Gemma3Processor,
+        image_processor=image_processor,
+        tokenizer=tok,
+        chat_template=template,
+        image_seq_length=4,
+    )
+    text = {**TINY_DECODER, "head_dim": 8, "vocab_size": len(tok), "max_position_embeddings": 256,
+            "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id, "bos_token_id": None,
+            "sliding_window": 64, "layer_types": ["sliding_attention", "full_attention"]}  # fmt: skip
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+              "image_size": 32, "patch_size": 8}  # fmt: skip
+    config = Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=tok.image_token_id,
+        boi_token_index=tok.boi_token_id, eoi_token_index=tok.eoi_token_id,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    return Gemma3ForConditionalGeneration(config), processor
+
+
+def build_llava_next(seed: int = 0) -> tuple[Any, Any]:
+    """LLaVA-NeXT: a CLIP tower on 16-pixel crops of 8-pixel patches, any-resolution grids up to 32 x 32."""
+    import torch
+    from transformers import LlavaNextConfig, LlavaNextForConditionalGeneration, LlavaNextProcessor
+    from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
+
+    tok = build_tokenizer(["<image>"])
+    template = chat_template("<image>")
+    tok.chat_template = template
+    grids = [[16, 32], [32, 16], [32, 32]]
+    image_processor = LlavaNextImageProcessorPil(
+        size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16}, image_grid_pinpoints=grids
+    )
+    processor = assemble_processor(
+        LlavaNextProcessor, image_processor=image_processor, tokenizer=tok, chat_template=template, patch_size=8,
+        vision_feature_select_strategy="default", num_additional_image_tokens=1,
+    )  # fmt: skip
+    text = {"model_type": "llama", **TINY_DECODER, "vocab_size": len(tok), "max_position_embeddings": 512,
+            "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id, "bos_token_id": None}  # fmt: skip
+    vision = {"model_type": "clip_vision_model", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 2, "image_size": 16, "patch_size": 8, "projection_dim": 32}  # fmt: skip
+    config = LlavaNextConfig(
+        text_config=text, vision_config=vision, image_token_index=tok.convert_tokens_to_ids("<image>"),
+        vision_feature_select_strategy="default", vision_feature_layer=-1, image_grid_pinpoints=grids,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    return LlavaNextForConditionalGeneration(config), processor
+
+
 def random_image(seed: int, size: tuple[int, int] = (40, 50)) -> Any:
     """A small RGB PIL image of random pixels."""
     import numpy as np

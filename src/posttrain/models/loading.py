@@ -104,6 +104,19 @@ def is_vision_model(model: Any) -> bool:
     return getattr(config, "vision_config", None) is not None
 
 
+#: The config fields of a vision-language model that name its image (and video) placeholder tokens.
+PLACEHOLDER_FIELDS = ("image_token_id", "image_token_index", "video_token_id", "video_token_index")
+
+
+def image_placeholder_ids(model: Any) -> list[int]:
+    """A vision-language model's image and video placeholder token ids (none for a text model)."""
+    if not is_vision_model(model):
+        return []
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    values = (getattr(base.config, name, None) for name in PLACEHOLDER_FIELDS)
+    return sorted({v for v in values if isinstance(v, int)})
+
+
 def is_sequence_classifier(model: Any) -> bool:
     """Whether ``model``'s class (or a base class) is a ``...ForSequenceClassification``."""
     return any(cls.__name__.endswith("ForSequenceClassification") for cls in type(model).__mro__)

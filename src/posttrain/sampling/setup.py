@@ -100,7 +100,12 @@ def build_agent(
 
 
 def build_generator(
-    args: Any, accelerator: Any, model: Callable[[], Any], tokenizer: Any, eos: list[int]
+    args: Any,
+    accelerator: Any,
+    model: Callable[[], Any],
+    tokenizer: Any,
+    eos: list[int],
+    suppress: list[int] | None = None,
 ) -> Generator:
     """transformers ``generate`` (shared prompt prefill, the lean loop, prepacked weights), or its
     continuous batching engine with ``use_transformers_continuous_batching``.
@@ -111,7 +116,12 @@ def build_generator(
         model: returns the trainer's model (wrapped or not; FSDP may replace it).
         tokenizer: for the pad token.
         eos: ids that end a completion.
+        suppress: token ids never sampled (a vision-language model's image placeholders: one in a
+            completion would ask for an image that is not there); ``generation_kwargs`` may override.
     """
+    generation_kwargs = dict(args.generation_kwargs or {})
+    if suppress:
+        generation_kwargs.setdefault("suppress_tokens", list(suppress))
     config = sampling_config(
         max_new_tokens=args.max_completion_length,
         temperature=args.temperature,
@@ -122,7 +132,7 @@ def build_generator(
         cache_implementation=args.cache_implementation,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_ids=eos,
-        generation_kwargs=args.generation_kwargs,
+        generation_kwargs=generation_kwargs,
     )
     get_model = lambda: accelerator.unwrap_model(model())  # noqa: E731
     full_parameters = lambda m: distributed.generation_parameters(  # noqa: E731

@@ -28,6 +28,7 @@ from posttrain.data.vision import image_processor_of
 from posttrain.generation.base import Generator
 from posttrain.models import peft as peft_utils
 from posttrain.models import reference as model_options
+from posttrain.models.loading import image_placeholder_ids
 from posttrain.observe.completions import COMPLETIONS_FILE, CompletionLog
 from posttrain.ops.logprobs import completion_logps
 from posttrain.ops.reductions import Normalizers
@@ -141,8 +142,9 @@ class OnlineTrainer(BaseTrainer):
             max_prompt_length=getattr(a, "max_prompt_length", None),  # A*-PO's; the others keep whole prompts
         )
         generator = setup.build_generator(
-            a, self.accelerator, lambda: self.model, self._tokenizer, self._eos_token_ids
-        )
+            a, self.accelerator, lambda: self.model, self._tokenizer, self._eos_token_ids,
+            suppress=image_placeholder_ids(self.model),
+        )  # fmt: skip
         return OnlineSampler(
             tokenizer=self._tokenizer,
             generator=generator,
