@@ -386,3 +386,32 @@ def test_family_scores_as_a_plain_forward_and_trains(tmp_path, build):
     (log,) = [h for h in trainer.state.log_history if "loss" in h and "train_runtime" not in h]
     assert math.isfinite(log["loss"])
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+# ---- LoRA on the vision-language projection --------------------------------------------------
+
+
+def test_lora_on_the_multimodal_projector_trains_one_step_with_the_reference_as_the_base(tmp_path):
+    peft = pytest.importorskip("peft")
+    model, processor = build_qwen2_vl()
+    config = peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["merger.mlp.0", "merger.mlp.2", "q_proj", "v_proj"]
+    )
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=even_token_reward,
+        args=_vision_args(tmp_path, max_steps=1, beta=0.1),  # the KL reference: adapters disabled
+        train_dataset=image_dataset(4),
+        processing_class=processor,
+        peft_config=config,
+    )
+    trainable = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    assert any("merger" in n for n in trainable) and all("lora_" in n for n in trainable)
+    assert trainer.ref_model is None
+    trainer.train()
+    (log,) = [h for h in trainer.state.log_history if "loss" in h and "train_runtime" not in h]
+    assert math.isfinite(log["loss"])
+    moved = [
+        n for n, p in trainer.model.named_parameters() if n in trainable and not torch.equal(p, trainable[n])
+    ]
+    assert any("merger" in n and "lora_B" in n for n in moved)
