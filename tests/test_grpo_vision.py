@@ -415,3 +415,15 @@ def test_lora_on_the_multimodal_projector_trains_one_step_with_the_reference_as_
         n for n, p in trainer.model.named_parameters() if n in trainable and not torch.equal(p, trainable[n])
     ]
     assert any("merger" in n and "lora_B" in n for n in moved)
+
+
+def test_images_with_continuous_batching_are_not_built_yet(tmp_path):
+    model, processor = build_qwen2_vl()
+    args = _vision_args(tmp_path, use_transformers_continuous_batching=True)
+    with pytest.raises(
+        NotImplementedError, match=r"train_dataset has images; vision-language models sample with"
+    ):
+        GRPOTrainer(
+            model=model, reward_funcs=even_token_reward, args=args, train_dataset=image_dataset(4),
+            processing_class=processor,
+        )  # fmt: skip

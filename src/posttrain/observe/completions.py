@@ -19,7 +19,7 @@ skipped the sample) is written as ``null``; so is any other non-finite float.
 Only the main process keeps rows and writes: under distributed training the trainer gathers
 the rows of all processes first and adds them on the main process.
 
-Multimodal content (``log_multimodal``): posttrain's models are text-only for now. Message
+Multimodal content (``log_multimodal``): the images of a vision-language batch are not logged yet. Message
 contents made of parts are kept as they are in the file (values JSON cannot hold become
 strings) and shown by their text parts, other parts as ``<type>``, in the table.
 """

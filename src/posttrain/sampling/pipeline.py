@@ -251,6 +251,11 @@ class OnlineSampler:
         """Agent rollouts (``agents/``): tool-calling episodes, scored by the reward functions and
         the environments' ``get_reward``."""
         rows = [{k: v for k, v in row.items() if k != EPISODE_COLUMN} for row in batch]
+        if any(vision.row_images(row) for row in rows):
+            raise NotImplementedError(
+                "Prompts with images in tool-calling or environment episodes are not built yet; train the "
+                "vision-language model without tools and environments, or drop the 'image'/'images' column."
+            )
         out = self.agent.rollout(self.generator, rows, prompts, self.device)
         rollout, completions = out.result.rollout, out.result.completions
         ids = [
