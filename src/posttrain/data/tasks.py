@@ -217,6 +217,37 @@ def arithmetic_sft_dataset(n: int = 2000, seed: int = 1, few_shot: int = 0, **kw
     )
 
 
+def arithmetic_distill_dataset(n: int = 1000, seed: int = 0, few_shot: int = 2, **kwargs: Any) -> Dataset:
+    """Arithmetic prompts with their worked answers as privileged context, for self-distillation.
+
+    The prompts are those of :func:`arithmetic_dataset` (conversational; ``kwargs`` draw them);
+    each row's ``privileged_context`` is the worked answer of its problem, the completion of
+    :func:`arithmetic_sft_dataset` (``"<expression> = <result>. <answer><result></answer>"``):
+    ``SDFTTrainer``'s teacher reads it after the prompt, the student samples without it. Problems
+    that also occur in a held-out set are left out: the offline commands' (``arithmetic_heldout()``)
+    and the online commands' (``arithmetic_heldout(distinct=True, **kwargs)``, drawn like these
+    prompts; its first 100 draws when the options allow fewer different problems).
+
+    Args:
+        n: Number of problems before the held-out ones are removed.
+        seed: Seed of the private random generator.
+        few_shot: Worked examples in each prompt (as in :func:`arithmetic_dataset`).
+        **kwargs: Passed to :func:`arithmetic_dataset` (conversational only).
+
+    Returns:
+        A dataset with the columns ``prompt``, ``privileged_context`` and ``solution`` (so the
+        answer rewards can be logged).
+    """
+    data = arithmetic_dataset(n=n, seed=seed, conversational=True, few_shot=few_shot, **kwargs)
+    data = without_problems(data, arithmetic_heldout())
+    try:
+        drawn_alike = arithmetic_heldout(distinct=True, **kwargs)
+    except ValueError:  # too few different problems for 100: the first 100 draws
+        drawn_alike = arithmetic_heldout(**kwargs)
+    data = without_problems(data, drawn_alike)
+    return data.map(lambda row: {"privileged_context": _worked_answer(row["prompt"], row["solution"])})
+
+
 def arithmetic_preference_dataset(n: int = 2000, seed: int = 2, few_shot: int = 0, **kwargs: Any) -> Dataset:
     """Preference pairs on arithmetic problems, for DPO and the other preference trainers.
 
@@ -343,6 +374,7 @@ BUILTIN_TASKS: dict[str, Callable[..., Dataset]] = {
     "arithmetic": arithmetic_dataset,
     "arithmetic_sft": arithmetic_sft_dataset,
     "arithmetic_preference": arithmetic_preference_dataset,
+    "arithmetic_distill": arithmetic_distill_dataset,
 }
 
 
@@ -371,6 +403,7 @@ __all__ = [
     "ARITHMETIC_SYSTEM_PROMPT",
     "BUILTIN_TASKS",
     "arithmetic_dataset",
+    "arithmetic_distill_dataset",
     "arithmetic_heldout",
     "arithmetic_preference_dataset",
     "arithmetic_question",
