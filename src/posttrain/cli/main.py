@@ -31,6 +31,7 @@ from typing import Any
 
 from posttrain.cli.a2po import a2po
 from posttrain.cli.cpo import cpo
+from posttrain.cli.distill import distill
 from posttrain.cli.dpo import dpo
 from posttrain.cli.grpo import grpo
 from posttrain.cli.grpo_async import grpo_async
@@ -125,6 +126,7 @@ COMMANDS: dict[str, Callable[[list[str]], Any]] = {
     "online-dpo": online_dpo,
     "a2po": a2po,
     "grpo-async": grpo_async,
+    "distill": distill,
     "sft": sft,
     "dpo": dpo,
     "kto": kto,
@@ -149,7 +151,7 @@ def usage() -> str:
         "`posttrain COMMAND --help` lists a command's flags (`posttrain grpo --help`: every GRPOConfig field).",
         "With no flags, `posttrain grpo`, `grpo-async`, `rloo`, `online-dpo` and `a2po` train the embedded",
         "SmolLM2-135M-Instruct on the",
-        "built-in arithmetic task,",
+        "built-in arithmetic task, `posttrain distill` distils it from itself reading each problem's worked answer,",
         "`posttrain sft` fine-tunes it on worked arithmetic answers, `posttrain dpo`, `kto`, `orpo` and `cpo` align",
         "it on arithmetic preference pairs (all: held-out accuracy before and after), and `posttrain reward` trains",
         "it as a reward model on the same pairs (held-out pairwise accuracy before and after).",

@@ -152,6 +152,8 @@ def build_online_trainer(
     config_class: type,
     trainer_class: type,
     defaults: dict[str, Any],
+    script_class: type = OnlineScriptArguments,
+    rewards_optional: bool = False,
 ) -> tuple[Any, Any]:
     """Parse ``argv`` and build the trainer; every error here is a configuration error.
 
@@ -161,14 +163,22 @@ def build_online_trainer(
         summary: one line for ``--help``.
         config_class, trainer_class: the family's (``GRPOConfig``, ``GRPOTrainer``).
         defaults: the config values of the no-argument run (flags and recipes win).
+        script_class: the script arguments (``OnlineScriptArguments`` or a subclass).
+        rewards_optional: the trainer only logs rewards (distillation): on a user's dataset with
+            neither ``--reward_funcs`` nor a reward model, it gets none instead of the built-in
+            answer rewards (which need a ``solution`` column).
 
     Returns:
         The trainer (with its ``heldout`` problems, or ``None``) and the config.
     """
     script, config = parse_config(
-        argv, OnlineScriptArguments, config_class, command=command, summary=summary, defaults=defaults
+        argv, script_class, config_class, command=command, summary=summary, defaults=defaults
     )
-    funcs = resolve_reward_funcs(script.reward_funcs, script.reward_model_name_or_path)
+    no_reward_given = script.reward_funcs is None and not script.reward_model_name_or_path
+    if rewards_optional and no_reward_given and script.dataset_name is not None:
+        funcs: list[Any] = []
+    else:
+        funcs = resolve_reward_funcs(script.reward_funcs, script.reward_model_name_or_path)
     heldout = _heldout(script, config)
     dataset = _dataset(script, heldout)
     trainer = trainer_class(
