@@ -468,3 +468,10 @@ def test_the_teacher_tokenizer_must_be_found(tmp_path, toks) -> None:
             GOLDConfig(output_dir=str(tmp_path), **CPU_TEST_ARGS, use_uld_loss=True, lmbda=0.0),
             train_dataset=chats(), processing_class=s_tok, teacher_processing_class=untemplated,
         )  # fmt: skip
+
+
+def test_the_projection_command_is_registered() -> None:
+    from posttrain.cli.main import COMMANDS
+    from posttrain.cli.xtoken import xtoken_projection
+
+    assert COMMANDS["xtoken-projection"] is xtoken_projection

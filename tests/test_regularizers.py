@@ -343,7 +343,8 @@ def test_sampler_is_weights_are_one_when_sampler_matches():
 
 def test_sampler_is_weights_empty_and_bad_mode():
     _, metrics = reg.sampler_is_weights(t(LOGPS), t(OLD), torch.zeros(4, 3), "sequence_mask", None, 3.0)
-    assert all(math.isnan(v.item()) for v in metrics.values())
+    assert all(math.isnan(v.item()) for k, v in metrics.items() if not k.endswith("/count"))
+    assert all(v.item() == 0 for k, v in metrics.items() if k.endswith("/count"))  # nothing measured
     with pytest.raises(ValueError, match="vllm_importance_sampling_mode"):
         reg.sampler_is_weights(t(LOGPS), t(OLD), t(MASK), "token", None, 3.0)
 

@@ -42,6 +42,7 @@ from posttrain.cli.orpo import orpo
 from posttrain.cli.reward import reward
 from posttrain.cli.rloo import rloo
 from posttrain.cli.sft import sft
+from posttrain.cli.xtoken import xtoken_projection
 
 #: Packages ``posttrain env`` reports, by distribution name.
 ENV_PACKAGES: tuple[str, ...] = (
@@ -127,6 +128,7 @@ COMMANDS: dict[str, Callable[[list[str]], Any]] = {
     "a2po": a2po,
     "grpo-async": grpo_async,
     "distill": distill,
+    "xtoken-projection": xtoken_projection,
     "sft": sft,
     "dpo": dpo,
     "kto": kto,

@@ -143,6 +143,7 @@ def _token_weights(
         weights = keep.to(mask.dtype)
         bonus_mask = mask * weights
     sampler = batch.rollout.sampler_logps
+    vespo = s.objective.loss_type == "vespo"
     if s.off_policy_mask_threshold is not None:
         reference = sampler if sampler is not None else old
         seq = regularizers.off_policy_sequence_mask(
@@ -155,7 +156,8 @@ def _token_weights(
         w, metrics = regularizers.sampler_is_weights(
             old.detach(), sampler.to(old.device), mask, s.is_mode, s.is_clip_min, s.is_clip_max
         )
-        weights = w if weights is None else weights * w
+        if not vespo:  # VESPO's Gamma weight is itself the sampler correction (only the metrics here)
+            weights = w if weights is None else weights * w
         sampling = {k: float(v) for k, v in metrics.items()}
     return weights, bonus_mask, sampling
 
@@ -199,7 +201,13 @@ def grpo_loss(
     old = batch.old_logps if batch.old_logps is not None else logps.detach()
     adv = batch.advantages.to(logps.device)
     weights, bonus_mask, sampling = _token_weights(s, out, batch, old, mask, gather_entropies)
-    policy, stats = objectives.policy_loss(logps, old, adv, mask, s.objective, batch.norms, weights)
+    behaviour = old  # what the policy term's ratio is taken against
+    sampler = batch.rollout.sampler_logps
+    if s.objective.loss_type == "vespo" and sampler is not None and s.is_correction:
+        behaviour = sampler.to(
+            device=logps.device, dtype=logps.dtype
+        )  # VESPO: W = pi_theta / mu, mu the sampler
+    policy, stats = objectives.policy_loss(logps, behaviour, adv, mask, s.objective, batch.norms, weights)
     loss, per_completion = policy, dict(stats)
     scalars = {"policy_loss": policy.item()}
     per_completion["entropy_sum"] = (out.entropy.detach() * mask).sum(dim=1)

@@ -319,7 +319,8 @@ def sampler_is_weights(
         ``sampling/sampling_logp_difference/{mean,max}`` (``|trainer - sampler|`` over valid
         tokens) and ``sampling/importance_sampling_ratio/{min,mean,max}`` of the constrained
         weights over valid tokens (token modes) or over sequences with at least one valid token
-        (sequence modes). Metrics are 0-dim tensors, NaN when nothing is valid.
+        (sequence modes), with the ``.../count`` each mean is over. Metrics are 0-dim tensors, NaN
+        when nothing is valid.
     """
     if mode not in IS_MODES:
         raise ValueError(f"vllm_importance_sampling_mode={mode!r} is not one of {IS_MODES}.")
@@ -346,5 +347,8 @@ def sampler_is_weights(
         "sampling/importance_sampling_ratio/min": ratio_min,
         "sampling/importance_sampling_ratio/mean": ratio_mean,
         "sampling/importance_sampling_ratio/max": ratio_max,
+        # how many values each mean is over, so means of several micro-batches and processes combine exactly
+        "sampling/sampling_logp_difference/count": torch.tensor(float(diff.numel())),
+        "sampling/importance_sampling_ratio/count": torch.tensor(float(counted.numel())),
     }
     return weights, metrics

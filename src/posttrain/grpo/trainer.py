@@ -28,7 +28,7 @@ from posttrain.grpo import advantages, regularizers
 from posttrain.grpo.config import GRPOConfig
 from posttrain.grpo.loss import LossSettings, grpo_loss
 from posttrain.grpo.metrics import loss_metrics
-from posttrain.sampling.metrics import reduce_sampling_metrics
+from posttrain.sampling.metrics import combine_step_metrics, reduce_sampling_metrics
 from posttrain.sampling.rollout import ScoredRollout
 from posttrain.sampling.trainer import OnlineTrainer
 
@@ -129,6 +129,7 @@ class GRPOTrainer(OnlineTrainer):
         self.loss_settings = replace(loss_settings, aux_loss_coef=self.aux_loss_coef)
         self.entropy_coef = float(args.entropy_coef)
         self._step_entropy: list[float] = []
+        self._step_sampling: list[dict[str, float]] = []  # one optimizer step's sampling/* metrics
 
     # ---- advantages and loss ---------------------------------------------------------------
 
@@ -171,7 +172,11 @@ class GRPOTrainer(OnlineTrainer):
         )
         self._metrics.add_all(mode, m)
         if result.sampling:
-            self._metrics.add_all(mode, reduce_sampling_metrics(result.sampling, device))
+            reduced = reduce_sampling_metrics(result.sampling, device)
+            if mode == "train":  # the step's max and min are over all its micro-batches
+                self._step_sampling.append(reduced)
+            else:
+                self._metrics.add_all(mode, combine_step_metrics([reduced]))
         return result.loss
 
     def get_high_entropy_mask(
@@ -235,6 +240,9 @@ class GRPOTrainer(OnlineTrainer):
                 a.entropy_coef_max,
             )
         self._step_entropy = []
+        if self._step_sampling:
+            self._metrics.add_all("train", combine_step_metrics(self._step_sampling))
+            self._step_sampling = []
         super()._after_optimizer_step()
 
     # ---- hooks of the core -------------------------------------------------------------------

@@ -7,6 +7,8 @@ needs from every process (all processes must call it together) and returns plain
 
 from __future__ import annotations
 
+import math
+
 import torch
 from accelerate.utils import gather
 
@@ -76,21 +78,38 @@ def rollout_metrics(
 
 
 def reduce_sampling_metrics(sampling: dict[str, float], device: torch.device) -> dict[str, float]:
-    """The importance-sampling metrics of every process: min of ``*/min``, max of ``*/max``, mean of
-    the rest, ignoring NaN (nothing measured on that process)."""
+    """The importance-sampling metrics of every process (``_combine``), their ``.../count`` kept for
+    ``combine_step_metrics``."""
     keys = sorted(sampling)
     local = torch.tensor([[sampling[k] for k in keys]], device=device)
-    everyone = gather(local).cpu()  # [processes, K]
-    m = {}
-    for j, key in enumerate(keys):
-        column = everyone[:, j]
-        column = column[~torch.isnan(column)]
-        if column.numel() == 0:
+    everyone = gather(local).cpu().tolist()  # [processes, K]
+    return _combine([dict(zip(keys, row, strict=True)) for row in everyone])
+
+
+def combine_step_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
+    """One optimizer step's importance-sampling metrics from its micro-batches' (each already
+    reduced over processes), as if the step's completions had been measured at once; the
+    ``.../count`` entries are dropped."""
+    return {k: v for k, v in _combine(parts).items() if not k.endswith("/count")}
+
+
+def _combine(parts: list[dict[str, float]]) -> dict[str, float]:
+    """Min of ``*/min``, max of ``*/max``, the ``*/count``-weighted mean of ``*/mean`` (plain mean
+    without a count), the sum of ``*/count``; NaN (nothing measured there) ignored."""
+    keys = dict.fromkeys(k for part in parts for k in part)
+    m: dict[str, float] = {}
+    for key in keys:
+        stem = key.rsplit("/", 1)[0]
+        pairs = [(part[key], part.get(f"{stem}/count", 1.0)) for part in parts if key in part]
+        pairs = [(v, c) for v, c in pairs if not math.isnan(v) and c > 0]
+        if not pairs:
             continue
         if key.endswith("/min"):
-            m[key] = column.min().item()
+            m[key] = min(v for v, _ in pairs)
         elif key.endswith("/max"):
-            m[key] = column.max().item()
+            m[key] = max(v for v, _ in pairs)
+        elif key.endswith("/count"):
+            m[key] = sum(v for v, _ in pairs)
         else:
-            m[key] = column.mean().item()
+            m[key] = sum(v * c for v, c in pairs) / sum(c for _, c in pairs)
     return m
