@@ -475,3 +475,29 @@ def test_the_projection_command_is_registered() -> None:
     from posttrain.cli.xtoken import xtoken_projection
 
     assert COMMANDS["xtoken-projection"] is xtoken_projection
+
+
+def ddp_comparable_trainer(out_dir: str, per_device: int, **overrides) -> GOLDTrainer:
+    """Two SGD steps of cross-tokenizer ULD on the dataset's completions (the two-process test)."""
+    return gold(
+        out_dir, (build_tiny_tokenizer(), build_teacher_tokenizer()), chats(16), use_uld_loss=True,
+        uld_crossentropy_weight=0.5, shuffle_dataset=False, seed=1,
+        **{**SGD_ARGS, "per_device_train_batch_size": per_device, "max_steps": 2}, **overrides,
+    )  # fmt: skip
+
+
+@pytest.mark.slow
+def test_two_processes_train_like_one(tmp_path) -> None:
+    """2 processes x 2 rows give the parameters and metrics of 1 process x 4 (the ULD mean is over
+    the step's samples on every process)."""
+    from helpers import two_processes_against_one
+
+    two_processes_against_one(
+        "test_gold",
+        ddp_comparable_trainer,
+        SCRIPT,
+        tmp_path,
+        29597,
+        (2, 4),
+        ("loss", "off_policy_loss", "num_tokens"),
+    )

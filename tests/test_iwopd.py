@@ -197,3 +197,12 @@ def test_two_processes_train_like_one(tmp_path) -> None:
         "num_tokens",
     )
     two_processes_against_one("test_iwopd", ddp_comparable_trainer, SCRIPT, tmp_path, 29593, (2, 4), keys)
+
+
+def test_the_jsd_objective_trains_on_dataset_completions_too(tmp_path) -> None:
+    """lmbda=0 with the reduced JSD: every step is off-policy, on the conversations' answers."""
+    trainer = iwopd_trainer(tmp_path, distillation_objective="jsd", lmbda=0.0, max_steps=2)
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert trainer.generator.calls == 0
+    assert all("off_policy_loss" in h and math.isfinite(h["loss"]) for h in logs)

@@ -26,7 +26,7 @@ def odd_length(completion_ids, **kwargs):
     return [float(len(ids) % 2) for ids in completion_ids]
 
 
-def sdpo_trainer(tmp_path, reward=odd_length, dataset=None, **overrides) -> SDPOTrainer:
+def sdpo_trainer(tmp_path, reward=odd_length, dataset=None, scripted=True, **overrides) -> SDPOTrainer:
     from datasets import Dataset
 
     tok = build_tiny_tokenizer()
@@ -41,7 +41,8 @@ def sdpo_trainer(tmp_path, reward=odd_length, dataset=None, **overrides) -> SDPO
     trainer = SDPOTrainer(
         build_tiny_model(tok, seed=1), reward, SDPOConfig(**values), train_dataset=rows, processing_class=tok
     )
-    trainer.generator = ScriptedGenerator(SCRIPT, tok.pad_token_id or 0)
+    if scripted:
+        trainer.generator = ScriptedGenerator(SCRIPT, tok.pad_token_id or 0)
     return trainer
 
 
@@ -244,3 +245,24 @@ def test_two_processes_train_like_one(tmp_path) -> None:
         "test_sdpo", ddp_comparable_trainer, SCRIPT, tmp_path, 29587, (2, 4), keys
     )
     assert 0 < logs[0]["self_distillation/reprompt_sample_fraction"] < 1
+
+
+def test_resume_is_exact_with_an_off_policy_pass(tmp_path) -> None:
+    """num_iterations=2 (the second pass importance-weighted) and the EMA teacher, stopped and resumed."""
+
+    def run(out, resume=None):
+        torch.manual_seed(0)
+        trainer = sdpo_trainer(
+            out, scripted=False, num_iterations=2, distillation_weight=0.5, teacher_update_rate=0.5, max_steps=3,
+            save_strategy="steps", save_steps=1, learning_rate=0.05,
+        )  # fmt: skip
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
+
+    straight = run(tmp_path / "straight")
+    run(tmp_path / "stopped")
+    resumed = run(tmp_path / "stopped", resume=str(tmp_path / "stopped" / "checkpoint-1"))
+    for a, b in zip(straight.model.parameters(), resumed.model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(straight.teacher_model.parameters(), resumed.teacher_model.parameters(), strict=True):
+        assert torch.equal(a, b)

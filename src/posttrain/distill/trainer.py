@@ -448,7 +448,7 @@ class GKDTrainer(DistillationTrainer):
         if (
             train is not None
             and args.lmbda < 1.0
-            and not args.seq_kd
+            and not getattr(args, "seq_kd", False)  # IW-OPD has none
             and not distill_data.has_completions(train)
         ):
             raise ValueError(
