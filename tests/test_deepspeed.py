@@ -33,11 +33,26 @@ def ddp_params(tmp_path_factory):
     return torch.load(_run(tmp_path_factory, "ddp") / "params.pt")
 
 
+def assert_sharded_close(sharded: torch.Tensor, ddp: torch.Tensor) -> None:
+    """A sharded run's parameter against DDP's after the same 2 AdamW steps.
+
+    A sharded LM head sends the log-probs through the full-logits path, DDP through the chunked
+    one: the same exact formulas (normalised with the argmax excluded) rounded differently. AdamW
+    divides each step by ``sqrt(v) + eps``, so an element whose gradient sits near ``eps`` turns a
+    rounding difference of the gradient into a visible step (measured: 1 element of 2048 at
+    1.7e-5, the rest within 1e-6). A wrong update moves far more: all but 0.5 % of the elements
+    must agree to 1e-6, and none may be off by more than 1e-4.
+    """
+    diff = (sharded - ddp).abs()
+    assert diff.max().item() <= 1e-4, f"largest difference {diff.max().item():.3g}"
+    assert (diff > 1e-6).float().mean().item() <= 0.005, f"{int((diff > 1e-6).sum())} of {diff.numel()} off"
+
+
 def _assert_close_to_ddp(out_dir, ddp) -> None:
     params = torch.load(out_dir / "params.pt")
     assert set(params) == set(ddp)
     for name in ddp:
-        torch.testing.assert_close(params[name], ddp[name], rtol=0, atol=1e-6)
+        assert_sharded_close(params[name], ddp[name])
 
 
 @pytest.mark.slow
