@@ -124,6 +124,22 @@ def test_rows_without_privileged_context_are_refused_before_loading(tmp_path) ->
         teacher_prompt("a", "", "{prompt}\n\n{privileged_context}", 3)
 
 
+def test_a_streamed_dataset_of_unknown_columns_is_checked_row_by_row(tmp_path) -> None:
+    from datasets import Dataset, IterableDataset
+
+    from posttrain.data.distill import check_privileged_column
+
+    streamed = Dataset.from_dict({"prompt": ["a"]}).to_iterable_dataset().map(lambda row: row)
+    assert streamed.column_names is None
+    check_privileged_column(streamed, "train dataset")  # nothing to check before reading it
+    known = Dataset.from_dict({"prompt": ["a"]}).to_iterable_dataset()
+    with pytest.raises(ValueError, match="no 'privileged_context' column"):
+        check_privileged_column(known, "train dataset")
+    with pytest.raises(ValueError, match="Row 0 has an empty 'privileged_context'"):
+        teacher_prompt("a", None, "{prompt}\n\n{privileged_context}", 0)
+    assert isinstance(streamed, IterableDataset)
+
+
 def test_teacher_prompt_fills_the_template() -> None:
     template = "{prompt}\n\n{privileged_context}"
     assert teacher_prompt("Q?", "Hint.", template, 0) == "Q?\n\nHint."

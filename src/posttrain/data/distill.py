@@ -126,11 +126,17 @@ PRIVILEGED_COLUMN = "privileged_context"
 def check_privileged_column(dataset: Any, name: str) -> None:
     """Self-distillation rows need a ``privileged_context`` column (what the teacher reads).
 
+    A streamed dataset whose columns are not known before it is read (``column_names`` None, e.g.
+    an ``IterableDataset`` from a generator or after ``map``) passes; each row is then checked as
+    it is drawn.
+
     Raises:
         ValueError: the column is missing.
     """
-    columns = list(getattr(dataset, "column_names", None) or [])
-    if dataset is not None and PRIVILEGED_COLUMN not in columns:
+    if dataset is None or getattr(dataset, "column_names", None) is None:
+        return
+    columns = list(dataset.column_names)
+    if PRIVILEGED_COLUMN not in columns:
         raise ValueError(
             f"The {name} has no '{PRIVILEGED_COLUMN}' column (its columns: {columns}); self-distillation's teacher "
             f"reads each prompt with its privileged context (a worked solution, feedback, a hint). Add the column, "
