@@ -41,3 +41,25 @@ def test_summaries_are_off_by_default():
     ids = torch.randint(0, len(tok), (2, 5))
     stats = sequence_token_stats(model, ids, None, torch.arange(5).expand(2, 5))
     assert stats.logit_mean is None and stats.log_sq_norm is None
+
+
+def test_accuracy_counts_every_argmax_target_on_both_paths():
+    """``mean_token_accuracy`` counts ``logps == top``: on greedy text every target is the argmax,
+    so both the chunked and the full-logits path (sharded heads, models without a chunked head)
+    must count every one. The full path once took ``top`` as ``max - logsumexp`` against log-probs
+    normalised with the argmax left out, and missed hits that differed in the last bit."""
+    tok = build_tiny_tokenizer()
+    model = build_tiny_model(tok)
+    with torch.no_grad():  # sharpen the head: confident predictions are where the forms round apart
+        model.lm_head.weight.mul_(40.0)
+    prompt = torch.randint(3, len(tok), (4, 3))
+    ids = model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=24,
+                         min_new_tokens=24, pad_token_id=0)  # fmt: skip
+    positions = torch.arange(ids.shape[1]).expand_as(ids)
+    with torch.no_grad():
+        logits = model(input_ids=ids, position_ids=positions).logits[:, :-1]
+    greedy = logits.argmax(dim=-1) == ids[:, 1:]  # [4, 26]: every generated target, by construction
+    assert greedy[:, 2:].all()
+    for chunk_size in (4, None):
+        stats = sequence_token_stats(model, ids, None, positions, chunk_size=chunk_size, with_top=True)
+        assert torch.equal(stats.logps.detach() == stats.top, greedy), chunk_size

@@ -180,15 +180,12 @@ def test_zero3_trains_sharded_like_ddp(tmp_path_factory, ddp_run, ddp_ranks):
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["fsdp", pytest.param("zero3", marks=needs_deepspeed)])
 def test_sharded_runs_log_the_ddp_token_accuracy(tmp_path_factory, ddp_ranks, mode):
-    """Step 1 (the same weights): the same accuracy. Later steps: close. The sharded head scores with
-    full logits, DDP with the chunked head (the same exact formulas, rounded differently); after an
-    update the tiny model's near-tied logits flip argmaxes (measured: up to 6 of 44 tokens by step 3; to investigate)."""
+    """The sharded head scores with full logits, DDP with the chunked head: both count a hit where
+    the target's log-prob equals the top one, bit for bit (``ops.logprobs.top_log_softmax``)."""
     ranks = read_ranks(_run(tmp_path_factory, mode))
     sharded, ddp = ranks[0]["plain"]["logs"], ddp_ranks[0]["plain"]["logs"]
-    _assert_logs_close(sharded[:1], ddp[:1], ("mean_token_accuracy",))
-    assert len(sharded) == len(ddp)
-    for a, b in zip(sharded[1:], ddp[1:], strict=True):
-        assert abs(a["mean_token_accuracy"] - b["mean_token_accuracy"]) <= 0.2, a["step"]
+    _assert_logs_close(sharded, ddp, ("mean_token_accuracy",))
+    assert any(h["mean_token_accuracy"] > 0 for h in ddp)  # the check has hits to count
 
 
 def _initial_params() -> dict[str, torch.Tensor]:

@@ -42,6 +42,17 @@ def selective_log_softmax(logits: torch.Tensor, targets: torch.Tensor) -> torch.
     return torch.stack(out)
 
 
+def top_log_softmax(logits: torch.Tensor) -> torch.Tensor:
+    """The largest log-prob at each position, row by row: [B, T, V] -> [B, T] (no gradient).
+
+    The same arithmetic as :func:`selective_log_softmax` (max of one ``log_softmax`` tensor, not
+    ``max - logsumexp``), so where the target is the argmax the two compare equal bit for bit:
+    ``mean_token_accuracy`` counts ``logps == top``.
+    """
+    with torch.no_grad():
+        return torch.stack([log_softmax(row.float()).max(dim=-1).values for row in logits])
+
+
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """Entropy of ``softmax(logits)`` at each position, row by row: [B, T, V] -> [B, T].
 
@@ -360,10 +371,7 @@ def sequence_token_stats(
     logits = out.logits[:, :-1, :].float()  # [N, L - 1, V]
     logps = selective_log_softmax(logits, targets)
     entropy = entropy_from_logits(logits.detach()) if with_entropy else None
-    top = None
-    if with_top:  # the same arithmetic as logps, so the argmax target compares equal bit for bit
-        detached = logits.detach()
-        top = detached.max(dim=-1).values - torch.logsumexp(detached, dim=-1)
+    top = top_log_softmax(logits.detach()) if with_top else None
     result = SequenceStats(logps, entropy, top, getattr(out, "aux_loss", None))
     with torch.no_grad():
         if with_logit_mean:
