@@ -438,6 +438,9 @@ def lean_generate(
 ) -> torch.Tensor:
     """Sample completions like ``model.generate``: ``[N, P] -> [N, P + T]``.
 
+    ``lean_generate_with_logps`` is the same loop that also returns the log-probs of the
+    sampled tokens.
+
     Args:
         model: the model (eval mode); ``lean_settings`` must have accepted it.
         prompt_ids: [N, P] left-padded prompts; prompt_mask: [N, P].
@@ -453,6 +456,45 @@ def lean_generate(
         [N, P + T] the prompts and their completions, T <= ``max_new_tokens``: the loop stops
         when every row has produced an EOS id, and rows are padded with ``pad_token_id`` after it.
     """
+    return _lean_loop(model, prompt_ids, prompt_mask, settings, prefix_cache, fused, False)[0]
+
+
+@torch.no_grad()
+def lean_generate_with_logps(
+    model: torch.nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    settings: SamplingSettings,
+    prefix_cache: DynamicCache | None = None,
+    fused: FusedDecoder | GraphedDecodeStep | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``lean_generate`` plus the sampler's log-prob of each sampled token.
+
+    The log-prob is ``log_softmax(logits / temperature)`` at the sampled token, from the very
+    logits the token was drawn from (the fused step's when ``fused`` runs the step), before the
+    repetition penalty and the top-k / top-p / min-p truncation: the quantity the trainer
+    recomputes for the same token, so the two differ only by the sampler's arithmetic.
+
+    Args: as ``lean_generate``.
+
+    Returns:
+        ``(sequences [N, P + T], logps [N, T])``; the log-probs are 0 after a row's EOS.
+    """
+    out, logps = _lean_loop(model, prompt_ids, prompt_mask, settings, prefix_cache, fused, True)
+    assert logps is not None
+    return out, logps
+
+
+def _lean_loop(
+    model: torch.nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    settings: SamplingSettings,
+    prefix_cache: DynamicCache | None,
+    fused: FusedDecoder | GraphedDecodeStep | None,
+    record_logps: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The loop of ``lean_generate``; with ``record_logps``, the sampled tokens' log-probs too."""
     rows, width = prompt_ids.shape
     steps = settings.max_new_tokens
     cache = preallocated_cache(model, width + steps, prefix_cache)
@@ -477,6 +519,8 @@ def lean_generate(
     unfinished = torch.ones(rows, dtype=torch.bool, device=prompt_ids.device)
     processor: ScoreProcessor | None = None
     last_position = positions[:, -1:]
+    logps = prompt_ids.new_zeros((rows, steps), dtype=torch.float32) if record_logps else None
+    temperature = settings.temperature if settings.temperature not in (None, 1.0) else None
     for step in range(steps):
         if fused is not None and inputs["input_ids"].shape[1] == 1:
             logits = fused.step(
@@ -487,13 +531,17 @@ def lean_generate(
         if processor is None:
             processor = ScoreProcessor(settings, prompt_ids, prompt_mask, logits.shape[-1])
         tokens = sample_tokens(processor(logits, step))
+        if logps is not None:
+            scaled = logits if temperature is None else logits / temperature
+            picked = scaled.gather(1, tokens[:, None]).squeeze(1) - torch.logsumexp(scaled, dim=-1)
+            logps[:, step] = picked.masked_fill(~unfinished, 0.0)  # rows that ended before: padding
         if len(eos):
             tokens = tokens.masked_fill(~unfinished, settings.pad_token_id)
             unfinished &= ~torch.isin(tokens, eos)
         out[:, width + step] = tokens
         processor.observe(tokens)
         if not unfinished.any():
-            return out[:, : width + step + 1]
+            return out[:, : width + step + 1], None if logps is None else logps[:, : step + 1]
         inputs["input_ids"] = tokens[:, None]
         inputs["position_ids"] = last_position + step + 1
-    return out
+    return out, logps

@@ -24,9 +24,12 @@ decoding gives the same tokens. ``fused_decoder_blocker`` names what it does not
 architectures, LoRA or quantised layers, sliding windows, CPU autocast); the lean loop then
 calls the model as usual.
 
-Two backends:
+Backends:
 
 - ``"onednn"`` (float32 weights on the CPU): the packed products above.
+- ``"int8"``, ``"fp16"`` and ``"bf16"`` (float32 models on the CPU): the same packed products from a
+  reduced-precision copy of the weights (``reduced_precision``: the sampler of
+  ``GRPOConfig.sampler_precision``); the rest of the step stays in float32.
 - ``"plain"`` (any device; the default on a GPU): the same arithmetic with ``F.linear`` on the
   model's own weights, no copies; in the model's dtype, or under autocast (``autocast_dtype``,
   for a forward that accelerate wrapped in mixed precision). On a GPU a step is launch-bound
@@ -45,6 +48,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from posttrain.generation import reduced_precision
+from posttrain.generation.reduced_precision import REDUCED_BACKENDS, backend_blocker
 from posttrain.generation.transformers_backend import (
     _only_full_attention_layers,
     core_model,
@@ -112,7 +117,8 @@ def fused_decoder_blocker(
     Args:
         model: the model about to generate (a ``PreTrainedModel``; wrappers are not looked through,
             so a PEFT model falls back).
-        backend: ``"onednn"`` or ``"plain"``; None picks ``default_backend``.
+        backend: ``"onednn"``, ``"plain"``, or a reduced copy (``reduced_precision.REDUCED_BACKENDS``);
+            None picks ``default_backend``.
         autocast_dtype: the plain backend's autocast dtype when the model's forward is wrapped in
             mixed precision (accelerate's ``bf16``/``fp16``); the wrapper is then accepted.
     """
@@ -121,6 +127,9 @@ def fused_decoder_blocker(
         return "no oneDNN linear product in this torch build"
     if backend == "onednn" and not onednn_linear_available():
         return "no oneDNN linear product in this torch build"
+    if backend in REDUCED_BACKENDS and (reason := backend_blocker(backend)) is not None:
+        return reason
+    cpu_float32 = backend != "plain"  # onednn and the reduced copies start from float32 CPU weights
     config = getattr(model, "config", None)
     if getattr(config, "model_type", None) not in FUSED_MODEL_TYPES:
         return f"model type {getattr(config, 'model_type', None)!r}"
@@ -137,7 +146,7 @@ def fused_decoder_blocker(
     if backbone is None or head is None or getattr(head, "bias", None) is not None:
         return "the LM head is not a plain linear layer"
     device = head.weight.device
-    if backend == "onednn":
+    if cpu_float32:
         linear_ok = is_packable_linear
         what = "float32 linear layer on the CPU"
     else:
@@ -148,7 +157,7 @@ def fused_decoder_blocker(
     embed = getattr(backbone, "embed_tokens", None)
     if type(embed) is not nn.Embedding or embed.weight.device != device:
         return "the input embedding is not a plain embedding beside the LM head"
-    if backend == "onednn" and embed.weight.dtype != torch.float32:
+    if cpu_float32 and embed.weight.dtype != torch.float32:
         return "the input embedding is not a plain float32 embedding on the CPU"
     if not _rms_norm_module(getattr(backbone, "norm", None)) or getattr(backbone, "rotary_emb", None) is None:
         return "no final RMSNorm or rotary embedding"
@@ -215,7 +224,8 @@ class FusedDecoder:
     Args:
         model: a model ``fused_decoder_blocker`` accepts.
         rows: rows per decode step (the packing's batch-size hint).
-        backend: ``"onednn"`` or ``"plain"``; None picks ``default_backend``.
+        backend: ``"onednn"``, ``"plain"``, or a reduced copy (``"int8"``, ``"fp16"``, ``"bf16"``:
+            see ``reduced_precision``); None picks ``default_backend``.
         autocast_dtype: run every step under autocast to this dtype (plain backend; the model's
             forward is wrapped in mixed precision).
     """
@@ -244,7 +254,7 @@ class FusedDecoder:
             attn, mlp = layer.self_attn, layer.mlp
             q, k, v = attn.q_proj, attn.k_proj, attn.v_proj
             biases = [None if p.bias is None else p.bias.detach() for p in (q, k, v)]
-            if backend == "onednn":
+            if backend != "plain":  # packed copies: [q; k; v] and [gate; up] as one product each
                 qkv = (self._weight(torch.cat([q.weight, k.weight, v.weight]), rows),)
                 qkv_bias: tuple[torch.Tensor | None, ...] = (None,)
                 if any(b is not None for b in biases):
@@ -285,6 +295,8 @@ class FusedDecoder:
     def _weight(self, weight: torch.Tensor, rows: int) -> torch.Tensor:
         if self.backend == "onednn":
             return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), rows)
+        if self.backend in REDUCED_BACKENDS:
+            return reduced_precision.pack(self.backend, weight, rows)
         return weight.detach()
 
     def _linear(
@@ -292,6 +304,9 @@ class FusedDecoder:
     ) -> torch.Tensor:
         if self.backend == "onednn":
             return _onednn_linear(x, weight, bias)
+        if self.backend in REDUCED_BACKENDS:
+            out = reduced_precision.linear(self.backend, x, weight)
+            return out if bias is None else out + bias
         return F.linear(x, weight, bias)
 
     def _autocast(self, device: torch.device) -> contextlib.AbstractContextManager:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -35,6 +36,7 @@ from posttrain.generation.base import Samples
 if TYPE_CHECKING:
     from posttrain.generation.cuda_graph import GraphedDecodeStep
     from posttrain.generation.fused_step import FusedDecoder
+    from posttrain.generation.reduced_precision import ReducedCopy
 
 
 def sampling_config(
@@ -332,6 +334,12 @@ class TransformersGenerator:
         autocast_dtype: the dtype of the mixed-precision autocast the model's forward is wrapped
             in (the trainer's ``bf16``/``fp16``); the fused step on a GPU then runs under the same
             autocast. None: no wrapper (the fused step refuses a wrapped forward).
+        sampler_precision: ``"float32"`` samples from the model itself; ``"int8"``, ``"bf16"`` or
+            ``"auto"`` run the lean loop's decode steps on a reduced-precision copy of the
+            weights (``reduced_precision.ReducedCopy``, rebuilt after ``weights_changed``) and
+            return the sampled tokens' log-probs in ``Samples.logps``. A call the reduced
+            sampler cannot serve (``last_reduced_blocker``) samples in float32, without log-probs,
+            and warns once.
     """
 
     def __init__(
@@ -345,6 +353,7 @@ class TransformersGenerator:
         fused_step: bool = True,
         cuda_graph: bool = True,
         autocast_dtype: torch.dtype | None = None,
+        sampler_precision: str = "float32",
     ) -> None:
         self.get_model = get_model
         self.config = config
@@ -355,6 +364,9 @@ class TransformersGenerator:
         self.fused_step = fused_step
         self.cuda_graph = cuda_graph
         self.autocast_dtype = autocast_dtype
+        self.reduced: ReducedCopy | None = None  # the reduced-precision copy (None: float32)
+        self.set_sampler_precision(sampler_precision)
+        self.last_reduced_blocker: str | None = None  # why the latest call sampled in float32
         # What the latest call used: "plain" or "shared_prefix" (generate), "lean" or
         # "lean+shared_prefix" (decode.lean_generate).
         self.last_path = "plain"
@@ -393,11 +405,31 @@ class TransformersGenerator:
             with self.full_parameters(model):
                 if model_inputs:
                     out = self._generate_with_inputs(model, prompt_ids, prompt_mask, config, model_inputs)
+                    logps = None
                 else:
-                    out = self._generate(model, prompt_ids, prompt_mask, config)
+                    out, logps = self._generate(model, prompt_ids, prompt_mask, config)
         finally:
             model.train(was_training)
-        return Samples(completion_ids=out[:, prompt_ids.shape[1] :])
+        return Samples(completion_ids=out[:, prompt_ids.shape[1] :], logps=logps)
+
+    def set_sampler_precision(self, precision: str) -> None:
+        """Sample from the policy (``"float32"``) or a reduced-precision copy of it from the next call.
+
+        Args:
+            precision: a value of ``reduced_precision.SAMPLER_PRECISIONS`` (``"auto"`` is resolved
+                for this CPU).
+        """
+        from posttrain.generation.reduced_precision import ReducedCopy, resolve_precision
+
+        precision = resolve_precision(precision)
+        self.sampler_precision = precision
+        self.reduced = ReducedCopy(precision) if precision != "float32" else None
+        self._warned_reduced = False
+
+    def weights_changed(self) -> None:
+        """The policy's weights changed (an optimizer step): rebuild the reduced copy before sampling."""
+        if self.reduced is not None:
+            self.reduced.invalidate()
 
     def _generate_with_inputs(
         self,
@@ -411,6 +443,7 @@ class TransformersGenerator:
         reason = "the batch has image inputs"
         self.last_path, self.last_blocker, self.last_lean_blocker = "plain", reason, reason
         self.last_fused_blocker = "the lean loop did not run"
+        self._reduced_skipped(reason)
         return model.generate(
             input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config, **model_inputs
         )
@@ -435,8 +468,15 @@ class TransformersGenerator:
         """
         from posttrain.generation.cuda_graph import GraphedDecodeStep, cuda_graph_blocker
         from posttrain.generation.fused_step import FusedDecoder, default_backend, fused_decoder_blocker
+        from posttrain.generation.reduced_precision import reduced_sampler_blocker
 
         self.last_cuda_graph_blocker = "no fused decode step"
+        if self.reduced is not None:
+            self.last_reduced_blocker = reduced_sampler_blocker(model, self.reduced.backend)
+            if self.last_reduced_blocker is None:  # the copy is built once per weights, for any length
+                self.last_fused_blocker = None
+                self.last_cuda_graph_blocker = "the reduced-precision sampler runs on the CPU"
+                return self.reduced.decoder(model, rows)
         backend = default_backend(model)
         if not self.fused_step:
             self.last_fused_blocker = "fused_step=False"
@@ -460,20 +500,30 @@ class TransformersGenerator:
         prompt_ids: torch.Tensor,
         prompt_mask: torch.Tensor,
         config: GenerationConfig,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``model.generate`` or the lean loop on the batch, from a shared-prefix cache when that applies.
 
         The shared prefill runs before the weights are packed: prepacking pays for decode steps
         (a few rows per product) and costs about 10 % on a prefill's many-row products.
+
+        Returns:
+            The sequences [N, P + T] and, from the reduced-precision sampler, the log-probs [N, T]
+            of the sampled tokens (None otherwise).
         """
-        from posttrain.generation.decode import lean_generate, lean_settings  # decode imports this module
+        from posttrain.generation.decode import (  # decode imports this module
+            lean_generate,
+            lean_generate_with_logps,
+            lean_settings,
+        )
 
         kwargs: dict[str, Any] = {}
         self.last_path, self.last_blocker = "plain", "share_prefix=False"
         if "generate" in vars(model):  # a wrapper or a test double set on the instance: honour it
             self.last_blocker = self.last_lean_blocker = "model.generate is replaced on the instance"
             self.last_fused_blocker = "the lean loop did not run"
-            return model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config)
+            self._reduced_skipped(self.last_lean_blocker)
+            out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config)
+            return out, None
         settings, self.last_lean_blocker = lean_settings(model, config) if self.lean else (None, "lean=False")
         if self.share_prefix:
             groups = group_prompts(prompt_ids, prompt_mask)
@@ -493,12 +543,36 @@ class TransformersGenerator:
             with packed:
                 self.last_path = "lean+shared_prefix" if kwargs else "lean"
                 prefix = next(iter(kwargs.values()), None)
-                return lean_generate(
+                if self.reduced is not None and self.last_reduced_blocker is None:
+                    return lean_generate_with_logps(
+                        model, prompt_ids, prompt_mask, settings, prefix_cache=prefix, fused=fused
+                    )
+                self._reduced_skipped(self.last_reduced_blocker)
+                out = lean_generate(
                     model, prompt_ids, prompt_mask, settings, prefix_cache=prefix, fused=fused
                 )
+                return out, None
+        self._reduced_skipped(f"no lean sampling loop ({self.last_lean_blocker})")
         with self._packed(model, prompt_ids.shape[0], config):
-            return model.generate(
+            out = model.generate(
                 input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config, **kwargs
+            )
+            return out, None
+
+    def _reduced_skipped(self, reason: str | None) -> None:
+        """Record (and warn once) that this call sampled from the float32 policy despite ``sampler_precision``."""
+        if self.reduced is None:
+            return
+        self.last_reduced_blocker = reason
+        if not self._warned_reduced:
+            self._warned_reduced = True
+            warnings.warn(
+                f"sampler_precision={self.sampler_precision!r} did not apply to this generation call "
+                f"({reason}): it samples from the float32 policy without sampler log-probs, so the "
+                "importance-sampling correction is off for these completions. Set "
+                "sampler_precision='float32' to silence this.",
+                UserWarning,
+                stacklevel=4,
             )
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from posttrain.core.config import Rule, UnbuiltOption, choice_rules, is_num, optional
+from posttrain.generation.reduced_precision import SAMPLER_PRECISIONS
 from posttrain.grpo import objectives
 from posttrain.sampling.config import (
     JSON_DICT_FIELDS,
@@ -32,6 +33,7 @@ POSTTRAIN_EXTENSIONS = (
     "dynamic_sampling_max_rounds",
     "reward_fault_policy",
     "reward_timeout",
+    "sampler_precision",
 )
 
 
@@ -64,6 +66,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "importance_sampling_level": ("token", "sequence"),
     "multi_objective_aggregation": ("sum_then_normalize", "normalize_then_sum"),
     "vllm_importance_sampling_mode": ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"),
+    "sampler_precision": SAMPLER_PRECISIONS,
     **ONLINE_CHOICES,
 }
 
@@ -316,6 +319,15 @@ class GRPOConfig(OnlineConfig):
             counts them in the `rewards/{name}/faults` metric.
         reward_timeout (`float | None`, defaults to `None`): Seconds an `async def` reward
             function may take per call; a slower call is a fault. Sync functions are not timed.
+        sampler_precision (`str`, defaults to `"float32"`): Precision of the weights the CPU
+            decode steps sample with: `"float32"` (the policy itself), `"fp16"` (float16 weights,
+            float32 activations and accumulation), `"bf16"`, `"int8"` (int8 weights and
+            dynamically quantised activations) or `"auto"` (`"bf16"` on CPUs with bf16
+            instructions, else `"fp16"`). The reduced copy is rebuilt after each optimizer step,
+            and the sampler's own log-probs feed the `vllm_importance_sampling_*` correction.
+            Needs a float32 policy on the CPU of a family the fused decode step covers (Llama,
+            Qwen2, Qwen3, Mistral) and the trainer's own sampling (no tools, environments or
+            `rollout_func`). Off by default: see docs/performance.md, "Reduced-precision sampler".
     """
 
     # ---- GRPO's own fields (the shared online ones are in sampling.config.OnlineConfig) ----
@@ -482,6 +494,14 @@ class GRPOConfig(OnlineConfig):
     )
 
     # ---- posttrain extensions ---------------------------------------------------------------
+    sampler_precision: str = field(
+        default="float32",
+        metadata={
+            "help": "Precision of the weights the CPU decode steps sample with: 'float32' (the "
+            "policy), 'fp16', 'bf16', 'int8' or 'auto'; the sampler's log-probs feed the "
+            "vllm_importance_sampling_* correction."
+        },
+    )
 
     _rules: ClassVar[tuple[Rule, ...]] = _RULES
     _unbuilt: ClassVar[dict[str, UnbuiltOption]] = UNBUILT_OPTIONS
@@ -521,6 +541,7 @@ class GRPOConfig(OnlineConfig):
                 f"entropy_coef_min={self.entropy_coef_min} is above entropy_coef_max={self.entropy_coef_max}; "
                 "set entropy_coef_min <= entropy_coef_max."
             )
+        self._check_sampler_precision()
         cmin, cmax = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
         if cmin is not None and cmax is not None and cmin > cmax:
             raise ValueError(
@@ -542,6 +563,26 @@ class GRPOConfig(OnlineConfig):
                 "completion carries the same sequence ratio, but this loss sums over tokens, so a completion "
                 "weighs in proportion to its length, which GSPO's per-sequence objective does not. GSPO uses "
                 "loss_type='grpo' (a mean per sequence); keep this pairing only if you mean it.",
+                UserWarning,
+                stacklevel=4,
+            )
+
+    def _check_sampler_precision(self) -> None:
+        """A reduced-precision sampler needs the trainer's own generation; without the correction, warn."""
+        if self.sampler_precision == "float32":
+            return
+        if self.use_transformers_continuous_batching:
+            raise ValueError(
+                f"sampler_precision={self.sampler_precision!r} runs the lean decode loop, which "
+                "use_transformers_continuous_batching=True replaces; set one of them back "
+                "(sampler_precision='float32' or use_transformers_continuous_batching=False)."
+            )
+        if not self.vllm_importance_sampling_correction:
+            warnings.warn(
+                f"sampler_precision={self.sampler_precision!r} with vllm_importance_sampling_correction=False: "
+                "the completions come from a reduced-precision copy of the policy, but the loss treats "
+                "them as the policy's own; set vllm_importance_sampling_correction=True to correct the "
+                "mismatch (the sampling/sampling_logp_difference/* metrics measure it).",
                 UserWarning,
                 stacklevel=4,
             )

@@ -24,6 +24,7 @@ import torch
 from accelerate.utils import gather
 from transformers import PreTrainedModel, TrainerCallback
 
+from posttrain.generation import reduced_precision
 from posttrain.grpo import advantages, regularizers
 from posttrain.grpo.config import GRPOConfig
 from posttrain.grpo.loss import LossSettings, grpo_loss
@@ -110,6 +111,8 @@ class GRPOTrainer(OnlineTrainer):
     ) -> None:
         args = args if args is not None else self.default_args(model, GRPOConfig, "GRPO")
         loss_settings = LossSettings.from_config(args)
+        precision = getattr(args, "sampler_precision", "float32")
+        reduced_precision.check_sampler_sources(precision, tools, rollout_func, environment_factory)
         super().__init__(
             model,
             args,
@@ -127,6 +130,10 @@ class GRPOTrainer(OnlineTrainer):
             environment_factory,
         )
         self.loss_settings = replace(loss_settings, aux_loss_coef=self.aux_loss_coef)
+        #: what the decode steps sample with ("float32", or the reduced copy's "int8"/"fp16"/"bf16")
+        self.sampler_precision = reduced_precision.configure_sampler(
+            self.generator, self.accelerator.unwrap_model(self.model), precision
+        )
         self.entropy_coef = float(args.entropy_coef)
         self._step_entropy: list[float] = []
         self._step_sampling: list[dict[str, float]] = []  # one optimizer step's sampling/* metrics
@@ -240,6 +247,9 @@ class GRPOTrainer(OnlineTrainer):
                 a.entropy_coef_max,
             )
         self._step_entropy = []
+        weights_changed = getattr(self.generator, "weights_changed", None)
+        if weights_changed is not None:  # a reduced-precision copy is rebuilt before the next sampling
+            weights_changed()
         if self._step_sampling:
             self._metrics.add_all("train", combine_step_metrics(self._step_sampling))
             self._step_sampling = []

@@ -1,0 +1,328 @@
+"""Sampling from a reduced-precision copy of the policy, with the sampler's own log-probs.
+
+Large systems sample with a bf16 inference engine and train in float32; the gap between the two
+(``log p_sampler - log p_trainer``) is corrected by importance sampling
+(``vllm_importance_sampling_*``, ``grpo.regularizers.sampler_is_weights``). This module brings
+the same trade to CPU generation, where a decode step is memory-bound: it reads every weight for
+a few rows, so fewer bytes per weight is the lever.
+
+``GRPOConfig(sampler_precision=...)``:
+
+- ``"float32"`` (default): the policy's own weights (no copy, no sampler log-probs).
+- ``"int8"``: the linear layers of the one-token decode step (``fused_step.FusedDecoder``)
+  multiply with an int8 copy of the weights, one scale per output channel (symmetric,
+  ``max |w| / 127``), through fbgemm's dynamically quantised product
+  (``torch.ops.quantized.linear_dynamic``: the activations are quantised too, per call and per
+  tensor, in 7 bits on AVX2). The fastest product measured on an AVX2-only host at 8 rows, but
+  the activation quantisation moves SmolLM2's log-probs by about 0.2 nats a token
+  (docs/performance.md, "Reduced-precision sampler"). Weight-only int8
+  (``torch._weight_int8pack_mm``) was slower than float32 there.
+- ``"fp16"``: a float16 copy multiplied by fbgemm with float32 activations and accumulation
+  (``torch.ops.quantized.linear_dynamic_fp16``): half the bytes, about 1e-3 nats of mismatch.
+- ``"bf16"``: a bfloat16 copy (oneDNN-packed where this CPU packs bf16, plain ``F.linear`` in
+  bf16 elsewhere, which is correct but slower than float32 on CPUs without bf16 instructions);
+  the products in bf16.
+- ``"auto"``: ``"bf16"`` on CPUs with native bf16 instructions (AVX512-BF16 or AMX), else
+  ``"fp16"`` (int8's mismatch is too large to pick it for the user).
+
+Everything but the linear products (norms, rotary embedding, attention, the KV cache) stays in
+float32.
+
+Only the decode steps use the copy: the prompt's forward (compute-bound, many rows per product)
+runs the float32 policy. The sampled tokens' log-probs come from the logits the tokens were drawn
+from (``log_softmax(logits / temperature)``, before top-k/top-p truncation: the quantity the
+trainer recomputes), so the importance-sampling correction sees the true mismatch.
+
+``ReducedCopy`` holds the copy and rebuilds it when the weights change: after each optimizer
+step (the trainer calls ``TransformersGenerator.weights_changed``) and whenever a parameter is
+replaced or modified in place outside the optimizer (its storage or version counter moved).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+import warnings
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+if TYPE_CHECKING:
+    from posttrain.generation.fused_step import FusedDecoder
+
+#: Values of ``GRPOConfig.sampler_precision``.
+SAMPLER_PRECISIONS = ("float32", "int8", "fp16", "bf16", "auto")
+
+#: The reduced backends of ``fused_step.FusedDecoder``.
+REDUCED_BACKENDS = ("int8", "fp16", "bf16")
+
+
+# ---- what this CPU and torch build offer ------------------------------------------------------
+
+
+def native_bf16() -> bool:
+    """Whether this CPU has bf16 instructions (AVX512-BF16 or AMX), per PyTorch's CPU checks."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    if not capability.startswith("AVX512"):
+        return False
+    checks = (
+        getattr(torch.cpu, "_is_avx512_bf16_supported", None),
+        getattr(torch.cpu, "_is_amx_tile_supported", None),
+    )
+    return any(callable(check) and check() for check in checks)
+
+
+@functools.cache
+def fbgemm_available(backend: str) -> bool:
+    """Whether fbgemm's ``"int8"`` or ``"fp16"`` linear product runs in this torch build."""
+    if "fbgemm" not in torch.backends.quantized.supported_engines:
+        return False
+    pack, linear = (int8_pack, int8_linear) if backend == "int8" else (fp16_pack, fp16_linear)
+    try:
+        out = linear(torch.ones(2, 8), pack(torch.ones(4, 8)))
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return False
+    return bool(torch.allclose(out, torch.full((2, 4), 8.0), rtol=0.05))
+
+
+@functools.cache
+def onednn_bf16_packable() -> bool:
+    """Whether oneDNN packs bfloat16 linear weights on this CPU (it needs AVX512 or AVX-NE-CONVERT)."""
+    from posttrain.generation.transformers_backend import onednn_linear_available
+
+    if not onednn_linear_available():
+        return False
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(torch.ones(4, 8, dtype=torch.bfloat16), 2)
+        torch.ops.mkldnn._linear_pointwise(
+            torch.ones(2, 8, dtype=torch.bfloat16), packed, None, "none", [], ""
+        )
+    except RuntimeError:
+        return False
+    return True
+
+
+def resolve_precision(requested: str) -> str:
+    """The precision ``requested`` means on this host: ``"auto"`` becomes ``"bf16"`` or ``"int8"``.
+
+    Args:
+        requested: a value of ``SAMPLER_PRECISIONS``.
+    """
+    if requested not in SAMPLER_PRECISIONS:
+        raise ValueError(f"sampler_precision={requested!r} is not one of {SAMPLER_PRECISIONS}.")
+    if requested != "auto":
+        return requested
+    return "bf16" if native_bf16() else "fp16"
+
+
+# ---- the products --------------------------------------------------------------------------------
+
+
+def int8_pack(weight: torch.Tensor) -> torch.Tensor:
+    """fbgemm's packed int8 copy of a float32 ``[out, in]`` weight, one symmetric scale per row."""
+    weight = weight.detach().float().contiguous()
+    scales = (weight.abs().amax(dim=1) / 127.0).clamp(min=1e-12).double()
+    zeros = torch.zeros(weight.shape[0], dtype=torch.long)
+    with warnings.catch_warnings():  # torch 2.13 marks quantised tensor creation deprecated
+        warnings.filterwarnings("ignore", message=".*quantize_per_channel.*", category=UserWarning)
+        quantised = torch.quantize_per_channel(weight, scales, zeros, 0, torch.qint8)
+    return torch.ops.quantized.linear_prepack(quantised, None)
+
+
+def int8_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """``x @ w.T`` with ``int8_pack(w)``: float32 in and out, the activations quantised per call.
+
+    ``reduce_range=True`` keeps the quantised activations in 7 bits, so fbgemm's AVX2 kernel
+    (pairs of u8 x s8 products summed in int16) cannot saturate.
+    """
+    return torch.ops.quantized.linear_dynamic(x, packed, True)
+
+
+def fp16_pack(weight: torch.Tensor) -> torch.Tensor:
+    """fbgemm's packed float16 copy of a float32 ``[out, in]`` weight."""
+    return torch.ops.quantized.linear_prepack_fp16(weight.detach().float().contiguous(), None)
+
+
+def fp16_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """``x @ w.T`` with ``fp16_pack(w)``: float32 activations and accumulation, float16 weights."""
+    return torch.ops.quantized.linear_dynamic_fp16(x, packed)
+
+
+def bf16_pack(weight: torch.Tensor, rows: int) -> torch.Tensor:
+    """A bfloat16 copy of ``weight``, oneDNN-packed for ``rows`` rows where this CPU packs bf16."""
+    weight = weight.detach().to(torch.bfloat16).contiguous()
+    if onednn_bf16_packable():
+        return torch.ops.mkldnn._reorder_linear_weight(weight, rows)
+    return weight
+
+
+def bf16_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ w.T`` with ``bf16_pack(w)``: the product in bfloat16, the result in float32."""
+    x = x.to(torch.bfloat16)
+    if onednn_bf16_packable():
+        out = torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+    else:
+        out = F.linear(x, weight)
+    return out.float()
+
+
+def backend_blocker(backend: str) -> str | None:
+    """Why this torch build cannot run the reduced ``backend``, or None."""
+    if backend in ("int8", "fp16") and not fbgemm_available(backend):
+        return f"no fbgemm {backend} linear product in this torch build"
+    return None
+
+
+def pack(backend: str, weight: torch.Tensor, rows: int) -> torch.Tensor:
+    """The reduced ``backend``'s copy of a float32 ``[out, in]`` weight."""
+    if backend == "int8":
+        return int8_pack(weight)
+    if backend == "fp16":
+        return fp16_pack(weight)
+    return bf16_pack(weight, rows)
+
+
+def linear(backend: str, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """``x @ w.T`` in float32 from the reduced ``backend``'s copy ``packed`` of ``w``."""
+    if backend == "int8":
+        return int8_linear(x, packed)
+    if backend == "fp16":
+        return fp16_linear(x, packed)
+    return bf16_linear(x, packed)
+
+
+# ---- the copy, refreshed when the weights change ----------------------------------------------------
+
+
+def _fingerprint(model: nn.Module) -> tuple[tuple[int, int], ...]:
+    """Where each parameter lives and its in-place version: changes when a weight is replaced or written."""
+    return tuple((p.data_ptr(), p._version) for p in model.parameters())
+
+
+class ReducedCopy:
+    """A ``FusedDecoder`` with reduced-precision weights, rebuilt when the policy's weights change.
+
+    The decoder's norms, rotary embedding and input embedding are the model's own (read at every
+    step); its linear weights are the reduced copy. ``decoder`` returns the copy, rebuilding it
+    first when ``invalidate`` was called (after an optimizer step: fused optimizers write weights
+    without moving their version counters) or when a parameter's storage or version moved.
+
+    Args:
+        backend: ``"int8"``, ``"fp16"`` or ``"bf16"``.
+
+    Attributes:
+        refreshes: how many times the copy was built.
+        last_refresh_seconds: the wall time of the latest build.
+    """
+
+    def __init__(self, backend: str) -> None:
+        if backend not in REDUCED_BACKENDS:
+            raise ValueError(f"backend={backend!r} is not one of {REDUCED_BACKENDS}.")
+        self.backend = backend
+        self.refreshes = 0
+        self.last_refresh_seconds = 0.0
+        self._decoder: FusedDecoder | None = None
+        self._key: tuple | None = None
+        self._stale = True
+
+    def invalidate(self) -> None:
+        """Mark the copy stale: the next ``decoder`` call rebuilds it."""
+        self._stale = True
+
+    @torch.no_grad()
+    def decoder(self, model: nn.Module, rows: int) -> FusedDecoder:
+        """The reduced decode step of ``model``'s current weights for ``rows`` rows.
+
+        Args:
+            model: the policy (``fused_step.fused_decoder_blocker(model, backend)`` must be None).
+            rows: rows per decode step (oneDNN's packing hint, bf16 only).
+        """
+        from posttrain.generation.fused_step import FusedDecoder
+
+        hint = rows if self.backend == "bf16" and onednn_bf16_packable() else 0
+        key = (id(model), hint, _fingerprint(model))
+        if self._decoder is None or self._stale or key != self._key:
+            self._decoder = None  # free the old copy before building the new one
+            start = time.perf_counter()
+            self._decoder = FusedDecoder(model, max(rows, 1), self.backend)
+            self.last_refresh_seconds = time.perf_counter() - start
+            self.refreshes += 1
+            self._key, self._stale = key, False
+        return self._decoder
+
+
+def reduced_sampler_blocker(model: nn.Module, backend: str) -> str | None:
+    """Why a reduced-precision sampler cannot run ``model``'s decode steps, or None.
+
+    Args:
+        model: the policy, unwrapped (a PEFT model is not looked through).
+        backend: ``"int8"``, ``"fp16"`` or ``"bf16"``.
+    """
+    from posttrain.generation.fused_step import fused_decoder_blocker
+
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    weight = getattr(head, "weight", None)
+    if weight is None or weight.device.type != "cpu":
+        return "the policy is not on the CPU (the reduced-precision sampler is a CPU path)"
+    return backend_blocker(backend) or fused_decoder_blocker(model, backend)
+
+
+def check_sampler_sources(precision: str, tools: Any, rollout_func: Any, environment_factory: Any) -> None:
+    """A reduced-precision sampler needs the trainer's own sampling: raise before the model loads.
+
+    Args:
+        precision: ``GRPOConfig.sampler_precision``.
+        tools, rollout_func, environment_factory: the trainer's arguments of the same names.
+    """
+    if precision == "float32":
+        return
+    other = [
+        name
+        for name, given in (
+            ("tools", bool(tools)),
+            ("environment_factory", environment_factory is not None),
+            ("rollout_func", rollout_func is not None),
+        )
+        if given
+    ]
+    if other:
+        raise ValueError(
+            f"sampler_precision={precision!r} samples with the trainer's own decode loop, but "
+            f"{' and '.join(other)} generate the completions another way (their log-probs would not "
+            "come from the reduced copy); set sampler_precision='float32'."
+        )
+
+
+def configure_sampler(generator: Any, model: nn.Module, precision: str) -> str:
+    """Set ``generator`` to sample at ``precision`` from ``model``; return the precision in force.
+
+    An explicit ``"int8"``, ``"fp16"`` or ``"bf16"`` that cannot run ``model`` raises; ``"auto"``
+    falls back to float32 with a warning. A generator other than ``TransformersGenerator`` (a
+    scripted one in tests) is left alone.
+
+    Args:
+        generator: the trainer's generation backend.
+        model: the policy, unwrapped.
+        precision: ``GRPOConfig.sampler_precision``.
+    """
+    from posttrain.generation.transformers_backend import TransformersGenerator
+
+    resolved = resolve_precision(precision)
+    if resolved == "float32" or not isinstance(generator, TransformersGenerator):
+        return "float32"
+    reason = reduced_sampler_blocker(model, resolved)
+    if reason is not None and precision != "auto":
+        raise ValueError(
+            f"sampler_precision={precision!r} cannot sample from this policy: {reason}. The "
+            "reduced-precision sampler runs the fused CPU decode step of a float32 Llama, Qwen2, "
+            "Qwen3 or Mistral model; set sampler_precision='float32'."
+        )
+    if reason is not None:
+        warnings.warn(
+            f"sampler_precision='auto' samples in float32 here: {reason}.", UserWarning, stacklevel=3
+        )
+        resolved = "float32"
+    generator.set_sampler_precision(resolved)
+    return resolved

@@ -1,0 +1,262 @@
+"""The reduced-precision sampler: its decode step follows float32 within a stated tolerance, its
+log-probs are those of what it sampled, its copy follows the weights, and GRPO trains with it.
+
+Tolerances (largest |logit difference| over 5 decode steps of 4 rows, relative to the largest
+|logit|, on the tiny families of ``test_fused_step``, whose weights are large on purpose): fp16
+3e-3, bf16 3e-2 (8-bit mantissa), int8 0.2 (its activations are quantised per tensor in 7 bits;
+on SmolLM2 the log-probs move by about 0.2 nats, docs/performance.md). A step that dropped a norm
+or a rotation moves the logits by about the largest one, which each bound still catches.
+"""
+
+from __future__ import annotations
+
+import helpers
+import pytest
+import torch
+from conftest import build_tiny_model, build_tiny_tokenizer
+from test_fused_step import FAMILIES, compare_steps, family
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from posttrain.generation import reduced_precision
+from posttrain.generation.decode import lean_generate_with_logps, lean_settings, preallocated_cache
+from posttrain.generation.fused_step import FusedDecoder
+from posttrain.generation.reduced_precision import (
+    ReducedCopy,
+    configure_sampler,
+    reduced_sampler_blocker,
+    resolve_precision,
+)
+from posttrain.generation.transformers_backend import TransformersGenerator, sampling_config
+
+BACKENDS = [b for b in reduced_precision.REDUCED_BACKENDS if reduced_precision.backend_blocker(b) is None]
+TOLERANCE = {"fp16": 3e-3, "bf16": 3e-2, "int8": 0.2}
+PAD = 0
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tiny_tokenizer()
+
+
+def config(eos: int, new_tokens: int = 8, temperature: float = 1.0, top_k: int = 0):
+    return sampling_config(
+        max_new_tokens=new_tokens,
+        temperature=temperature,
+        top_p=1.0,
+        top_k=top_k,
+        min_p=None,
+        repetition_penalty=1.0,
+        cache_implementation=None,
+        pad_token_id=PAD,
+        eos_token_ids=[eos],
+    )
+
+
+# ---- the decode step ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", FAMILIES)
+def test_reduced_step_logits_close_to_float32(tok, name, backend):
+    model = family(name, tok)
+    assert reduced_sampler_blocker(model, backend) is None
+    compare_steps(
+        model,
+        tok,
+        lambda m, rows: FusedDecoder(m, rows, backend),
+        tolerance=TOLERANCE[backend],
+        low_precision=True,
+    )
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_reduced_step_is_not_the_float32_step(tok, backend):
+    """The copy really is reduced: its logits differ from float32's (so the tests above measure it)."""
+    model = family("llama", tok)
+    with pytest.raises(AssertionError):
+        compare_steps(model, tok, lambda m, rows: FusedDecoder(m, rows, backend), tolerance=1e-6)
+
+
+def test_auto_resolves_by_cpu_capability(monkeypatch):
+    monkeypatch.setattr(reduced_precision, "native_bf16", lambda: True)
+    assert resolve_precision("auto") == "bf16"
+    monkeypatch.setattr(reduced_precision, "native_bf16", lambda: False)
+    assert resolve_precision("auto") == "fp16"
+    assert resolve_precision("int8") == "int8"
+    with pytest.raises(ValueError, match="sampler_precision='int4' is not one of"):
+        resolve_precision("int4")
+
+
+# ---- the sampler's log-probs ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sampler_logps_are_the_reduced_models_log_softmax_of_its_tokens(tok, backend, temperature):
+    """Replay the sampled tokens through the same reduced step: the logps are its log-softmax."""
+    model = family("llama", tok)
+    eos = tok.eos_token_id
+    ids, mask = helpers.left_pad([[11, 12, 13, 14], [21, 22, 23], [11, 12, 13, 14], [41, 42]], PAD)
+    settings, reason = lean_settings(model, config(eos, temperature=temperature))
+    assert reason is None
+    fused = ReducedCopy(backend).decoder(model, ids.shape[0])
+    torch.manual_seed(0)
+    out, logps = lean_generate_with_logps(model, ids, mask, settings, fused=fused)
+    completion = out[:, ids.shape[1] :]
+    rows, width = ids.shape
+    # replay: the prompt's forward gives the first token's logits, the reduced step the rest
+    cache = preallocated_cache(model, width + completion.shape[1])
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache).logits[:, -1]
+        expected = []
+        full = torch.cat([mask, mask.new_ones(rows, completion.shape[1])], dim=1)
+        for step in range(completion.shape[1]):
+            expected.append(
+                torch.log_softmax(logits / temperature, -1).gather(1, completion[:, step, None])[:, 0]
+            )
+            pos = positions[:, -1] + step + 1
+            logits = fused.step(completion[:, step], pos, full[:, : width + step + 1], cache.layers)
+    expected = torch.stack(expected, dim=1)
+    ended = torch.cumsum((completion == eos).int(), dim=1) - (completion == eos).int()  # after the EOS
+    expected = expected.masked_fill(ended > 0, 0.0)
+    torch.testing.assert_close(logps, expected, rtol=1e-5, atol=1e-5)
+    assert (logps[ended == 0] < 0).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_generator_returns_sampler_logps_and_refreshes_the_copy(tok, backend):
+    model = family("llama", tok)
+    generator = TransformersGenerator(lambda: model, config(tok.eos_token_id), sampler_precision=backend)
+    ids, mask = helpers.left_pad([[11, 12, 13, 14]] * 4, PAD)
+    torch.manual_seed(0)
+    first = generator.generate(ids, mask)
+    assert first.logps is not None and first.logps.shape == first.completion_ids.shape
+    assert generator.last_fused_blocker is None and generator.last_reduced_blocker is None
+    assert generator.reduced.refreshes == 1 and generator.reduced.last_refresh_seconds > 0
+    torch.manual_seed(0)
+    again = generator.generate(ids, mask)  # same weights: the copy is kept, the samples repeat
+    assert generator.reduced.refreshes == 1
+    torch.testing.assert_close(again.logps, first.logps)
+    # an optimizer step: fused AdamW writes the weights without moving their version counters
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    model.train()
+    logits = model(input_ids=ids, attention_mask=mask).logits
+    logits.logsumexp(-1).mean().backward()
+    optimizer.step()
+    model.eval()
+    generator.weights_changed()  # what GRPOTrainer calls after each optimizer step
+    torch.manual_seed(0)
+    after = generator.generate(ids, mask)
+    assert generator.reduced.refreshes == 2
+    assert not torch.allclose(after.logps[:, 0], first.logps[:, 0])
+
+
+def test_copy_follows_weights_written_in_place(tok):
+    """A weight changed in place (``load_state_dict``) rebuilds the copy without a signal."""
+    model = family("llama", tok)
+    copy = ReducedCopy(BACKENDS[0])
+    first = copy.decoder(model, 4)
+    assert copy.decoder(model, 4) is first
+    with torch.no_grad():
+        model.lm_head.weight.mul_(2.0)
+    assert copy.decoder(model, 4) is not first and copy.refreshes == 2
+
+
+def test_call_the_reduced_sampler_cannot_serve_warns_and_samples_float32(tok):
+    model = family("llama", tok)
+    generator = TransformersGenerator(lambda: model, config(tok.eos_token_id), sampler_precision="bf16")
+    model.generate = (
+        lambda **kwargs: torch.cat(  # a wrapper set on the instance
+            [kwargs["input_ids"], kwargs["input_ids"][:, :2]], dim=1
+        )
+    )
+    ids, mask = helpers.left_pad([[11, 12, 13]] * 2, PAD)
+    with pytest.warns(UserWarning, match="sampler_precision='bf16' did not apply"):
+        samples = generator.generate(ids, mask)
+    assert samples.logps is None
+    assert "replaced on the instance" in generator.last_reduced_blocker
+
+
+# ---- blockers and configuration -------------------------------------------------------------------
+
+
+def test_models_the_reduced_sampler_cannot_run(tok):
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=1, n_head=2))
+    assert "model type" in reduced_sampler_blocker(gpt2, BACKENDS[0])
+    generator = TransformersGenerator(lambda: gpt2, config(tok.eos_token_id))
+    with pytest.raises(ValueError, match="cannot sample from this policy: model type 'gpt2'"):
+        configure_sampler(generator, gpt2, BACKENDS[0])
+    with pytest.warns(UserWarning, match="sampler_precision='auto' samples in float32 here"):
+        assert configure_sampler(generator, gpt2, "auto") == "float32"
+    assert generator.reduced is None
+
+
+@pytest.mark.parametrize("value", ["int4", "fp8", 8, None])
+def test_bad_sampler_precision_rejected(tmp_path, value):
+    with pytest.raises(ValueError, match=f"sampler_precision={value!r} is invalid"):
+        helpers.make_config(tmp_path, sampler_precision=value)
+
+
+def test_reduced_sampler_with_continuous_batching_rejected(tmp_path):
+    with pytest.raises(ValueError, match="use_transformers_continuous_batching=True replaces"):
+        helpers.make_config(tmp_path, sampler_precision="fp16", use_transformers_continuous_batching=True)
+
+
+def test_reduced_sampler_without_the_correction_warns(tmp_path):
+    with pytest.warns(UserWarning, match="with vllm_importance_sampling_correction=False"):
+        helpers.make_config(tmp_path, sampler_precision="fp16", vllm_importance_sampling_correction=False)
+
+
+def test_reduced_sampler_with_tools_rejected(tmp_path, tok):
+    def add(a: int, b: int) -> int:
+        """Add two numbers.
+
+        Args:
+            a: first.
+            b: second.
+        """
+        return a + b
+
+    args = helpers.make_config(tmp_path, sampler_precision="fp16")
+    with pytest.raises(ValueError, match="but tools generate the completions another way"):
+        helpers.make_trainer(tok, helpers.length_reward, args, tools=[add])
+
+
+# ---- GRPO end to end ---------------------------------------------------------------------------------
+
+
+def first_token_reward(completion_ids, **kwargs):
+    """Spread within a group (a length reward is flat at max_completion_length for a tiny model)."""
+    return [float(ids[0] % 5) if ids else 0.0 for ids in completion_ids]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_grpo_trains_two_steps_with_the_reduced_sampler(tmp_path, tok, backend):
+    args = helpers.make_config(tmp_path, sampler_precision=backend, max_completion_length=8)
+    trainer = helpers.make_trainer(tok, first_token_reward, args, model=build_tiny_model(tok))
+    assert trainer.sampler_precision == backend
+    generator = trainer.generator
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    assert generator.reduced.refreshes == 2  # one copy per optimizer step's weights
+    assert generator.last_reduced_blocker is None
+    logged = [e for e in trainer.state.log_history if "sampling/sampling_logp_difference/mean" in e]
+    assert len(logged) == 2
+    for entry in logged:
+        assert (
+            0.0
+            <= entry["sampling/sampling_logp_difference/mean"]
+            <= entry["sampling/sampling_logp_difference/max"]
+        )
+        assert entry["sampling/importance_sampling_ratio/min"] > 0.0
+    changed = any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
+    assert changed
+
+
+def test_grpo_default_samples_float32_without_sampler_logps(tmp_path, tok):
+    args = helpers.make_config(tmp_path, max_steps=1)
+    trainer = helpers.make_trainer(tok, helpers.length_reward, args, model=build_tiny_model(tok))
+    assert trainer.sampler_precision == "float32" and trainer.generator.reduced is None
+    trainer.train()
+    assert not any("sampling/sampling_logp_difference/mean" in e for e in trainer.state.log_history)
