@@ -60,6 +60,7 @@ def run(
     device: str,
     bf16: int,
     trainer: str = "grpo",
+    sampler_precision: str = "float32",
 ) -> dict:
     cmd = [
         sys.executable,
@@ -72,6 +73,7 @@ def run(
         "--device", device,
         "--bf16", str(bf16),
         "--trainer", trainer,
+        "--sampler_precision", sampler_precision,
     ]  # fmt: skip
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
@@ -90,6 +92,19 @@ def summarise(runs: list[dict]) -> dict:
         "peak_rss_mb": max(r["peak_rss_mb"] for r in runs),
         **({"peak_gpu_mb": max(r["peak_gpu_mb"] for r in runs)} if "peak_gpu_mb" in runs[0] else {}),
         "steps_measured": len(steps),
+        **_sampler_summary(runs),
+    }
+
+
+def _sampler_summary(runs: list[dict]) -> dict:
+    """The reduced-precision sampler's |log p_sampler - log p_trainer| over every logged step, and its rebuilds."""
+    logged = [e for r in runs for e in r.get("sampler_logp_difference", [])]
+    if not logged:
+        return {}
+    return {
+        "sampler_logp_difference_mean": statistics.fmean(e["sampling_logp_difference/mean"] for e in logged),
+        "sampler_logp_difference_max": max(e["sampling_logp_difference/max"] for e in logged),
+        "sampler_last_refresh_s": [r["sampler_last_refresh_s"] for r in runs],
     }
 
 
@@ -104,6 +119,11 @@ def main() -> None:
     parser.add_argument("--bf16", type=int, default=0)
     parser.add_argument("--trainer", choices=["grpo", "rloo"], default="grpo")
     parser.add_argument("--model", default=None, help="model folder (default: the embedded SmolLM2)")
+    parser.add_argument(
+        "--sampler_precision",
+        default="float32",
+        help="posttrain's GRPOConfig.sampler_precision for its runs (TRL samples as it does)",
+    )
     opts = parser.parse_args()
     model = opts.model or model_folder()
     table = []
@@ -122,6 +142,7 @@ def main() -> None:
                         opts.device,
                         opts.bf16,
                         opts.trainer,
+                        opts.sampler_precision,
                     )
                 )
         summary = {lib: summarise(r) for lib, r in runs.items()}
@@ -131,6 +152,7 @@ def main() -> None:
             "completion_length": length,
             "device": opts.device,
             "bf16": bool(opts.bf16),
+            "sampler_precision": opts.sampler_precision,
             **{lib: s for lib, s in summary.items()},
         }
         if {"posttrain", "trl"} <= set(summary):

@@ -78,6 +78,11 @@ def main() -> None:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--bf16", type=int, default=0)
     parser.add_argument("--trainer", choices=["grpo", "rloo"], default="grpo")
+    parser.add_argument(
+        "--sampler_precision",
+        default="float32",
+        help="posttrain's GRPOConfig.sampler_precision (float32, int8, fp16, bf16, auto); TRL ignores it",
+    )
     opts = parser.parse_args()
     cuda = opts.device == "cuda"
 
@@ -103,6 +108,9 @@ def main() -> None:
 
     n = opts.completion_length
     clock = Clock()
+    extra = {}
+    if opts.library == "posttrain" and opts.sampler_precision != "float32":
+        extra["sampler_precision"] = opts.sampler_precision
     with tempfile.TemporaryDirectory() as out:
         args = Config(
             **anchor_kwargs(
@@ -113,7 +121,8 @@ def main() -> None:
                 bool(opts.gradient_checkpointing),
                 bool(opts.bf16),
                 use_cpu=not cuda,
-            )
+            ),
+            **extra,
         )
         trainer = Trainer(
             model=opts.model,
@@ -130,6 +139,17 @@ def main() -> None:
     )
     prompt_tokens = len(tok(text, add_special_tokens=False)["input_ids"])
     gpu = {"peak_gpu_mb": torch.cuda.max_memory_allocated() / 2**20} if cuda else {}
+    # the reduced-precision sampler: what it used, the copy's rebuild time, |log p_sampler - log p_trainer|
+    reduced = getattr(getattr(trainer, "generator", None), "reduced", None)
+    if reduced is not None:
+        gpu["sampler_precision"] = reduced.backend
+        gpu["sampler_refreshes"] = reduced.refreshes
+        gpu["sampler_last_refresh_s"] = reduced.last_refresh_seconds
+        gpu["sampler_logp_difference"] = [
+            {k.removeprefix("sampling/"): e[k] for k in e if k.startswith("sampling/")}
+            for e in trainer.state.log_history
+            if "sampling/sampling_logp_difference/mean" in e
+        ]
     print(
         json.dumps(
             {
