@@ -15,8 +15,10 @@ import math
 import pytest
 import torch
 
+from posttrain.ops import divergence as divergence_module
 from posttrain.ops.divergence import (
     HeadInputs,
+    TokenDivergence,
     divergence_from_logps,
     divergence_name,
     log_softmax,
@@ -225,3 +227,210 @@ def test_the_full_logits_path_is_exact_at_high_confidence_too() -> None:
     assert naive.grad[0, 0, 0] == 0.0  # what the textbook float32 gives
     want = -(torch.softmax(z64, -1) * torch.log_softmax(z64, -1)).sum(-1)
     torch.testing.assert_close(entropy_from_logits(z64.float()).double(), want, rtol=1e-4, atol=0)
+
+
+# ---- the gradient built in forward (fused) against the recompute in backward -----------------------
+
+
+def _problem(seed: int, dtype: torch.dtype = torch.float32, bias: bool = True):
+    g = torch.Generator().manual_seed(seed)
+    n, h, v = 23, 8, 40
+    hs = torch.randn(n, h, generator=g, dtype=dtype)
+    w = torch.randn(v, h, generator=g, dtype=dtype)
+    b = torch.randn(v, generator=g, dtype=dtype) if bias else None
+    ht, wt = torch.randn(n, h, generator=g, dtype=dtype), torch.randn(v, h, generator=g, dtype=dtype)
+    return hs, w, b, ht, wt
+
+
+def _recomputed(hs, w, b, ht, wt, beta, temperature, chunk, upstream):
+    """Values and gradients with nothing built in forward: every gradient from backward's recompute."""
+    leaves = [x.clone().requires_grad_() if x is not None else None for x in (hs, w, b)]
+    div, _ = TokenDivergence.apply(*leaves, ht, wt, None, beta, temperature, chunk, None, False)
+    (div * upstream).sum().backward()
+    return div.detach(), [x.grad if x is not None else None for x in leaves]
+
+
+def _counting_passes(monkeypatch) -> list[int]:
+    """Count the chunked passes over the vocabulary (forward's and any backward recompute)."""
+    calls: list[int] = []
+    original = divergence_module._gradient_pass
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(divergence_module, "_gradient_pass", counted)
+    return calls
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.3, 0.5, 0.8, 1.0])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_fused_gradient_equals_the_recompute_for_a_token_mean(beta, temperature, monkeypatch) -> None:
+    """A token sum times a constant (the trainers' reduction): one pass over the vocabulary, and the
+    values and gradients of the recompute path."""
+    hs, w, b, ht, wt = _problem(4)
+    want, want_grads = _recomputed(hs, w, b, ht, wt, beta, temperature, 5, torch.full((23,), 1 / 7))
+    calls = _counting_passes(monkeypatch)
+    mine = [x.clone().requires_grad_() for x in (hs, w, b)]
+    got, _ = token_divergence(HeadInputs(*mine), HeadInputs(ht, wt), beta, temperature, 5)
+    (got.sum() / 7).backward()
+    assert len(calls) == 1  # no recompute in backward
+    torch.testing.assert_close(got.detach(), want, rtol=1e-5, atol=1e-7)
+    for ours, theirs in zip(mine, want_grads, strict=True):
+        torch.testing.assert_close(ours.grad, theirs, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_non_uniform_upstream_gradient_falls_back_to_the_recompute(beta, monkeypatch) -> None:
+    """Per-position weights applied after the divergence (not announced): the head's gradient is
+    recomputed (a second pass), and every gradient equals the recompute path's."""
+    hs, w, b, ht, wt = _problem(5)
+    upstream = torch.rand(23, generator=torch.Generator().manual_seed(6)) + 0.1
+    want, want_grads = _recomputed(hs, w, b, ht, wt, beta, 1.0, 5, upstream)
+    calls = _counting_passes(monkeypatch)
+    mine = [x.clone().requires_grad_() for x in (hs, w, b)]
+    got, _ = token_divergence(HeadInputs(*mine), HeadInputs(ht, wt), beta, chunk_size=5)
+    (got * upstream).sum().backward()
+    assert len(calls) == 2
+    torch.testing.assert_close(got.detach(), want, rtol=1e-5, atol=1e-7)
+    for ours, theirs in zip(mine, want_grads, strict=True):
+        torch.testing.assert_close(ours.grad, theirs, rtol=1e-5, atol=1e-7)
+
+
+def test_announced_loss_weights_keep_the_single_pass(monkeypatch) -> None:
+    """Weights given as ``loss_weights`` (up to a factor) and then applied: one pass, the same
+    gradients; a per-sample mean's weights rounded differently still count as proportional."""
+    hs, w, b, ht, wt = _problem(7)
+    lengths = torch.tensor([5.0] * 5 + [11.0] * 11 + [7.0] * 7)  # three samples' token means
+    upstream = (1.0 / lengths) / 3.0
+    want, want_grads = _recomputed(hs, w, b, ht, wt, 0.5, 1.0, 4, upstream)
+    calls = _counting_passes(monkeypatch)
+    mine = [x.clone().requires_grad_() for x in (hs, w, b)]
+    got, _ = token_divergence(
+        HeadInputs(*mine), HeadInputs(ht, wt), 0.5, chunk_size=4, loss_weights=1.0 / lengths
+    )
+    (got * upstream).sum().backward()
+    assert len(calls) == 1
+    for ours, theirs in zip(mine, want_grads, strict=True):
+        torch.testing.assert_close(ours.grad, theirs, rtol=1e-5, atol=1e-7)
+    # announced weights that the loss then does not use: still exact, through the recompute
+    calls.clear()
+    again = [x.clone().requires_grad_() for x in (hs, w, b)]
+    div, _ = token_divergence(
+        HeadInputs(*again), HeadInputs(ht, wt), 0.5, chunk_size=4, loss_weights=1.0 / lengths
+    )
+    (div * upstream.flip(0)).sum().backward()
+    assert len(calls) == 2
+    _, flipped = _recomputed(hs, w, b, ht, wt, 0.5, 1.0, 4, upstream.flip(0))
+    for ours, theirs in zip(again, flipped, strict=True):
+        torch.testing.assert_close(ours.grad, theirs, rtol=1e-5, atol=1e-7)
+
+
+def test_tied_head_gradient_adds_the_embedding_path() -> None:
+    """The head weight is also the embedding table: its gradient is the sum of both uses, fused or not,
+    against autograd of the textbook formula in float64."""
+    g = torch.Generator().manual_seed(8)
+    v, h, n = 40, 8, 23
+    table = torch.randn(v, h, generator=g, dtype=torch.float64)
+    ids = torch.randint(0, v, (n,), generator=g)
+    mix = torch.randn(h, h, generator=g, dtype=torch.float64)
+    ht, wt = (
+        torch.randn(n, h, generator=g, dtype=torch.float64),
+        torch.randn(v, h, generator=g, dtype=torch.float64),
+    )
+
+    def student(weight):
+        return torch.tanh(weight[ids] @ mix)  # the embedding, then a layer
+
+    exact = table.clone().requires_grad_()
+    (_textbook(student(exact) @ exact.T, ht @ wt.T, 0.5).sum() / n).backward()
+    for uniform in (True, False):
+        tied = table.clone().requires_grad_()
+        div, _ = token_divergence(HeadInputs(student(tied), tied), HeadInputs(ht, wt), 0.5, chunk_size=6)
+        upstream = (
+            torch.full((n,), 1.0 / n, dtype=torch.float64) if uniform else torch.linspace(0.5, 1.5, n) / n
+        )
+        (div * upstream).sum().backward()
+        if uniform:
+            torch.testing.assert_close(tied.grad, exact.grad, rtol=1e-9, atol=1e-12)
+        else:
+            check = table.clone().requires_grad_()
+            (_textbook(student(check) @ check.T, ht @ wt.T, 0.5) * upstream).sum().backward()
+            torch.testing.assert_close(tied.grad, check.grad, rtol=1e-9, atol=1e-12)
+
+
+def test_frozen_head_and_logits_sides_take_any_upstream_in_one_pass(monkeypatch) -> None:
+    """Only the hidden states (a frozen head, LoRA-style) or the logits need a gradient: each row's is
+    exact under any weighting, so no recompute."""
+    hs, w, _, ht, wt = _problem(9, bias=False)
+    upstream = torch.rand(23, generator=torch.Generator().manual_seed(10))
+    _, (want_x, _, _) = _recomputed(hs, w.requires_grad_(False), None, ht, wt, 0.5, 1.0, 5, upstream)
+    calls = _counting_passes(monkeypatch)
+    hidden = hs.clone().requires_grad_()
+    div, _ = token_divergence(HeadInputs(hidden, w), HeadInputs(ht, wt), 0.5, chunk_size=5)
+    (div * upstream).sum().backward()
+    assert len(calls) == 1
+    torch.testing.assert_close(hidden.grad, want_x, rtol=1e-5, atol=1e-7)
+    logits = (hs @ w.T).requires_grad_()
+    div, _ = token_divergence(HeadInputs(logits), HeadInputs(ht @ wt.T), 0.5, chunk_size=5)
+    (div * upstream).sum().backward()
+    assert len(calls) == 2
+    torch.testing.assert_close(logits.grad @ w, want_x, rtol=1e-5, atol=1e-6)
+
+
+def test_a_retained_graph_differentiates_twice() -> None:
+    """The gradient built in forward is used once; a second backward recomputes and adds the same."""
+    hs, w, b, ht, wt = _problem(11)
+    mine = [x.clone().requires_grad_() for x in (hs, w, b)]
+    div, _ = token_divergence(HeadInputs(*mine), HeadInputs(ht, wt), 0.5, chunk_size=5)
+    loss = div.mean()
+    loss.backward(retain_graph=True)
+    once = [x.grad.clone() for x in mine]
+    loss.backward()
+    for x, first in zip(mine, once, strict=True):
+        torch.testing.assert_close(x.grad, 2 * first, rtol=1e-6, atol=1e-7)
+
+
+def test_no_gradient_recording_builds_no_gradient(monkeypatch) -> None:
+    """Under ``torch.no_grad`` (evaluation) forward computes the values only."""
+    hs, w, b, ht, wt = _problem(12)
+    built: list[tuple[bool, ...]] = []
+    original = divergence_module._gradient_pass
+
+    def spy(*args, **kwargs):
+        built.append(tuple(args[10]))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(divergence_module, "_gradient_pass", spy)
+    with torch.no_grad():
+        token_divergence(HeadInputs(hs.requires_grad_(), w.requires_grad_(), b), HeadInputs(ht, wt), 0.5)
+    assert built == [(False, False, False)]
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.1, 0.5, 0.9, 1.0])
+def test_float32_wide_logit_ranges_match_float64(beta) -> None:
+    """Log-prob gaps beyond 80 between student and teacher (where ``expm1`` would overflow without
+    its cap) and both signs of the gap: float32 values and gradients against the float64 textbook
+    on the same (float32-representable) logits. Log-probs near -100 carry float32's absolute
+    rounding of about 1e-5, hence the absolute tolerances (the reverse KL's ``s - t - KL`` of
+    such magnitudes sets them)."""
+    g = torch.Generator().manual_seed(13)
+    z_s = (torch.randn(6, 50, generator=g, dtype=torch.float64) * 30).float().double()
+    z_t = (torch.randn(6, 50, generator=g, dtype=torch.float64) * 30).float().double()
+    exact = z_s.clone().requires_grad_()
+    want = _textbook(exact, z_t, beta)
+    want.sum().backward()
+    gaps = torch.log_softmax(z_t, -1) - torch.log_softmax(z_s, -1)
+    assert gaps.max() > 100 and gaps.min() < -100
+    ours = z_s.float().requires_grad_()
+    got, _ = token_divergence(HeadInputs(ours), HeadInputs(z_t.float()), beta)
+    got.sum().backward()
+    assert torch.isfinite(ours.grad).all()
+    torch.testing.assert_close(got.double(), want.detach(), rtol=1e-5, atol=2e-5)
+    torch.testing.assert_close(ours.grad.double(), exact.grad, rtol=1e-4, atol=2e-5 if beta == 1.0 else 2e-7)
+
+
+def test_loss_weights_of_the_wrong_shape_are_named() -> None:
+    a = HeadInputs(torch.zeros(3, 5, requires_grad=True))
+    with pytest.raises(ValueError, match=r"loss_weights has shape \(2,\); it needs one weight per position"):
+        token_divergence(a, HeadInputs(torch.zeros(3, 5)), 0.5, loss_weights=torch.ones(2))

@@ -294,6 +294,41 @@ def test_off_policy_passes_are_importance_weighted(tmp_path) -> None:
     assert weighted == pytest.approx(1.5 * plain, rel=1e-5)  # every weight hits the clip
 
 
+def test_full_logits_gradient_is_built_in_one_pass_for_sample_means_and_is_weights(
+    tmp_path, monkeypatch
+) -> None:
+    """The loss weighs each token by its sample's 1 / length and its importance weight; the trainer
+    states those weights to the engine, which then builds the student's gradient in its forward
+    pass (one pass over the vocabulary). The gradients equal those of the recompute path."""
+    from posttrain.ops import divergence as engine
+
+    trainer = sdft_trainer(
+        tmp_path, num_iterations=2, distillation_mode="full_logits", distillation_is_clip=1.5
+    )
+    scored = _scored(trainer)
+    lengths = trainer._loss_mask(scored.rollout).sum(-1)
+    assert len(set(lengths.tolist())) > 1  # samples of different lengths: the weights differ
+    g = torch.Generator().manual_seed(0)
+    scored.old_logps = scored.old_logps + 0.3 * torch.randn(scored.old_logps.shape, generator=g)
+
+    def gradients() -> list[torch.Tensor]:
+        trainer.model.zero_grad()
+        trainer.compute_loss(trainer.model, scored).backward()
+        return [p.grad.clone() for p in trainer.model.parameters() if p.grad is not None]
+
+    passes: list[int] = []
+    original = engine._gradient_pass
+    monkeypatch.setattr(engine, "_gradient_pass", lambda *a, **k: passes.append(1) or original(*a, **k))
+    fused = gradients()
+    assert len(passes) == 1
+    monkeypatch.setattr(engine, "_common_factor", lambda *a: None)  # never proportional: recompute
+    recomputed = gradients()
+    assert len(passes) == 3
+    assert len(fused) == len(recomputed) > 0
+    for a, b in zip(fused, recomputed, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-8)
+
+
 # ---- accumulation, resume, two processes -----------------------------------------------------------------
 
 

@@ -128,8 +128,20 @@ class SelfTeacherTrainer(TeacherStudentTrainer):
         """D at each kept position ([n_tokens], with gradient), importance-weighted off-policy."""
         a = self.args
         temperature = a.temperature
+        is_weights = None
+        if inputs.old_logps is not None and a.distillation_is_clip is not None:
+            with torch.no_grad():
+                current = target_logps(student, tokens, temperature)
+            is_weights = losses.truncated_is_weights(current, inputs.old_logps[keep], a.distillation_is_clip)
         if a.distillation_mode == "full_logits":
-            divergence, _ = token_divergence(student, teacher, a.distillation_alpha, temperature)
+            # the loss's weights (each sample's token mean, the importance weights): the engine
+            # builds the student's gradient for them in its forward pass
+            weights = (1.0 / keep.sum(dim=-1).clamp(min=1)).unsqueeze(1).expand_as(keep)[keep]
+            if is_weights is not None:
+                weights = weights * is_weights
+            divergence, _ = token_divergence(
+                student, teacher, a.distillation_alpha, temperature, loss_weights=weights
+            )
         elif a.distillation_mode == "topk_logits":
             ids = top_ids(student, a.distillation_topk, temperature)  # [n, k]
             divergence = losses.topk_divergence(
@@ -142,13 +154,7 @@ class SelfTeacherTrainer(TeacherStudentTrainer):
             divergence = losses.sampled_token_loss(
                 target_logps(student, tokens, temperature), target_logps(teacher, tokens, temperature)
             )
-        if inputs.old_logps is not None and a.distillation_is_clip is not None:
-            with torch.no_grad():
-                current = target_logps(student, tokens, temperature)
-            divergence = divergence * losses.truncated_is_weights(
-                current, inputs.old_logps[keep], a.distillation_is_clip
-            )
-        return divergence
+        return divergence * is_weights if is_weights is not None else divergence
 
 
 class SDFTTrainer(SelfTeacherTrainer):
