@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import copy
 import inspect
 import json
 from collections.abc import Awaitable, Callable, Sequence
@@ -56,13 +57,25 @@ def is_async_callable(fn: Callable) -> bool:
     return call is not None and inspect.iscoroutinefunction(call)
 
 
+# A function attribute holding a ready schema: tools made from a remote environment's own JSON
+# schema (the hub adapters of ``posttrain.agents.hubs``) carry it instead of type hints.
+PRESET_SCHEMA_ATTRIBUTE = "__tool_schema__"
+
+
 def tool_schema(fn: Callable) -> dict[str, Any]:
     """The JSON schema of one tool function.
+
+    A function carrying a ``__tool_schema__`` attribute (a ready ``{"type": "function",
+    "function": {...}}`` schema) is described by a copy of it; any other is described from its
+    type hints and docstring by ``transformers.utils.get_json_schema``.
 
     Raises:
         ValueError: the function lacks type hints or a Google-style docstring; the message names
             the function and says how to fix it.
     """
+    preset = getattr(fn, PRESET_SCHEMA_ATTRIBUTE, None)
+    if preset is not None:
+        return copy.deepcopy(preset)
     from transformers.utils import get_json_schema
 
     try:

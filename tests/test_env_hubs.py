@@ -1,0 +1,345 @@
+"""Environment hubs through environment_factory (posttrain.agents.hubs), each against a real server of
+its own package started here: an OpenEnv game served by openenv-core, an ORS task served by the
+openreward SDK. A scripted generator writes the model's tool calls; everything past it (the adapter,
+the hub's client, the server, the reward) is real. Harbor needs Python >= 3.12 and a sandbox backend;
+its test goes as far as the machine allows (see test_harbor_up_to_the_sandbox_boundary).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import build_tiny_model, build_tiny_tokenizer
+from helpers import TurnScriptedGenerator, make_config
+
+SCRIPTS_DIR = Path(__file__).parent / "scripts"
+QWEN25 = (Path(__file__).parent / "chat_templates" / "qwen2_5_instruct.jinja").read_text()
+SERVER_START_S = 90.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(script: str, tmp_dir: Path):
+    """Run ``tests/scripts/<script> PORT LOG`` and wait until its port accepts connections."""
+    port, log = free_port(), tmp_dir / "calls.jsonl"
+    out = open(tmp_dir / "server.out", "w")  # noqa: SIM115 - closed in stop_server
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPTS_DIR / script), str(port), str(log)], stdout=out, stderr=out
+    )
+    deadline = time.monotonic() + SERVER_START_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            out.close()
+            pytest.fail(
+                f"{script} exited with {proc.returncode}:\n{(tmp_dir / 'server.out').read_text()[-3000:]}"
+            )
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return proc, out, f"http://127.0.0.1:{port}", log
+        except OSError:
+            time.sleep(0.2)
+    stop_server(proc, out)
+    pytest.fail(f"{script} did not listen on port {port} within {SERVER_START_S} s")
+
+
+def stop_server(proc, out) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    out.close()
+
+
+@pytest.fixture(scope="module")
+def openenv_server(tmp_path_factory):
+    pytest.importorskip("openenv.core")
+    proc, out, url, log = start_server("hub_openenv_server.py", tmp_path_factory.mktemp("openenv"))
+    yield url, log
+    stop_server(proc, out)
+
+
+@pytest.fixture(scope="module")
+def ors_server(tmp_path_factory):
+    pytest.importorskip("openreward")
+    proc, out, url, log = start_server("hub_ors_server.py", tmp_path_factory.mktemp("ors"))
+    yield url, log
+    stop_server(proc, out)
+
+
+def events(log: Path) -> list[dict]:
+    return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+
+
+def qwen_tokenizer():
+    tok = build_tiny_tokenizer()
+    tok.chat_template = QWEN25
+    return tok
+
+
+def call(name: str, arguments: str) -> str:
+    return f'<tool_call>\n{{"name": "{name}", "arguments": {arguments}}}\n</tool_call>'
+
+
+def hub_trainer(tmp_path, tok, factory, dataset, **config):
+    """GRPO on the tiny long-context model, 2 steps, the environment as the only reward."""
+    from posttrain import GRPOTrainer
+
+    model = build_tiny_model(tok)
+    model.config.max_position_embeddings = 4096
+    values = {"num_generations": 2, "max_steps": 2, "max_completion_length": 400, **config}
+    return GRPOTrainer(
+        model=model,
+        args=make_config(tmp_path, **values),
+        train_dataset=dataset,
+        processing_class=tok,
+        environment_factory=factory,
+    )
+
+
+def reward_logs(trainer, name: str) -> list[float]:
+    return [e[f"rewards/{name}/mean"] for e in trainer.state.log_history if f"rewards/{name}/mean" in e]
+
+
+# ---------------------------------------------------------------------------------------------
+# OpenEnv
+# ---------------------------------------------------------------------------------------------
+
+
+def test_openenv_adapter_describes_the_servers_action(openenv_server):
+    from posttrain.agents.environments import environment_tools
+    from posttrain.agents.hubs import openenv_environment
+
+    url, _ = openenv_server
+    Guess = openenv_environment(url)
+    assert Guess.__name__ == "GuessEnvironment"  # the name the server reports
+    env = Guess()
+    tools = environment_tools(env)
+    assert list(tools) == ["guess"]  # GuessAction -> guess
+    function = tools["guess"].schema["function"]
+    assert function["description"] == "Guess the secret number."
+    assert function["parameters"]["required"] == ["number"]
+    assert "metadata" not in function["parameters"]["properties"]
+    assert env.reset(secret=2) == "Guess the secret number, from 1 to 5."
+    assert tools["guess"].fn(number=1) == "Wrong: go higher."
+    assert env.get_reward() == 0.0
+    assert tools["guess"].fn(number=2) == "Correct!"
+    assert env.get_reward() == 1.0
+    with pytest.raises(RuntimeError, match="the episode is over"):
+        tools["guess"].fn(number=2)
+
+
+def test_openenv_grpo_training_against_a_local_server(tmp_path, openenv_server):
+    from datasets import Dataset
+
+    from posttrain.agents.hubs import openenv_environment
+
+    url, log = openenv_server
+    tok = qwen_tokenizer()
+    factory = openenv_environment(url)
+    # 4 tasks, 2 per step: tasks 0 and 1 guess right at once, task 2 after a miss, task 3 never.
+    dataset = Dataset.from_dict(
+        {
+            "prompt": [[{"role": "user", "content": f"task {k}: play the game."}] for k in range(4)],
+            "secret": [3, 4, 2, 5],
+        }
+    )
+    scripts = {
+        "task 0": [call("guess", '{"number": 3}'), "Won."],
+        "task 1": [call("guess", '{"number": 4}'), "Won."],
+        "task 2": [call("guess", '{"number": 1}'), call("guess", '{"number": 2}'), "Won."],
+        "task 3": [call("guess", '{"number": 1}'), "I give up."],
+    }
+    before = len(events(log))
+    trainer = hub_trainer(tmp_path, tok, factory, dataset)
+    trainer.generator = TurnScriptedGenerator(tok, scripts)
+    trainer.train()
+    rewards = reward_logs(trainer, "GuessEnvironment")
+    assert len(rewards) == 2
+    # one epoch over the 4 tasks, 2 completions each: 3 of 4 tasks won -> 0.75 over the two steps
+    assert sum(rewards) / 2 == pytest.approx(0.75)
+    seen = events(log)[before:]
+    resets = [e["secret"] for e in seen if e["event"] == "reset"]
+    steps = [(e["secret"], e["number"]) for e in seen if e["event"] == "step"]
+    assert sorted(resets) == [2, 2, 3, 3, 4, 4, 5, 5]  # every episode reset the server with its row's secret
+    assert sorted(steps) == sorted([(3, 3)] * 2 + [(4, 4)] * 2 + [(2, 1), (2, 2)] * 2 + [(5, 1)] * 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# OpenReward (ORS)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_openreward_adapter_describes_the_servers_tools(ors_server):
+    from posttrain.agents.environments import environment_tools
+    from posttrain.agents.hubs import openreward_environment, openreward_tasks
+
+    url, _ = ors_server
+    Echo = openreward_environment("echoenvironment", url=url, name="EchoEnv")
+    env = Echo()
+    tools = environment_tools(env)
+    assert list(tools) == ["echo"]
+    assert tools["echo"].schema["function"]["parameters"]["required"] == ["text"]
+    assert env.reset(task_index=0) == "Call echo with the word 'hello'."
+    assert env.get_reward() is None  # an episode without a scored call is not scored
+    env.reset()  # no task_index: the split's tasks in order
+    assert tools["echo"].fn(text="bye") == "wrong"
+    assert tools["echo"].fn(text="hello") == "right"
+    with pytest.raises(RuntimeError, match="the episode is over"):
+        tools["echo"].fn(text="hello")
+    assert env.get_reward() == 1.0  # and the session is closed: the episode is scored
+    with pytest.raises(RuntimeError, match="no episode is running"):
+        tools["echo"].fn(text="hello")
+    dataset = openreward_tasks("echoenvironment", url=url)
+    assert dataset.column_names == ["task_index"] and dataset["task_index"] == [0]
+
+
+def test_openreward_grpo_training_against_a_local_server(tmp_path, ors_server):
+    from posttrain.agents.hubs import openreward_environment, openreward_tasks
+
+    url, log = ors_server
+    tok = qwen_tokenizer()
+    factory = openreward_environment("echoenvironment", url=url, name="EchoEnv")
+    dataset = openreward_tasks("echoenvironment", url=url)  # one task: its prompt comes from the server
+    # a miss (reward 0.0) then a hit (reward 1.0, finished): the episode's reward is the last one
+    scripts = {
+        "echo with the word": [call("echo", '{"text": "bye"}'), call("echo", '{"text": "hello"}'), "Done."]
+    }
+    before = len(events(log))
+    trainer = hub_trainer(tmp_path, tok, factory, dataset, per_device_train_batch_size=2)
+    trainer.generator = TurnScriptedGenerator(tok, scripts)
+    trainer.train()
+    assert reward_logs(trainer, "EchoEnv") == [1.0, 1.0]
+    seen = events(log)[before:]
+    # 2 steps x 2 episodes x 2 calls reached the server; the episodes of a turn run side by side
+    assert sorted((e["text"], e["reward"]) for e in seen) == [("bye", 0.0)] * 4 + [("hello", 1.0)] * 4
+
+
+# ---------------------------------------------------------------------------------------------
+# Harbor
+# ---------------------------------------------------------------------------------------------
+
+
+def harbor_task_tree(root: Path) -> Path:
+    task = root / "tasks" / "hello"
+    (task / "environment").mkdir(parents=True)
+    (task / "tests").mkdir()
+    (task / "instruction.md").write_text("Write the word hello to /workdir/answer.txt.\n")
+    (task / "task.toml").write_text(
+        'schema_version = "1.1"\n[task]\nname = "posttrain/hello"\n[verifier]\ntimeout_sec = 60.0\n'
+    )
+    (task / "environment" / "Dockerfile").write_text("FROM python:3.12-slim\nWORKDIR /workdir\n")
+    (task / "tests" / "test.sh").write_text(
+        '#!/bin/bash\n[ "$(cat /workdir/answer.txt)" = hello ] && echo 1 > /logs/verifier/reward.txt '
+        "|| echo 0 > /logs/verifier/reward.txt\n"
+    )
+    return root
+
+
+def docker_daemon_runs() -> bool:
+    if shutil.which("docker") is None:
+        return False
+    return subprocess.run(["docker", "info"], capture_output=True, timeout=30).returncode == 0
+
+
+def test_harbor_up_to_the_sandbox_boundary(tmp_path):
+    """Every Harbor sandbox backend is a container, VM or cloud sandbox (harbor 0.26: docker, podman,
+    e2b, daytona, modal, ...; none runs on the host without a daemon). Without a Docker daemon the
+    test reads the task tree through Harbor and checks that the adapter stops at Harbor's preflight,
+    before any trainer is built."""
+    pytest.importorskip("harbor")
+    from posttrain.agents.hubs import harbor_environment, harbor_tasks
+
+    dataset = harbor_tasks(harbor_task_tree(tmp_path))
+    assert dataset["task_name"] == ["hello"]
+    assert Path(dataset["task_dir"][0]).name == "hello"
+    if docker_daemon_runs():
+        pytest.skip("a Docker daemon runs here: this test covers the no-daemon boundary only")
+    with pytest.raises(RuntimeError, match="Harbor's sandbox backend 'docker' cannot run here"):
+        harbor_environment(environment_type="docker")
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "modules, adapter, extra",
+    [
+        (("openenv", "openenv.core"), "openenv_environment", "openenv"),
+        (("openreward",), "openreward_environment", "openreward"),
+        (("harbor",), "harbor_environment", "harbor"),
+    ],
+    ids=["openenv", "openreward", "harbor"],
+)
+def test_missing_hub_package_names_the_extra(monkeypatch, modules, adapter, extra):
+    import posttrain.agents.hubs as hubs
+
+    for module in modules:
+        monkeypatch.setitem(sys.modules, module, None)  # as if not installed
+    args = {"openenv_environment": ("http://127.0.0.1:1",), "openreward_environment": ("env",)}.get(
+        adapter, ()
+    )
+    with pytest.raises(ImportError, match=rf'pip install "posttrain\[{extra}\]"'):
+        getattr(hubs, adapter)(*args)
+
+
+@pytest.mark.parametrize("hub", ["openenv", "openreward"])
+def test_unreachable_server_names_host_port_and_timeout(hub):
+    from posttrain.agents import hubs
+
+    port = free_port()  # nothing listens there
+    url = f"http://127.0.0.1:{port}"
+    if hub == "openenv":
+        pytest.importorskip("openenv.core")
+        make = lambda: hubs.openenv_environment(url, timeout=0.5)  # noqa: E731
+    else:
+        pytest.importorskip("openreward")
+        make = lambda: hubs.openreward_environment("echoenvironment", url=url, timeout=0.5)  # noqa: E731
+    with pytest.raises(
+        ConnectionError,
+        match=rf"unreachable: no connection to host 127\.0\.0\.1, port {port} within the timeout of 0\.5 s",
+    ):
+        make()
+
+
+def test_remote_tool_schema_is_kept_and_its_arguments_checked():
+    """A tool made from a remote JSON schema shows the model that schema as it is, and a call with a
+    wrong argument fails as bad_arguments before anything reaches the server."""
+    from posttrain.agents.hubs._common import tool_method
+    from posttrain.agents.tools import Tool, run_tool_calls, tool_schema
+    from posttrain.agents.types import ToolCall
+
+    sent = []
+    schema = {
+        "type": "object",
+        "properties": {"word": {"type": "string", "enum": ["a", "b"]}},
+        "required": ["word"],
+    }
+    method = tool_method("say", "Say a word.", schema, lambda self, name, args: sent.append(args) or "ok")
+    assert tool_schema(method)["function"]["parameters"] == schema
+    tool = Tool("say", method.__get__(object()), tool_schema(method), False)
+    good, bad = ToolCall("say", {"word": "a"}), ToolCall("say", {"wrd": "a"})
+    results = run_tool_calls([[good, bad]], [{"say": tool}])[0]
+    assert [r.failure for r in results] == [None, "bad_arguments"]
+    assert sent == [{"word": "a"}]
+
+
+def test_remote_tool_named_like_a_reserved_method_is_refused():
+    from posttrain.agents.hubs._common import check_tool_name
+
+    with pytest.raises(ValueError, match="has a tool named 'reset', which posttrain cannot expose"):
+        check_tool_name("reset", "OpenReward", {})
