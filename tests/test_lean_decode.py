@@ -107,6 +107,22 @@ def test_deterministic_lean_equals_generate(tok, model, share_prefix):
 
 
 @pytest.mark.parametrize("share_prefix", [False, True])
+def test_greedy_lean_equals_generate(tok, model, share_prefix):
+    """``do_sample=False``: the argmax of the processed scores, warpers off (a temperature that would
+    change nothing greedy, a min_new_tokens and a repetition penalty that do), as ``generate``."""
+    options = {"temperature": 0.3, "top_k": 5, "repetition_penalty": 1.3,
+               "generation_kwargs": {"do_sample": False, "min_new_tokens": 2}}  # fmt: skip
+    greedy, _ = run(model, config([tok.eos_token_id], **options), MIXED, lean=False, share_prefix=False)
+    eos = [int(greedy[0, 3])]  # ends row 0 (at least) early
+    cfg = config(eos, **options)
+    ref, _ = run(model, cfg, MIXED, lean=False, share_prefix=share_prefix, seed=1)
+    out, gen = run(model, cfg, MIXED, lean=True, share_prefix=share_prefix, seed=2)
+    assert gen.last_path.startswith("lean"), gen.last_lean_blocker
+    assert torch.equal(out, ref)
+    assert (out == eos[0]).any()
+
+
+@pytest.mark.parametrize("share_prefix", [False, True])
 def test_early_eos_pads_rows_and_stops_the_loop(tok, model, share_prefix):
     """EOS ids taken from the greedy sequences: some rows end early, then all do."""
     greedy, _ = run(model, config([tok.eos_token_id]), MIXED, lean=False, share_prefix=False)
@@ -321,7 +337,6 @@ def test_sampling_never_picks_a_zero_probability_token(monkeypatch):
     [
         ({"generation_kwargs": {"num_beams": 2}}, "beam search"),
         ({"generation_kwargs": {"no_repeat_ngram_size": 2}}, "no_repeat_ngram_size=2"),
-        ({"generation_kwargs": {"do_sample": False}}, "do_sample=False"),
         ({"generation_kwargs": {"typical_p": 0.9}}, "typical_p=0.9"),
         (
             {"generation_kwargs": {"output_scores": True, "return_dict_in_generate": True}},

@@ -201,6 +201,9 @@ class SamplingSettings:
             or the neutral value (1.0, 0, 1.0) when off.
         eos_token_ids: ids that end a row (none: rows end at ``max_new_tokens``).
         pad_token_id: fills a row after its EOS (``generate``'s default: the first EOS id).
+        do_sample: sample (True) or take the argmax of the processed scores (greedy, as
+            ``generate`` with ``do_sample=False``: the warpers temperature, top-k, top-p and
+            min-p are then off; the repetition penalty and ``min_new_tokens`` still apply).
     """
 
     max_new_tokens: int
@@ -212,6 +215,7 @@ class SamplingSettings:
     repetition_penalty: float | None = None
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
+    do_sample: bool = True
 
 
 def _off(value: Any) -> bool:
@@ -221,7 +225,6 @@ def _off(value: Any) -> bool:
 def _config_blocker(config: GenerationConfig) -> str | None:
     """Why the loop cannot honour the effective ``config``, or None."""
     checks = (
-        (config.do_sample is not True, "do_sample=False"),
         (config.use_cache is False, "use_cache=False"),
         (
             config.cache_implementation not in (None, "dynamic"),
@@ -314,16 +317,18 @@ def lean_settings(
     eos = resolved.eos_token_id
     eos_ids = () if eos is None else tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
     pad = resolved.pad_token_id if resolved.pad_token_id is not None else (eos_ids[0] if eos_ids else None)
+    sample = bool(resolved.do_sample)
     settings = SamplingSettings(
         max_new_tokens=resolved.max_new_tokens,
         min_new_tokens=resolved.min_new_tokens or 0,
-        temperature=resolved.temperature,
-        top_k=resolved.top_k,
-        top_p=resolved.top_p,
-        min_p=resolved.min_p,
+        temperature=resolved.temperature if sample else None,
+        top_k=resolved.top_k if sample else None,
+        top_p=resolved.top_p if sample else None,
+        min_p=resolved.min_p if sample else None,
         repetition_penalty=resolved.repetition_penalty,
         eos_token_ids=eos_ids,
         pad_token_id=pad,
+        do_sample=sample,
     )
     return settings, None
 
@@ -530,7 +535,8 @@ def _lean_loop(
             logits = model(attention_mask=mask[:, : width + step], **inputs).logits[:, -1].float()
         if processor is None:
             processor = ScoreProcessor(settings, prompt_ids, prompt_mask, logits.shape[-1])
-        tokens = sample_tokens(processor(logits, step))
+        scores = processor(logits, step)
+        tokens = sample_tokens(scores) if settings.do_sample else scores.argmax(dim=-1)
         if logps is not None:
             scaled = logits if temperature is None else logits / temperature
             picked = scaled.gather(1, tokens[:, None]).squeeze(1) - torch.logsumexp(scaled, dim=-1)

@@ -9,6 +9,7 @@ import torch
 from transformers import GenerationConfig
 
 from posttrain.data import chat
+from posttrain.generation.transformers_backend import TransformersGenerator
 from posttrain.ops.padding import left_pad
 from posttrain.rewards.answer import answer_accuracy_reward, answer_format_reward
 
@@ -45,6 +46,12 @@ def task_accuracy(
         eos_token_id=tokenizer.eos_token_id,
     )
     device = next(model.parameters()).device
+    # The training sampler's fast paths (the lean loop, the fused CPU step), greedy; a model they
+    # cannot serve (sharded, replaced generate, ...) runs model.generate, with the same result;
+    # so does a stand-in that is no transformers model (no ``config``).
+    generator = (
+        TransformersGenerator(lambda: model, config, share_prefix=False) if hasattr(model, "config") else None
+    )
     completions: list[str] = []
     bar = None
     if progress is not None:
@@ -61,10 +68,13 @@ def task_accuracy(
                 for p in prompts
             ]
             prompt_ids, mask = left_pad(ids, tokenizer.pad_token_id)
-            out = model.generate(
-                input_ids=prompt_ids.to(device), attention_mask=mask.to(device), generation_config=config
-            )
-            completions += tokenizer.batch_decode(out[:, prompt_ids.shape[1] :], skip_special_tokens=True)
+            prompt_ids, mask = prompt_ids.to(device), mask.to(device)
+            if generator is not None:
+                out = generator.generate(prompt_ids, mask).completion_ids
+            else:
+                out = model.generate(input_ids=prompt_ids, attention_mask=mask, generation_config=config)
+                out = out[:, prompt_ids.shape[1] :]
+            completions += tokenizer.batch_decode(out, skip_special_tokens=True)
             if bar is not None:
                 bar.update(len(prompts))
     finally:
