@@ -157,7 +157,8 @@ def main() -> None:
         }
         if {"posttrain", "trl"} <= set(summary):
             p, t = summary["posttrain"], summary["trl"]
-            row["ratio"] = {key: p[key] / t[key] for key in p if key != "steps_measured"}
+            shared = [k for k in p if k in t and k != "steps_measured"]  # TRL has no sampler figures
+            row["ratio"] = {key: p[key] / t[key] for key in shared}
         table.append(row)
         print(json.dumps(row), flush=True)
     print()
