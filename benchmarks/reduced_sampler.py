@@ -12,7 +12,10 @@ the backends so that a shared machine's drift falls on all of them alike. Printe
   importance-sampling correction sees (up to the float32 step's own 1e-6 against training).
 
 ``--products`` also times the linear products alone over one step's weights (the part a
-reduced copy changes).
+reduced copy changes). ``--calls N`` times N rounds of whole generation calls (8 completions of
+exactly 64 tokens, ``TransformersGenerator`` with each ``sampler_precision``, alternating), each
+after ``weights_changed()``, as after an optimizer step: the reduced copy's rebuild is in the call,
+as the float32 path's per-call packing is.
 
 Run: ``.venv/bin/python -u benchmarks/reduced_sampler.py --steps 40 --threads 1``
 """
@@ -45,6 +48,7 @@ def main() -> None:
         "--backends", nargs="+", default=None, help="default: every reduced one this CPU runs"
     )
     parser.add_argument("--products", action="store_true")
+    parser.add_argument("--calls", type=int, default=0)
     opts = parser.parse_args()
     torch.set_num_threads(opts.threads)
     backends = opts.backends or [
@@ -109,6 +113,48 @@ def main() -> None:
         print(json.dumps(row), flush=True)
     if opts.products:
         products(decoders, names)
+    if opts.calls:
+        del decoders, caches
+        calls(model, tok, ids, ["float32", *backends], opts.calls)
+
+
+def calls(model, tok, ids: torch.Tensor, precisions: list[str], rounds: int) -> None:
+    """Whole generation calls per ``sampler_precision``, each rebuilding the reduced copy."""
+    from posttrain.generation.transformers_backend import TransformersGenerator, sampling_config
+
+    config = sampling_config(
+        max_new_tokens=64,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        min_p=None,
+        repetition_penalty=1.0,
+        cache_implementation=None,
+        pad_token_id=tok.pad_token_id or 0,
+        eos_token_ids=[tok.eos_token_id],
+        generation_kwargs={"min_new_tokens": 64},
+    )
+    mask = torch.ones_like(ids)
+    generators = {p: TransformersGenerator(lambda: model, config, sampler_precision=p) for p in precisions}
+    wall = {p: [] for p in precisions}
+    refresh = {p: [] for p in precisions}
+    for _ in range(rounds):
+        for precision, generator in generators.items():
+            generator.weights_changed()
+            start = time.perf_counter()
+            generator.generate(ids, mask)
+            wall[precision].append(time.perf_counter() - start)
+            if generator.reduced is not None:
+                refresh[precision].append(generator.reduced.last_refresh_seconds)
+    base = statistics.median(wall["float32"])
+    for precision in precisions:
+        row = {
+            "precision": precision,
+            "call_wall_s": [round(t, 2) for t in wall[precision]],
+            "ratio": statistics.median(wall[precision]) / base,
+            "refresh_s": [round(t, 2) for t in refresh[precision]],
+        }
+        print(json.dumps(row), flush=True)
 
 
 def products(decoders: dict, names: list[str]) -> None:
