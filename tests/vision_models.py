@@ -105,6 +105,37 @@ def build_qwen2_vl(seed: int = 0, family: str = "qwen2_vl") -> tuple[Any, Any]:
     return Qwen2VLForConditionalGeneration(config), processor
 
 
+def build_qwen3_vl(seed: int = 0) -> tuple[Any, Any]:
+    """Qwen3-VL: 16-pixel patches merged 2 x 2 (images of 32-64 pixels a side), interleaved 3-D rotary
+    positions, and DeepStack (the vision block's features added to the first decoder layer's input)."""
+    import torch
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VLProcessor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    tok = build_tokenizer(QWEN_SPECIALS)
+    template = chat_template("<|vision_start|><|image_pad|><|vision_end|>")
+    tok.chat_template = template
+    image_processor = Qwen2VLImageProcessorPil(
+        min_pixels=32 * 32, max_pixels=64 * 64, patch_size=16, merge_size=2, temporal_patch_size=2
+    )
+    processor = assemble_processor(
+        Qwen3VLProcessor, image_processor=image_processor, tokenizer=tok, video_processor=None, chat_template=template
+    )  # fmt: skip
+    ids = {name: tok.convert_tokens_to_ids(t) for name, t in zip(
+        ("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id"), QWEN_SPECIALS, strict=True
+    )}  # fmt: skip
+    text = {**TINY_DECODER, "head_dim": 8, "vocab_size": len(tok), "max_position_embeddings": 512,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1],
+                                "mrope_interleaved": True},
+            "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id, "bos_token_id": None}  # fmt: skip
+    vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 32,
+              "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2, "num_position_embeddings": 16,
+              "deepstack_visual_indexes": [0]}  # fmt: skip
+    torch.manual_seed(seed)
+    config = Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False, **ids)
+    return Qwen3VLForConditionalGeneration(config), processor
+
+
 SMOLVLM_SPECIALS = ["<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>"]
 
 
