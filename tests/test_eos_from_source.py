@@ -9,7 +9,6 @@ the tool loop, scripted generators) must carry each row's own length.
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ from conftest import build_tiny_model, build_tiny_tokenizer
 from helpers import ScriptedGenerator, make_config, standard_dataset
 
 from posttrain import GRPOTrainer
-from posttrain.agents.loop import LoopSettings, ToolLoop
+from posttrain.agents.loop import Episode, LoopSettings, ToolLoop
 from posttrain.generation.base import Samples, build_rollout, mask_after_eos
 from posttrain.generation.continuous_batching import ContinuousBatchingGenerator
 from posttrain.generation.transformers_backend import sampling_config
@@ -173,6 +172,6 @@ def test_the_tool_loop_does_not_read_padding_as_the_end_of_a_turn(tok):
         chat_template_kwargs={},
     )
     loop = ToolLoop(tok, resolve_template(tok.chat_template, []), settings)
-    episodes = [SimpleNamespace(prompt_ids=[3, 4], ids=[]) for _ in range(2)]
+    episodes = [Episode(prompt=[], prompt_ids=[3, 4], tools={}, schemas=None) for _ in range(2)]
     turns = loop._generate(ScriptedGenerator([short, ended], eos), episodes, torch.device("cpu"))
     assert turns == [(short, False), (ended, True)]

@@ -11,6 +11,13 @@ by the length budget, or when the completion (all turns and tool results) reache
 
 The result is a ``Rollout`` whose ``tool_mask`` is 0 on the tokens the loop inserted, so they
 are attended to but never trained on, and never counted as completion tokens.
+
+With a vision-language model's processor, a prompt's images and the images a tool returns
+(``{"type": "image", "image": ...}`` content blocks) enter the episode: the text that holds their
+placeholders is tokenised by the processor (each placeholder expands into its image's tokens),
+and every later turn is sampled, and the completion scored, with all the episode's images
+(``agents/vision.py``). A tool result whose image tokens do not fit in the remaining budget ends
+the episode without being inserted (a cut image could not be read).
 """
 
 from __future__ import annotations
@@ -29,9 +36,11 @@ from posttrain.agents.templates import (
 )
 from posttrain.agents.tools import Tool, run_tool_calls
 from posttrain.agents.types import ToolCall, ToolResult
+from posttrain.agents.vision import EpisodeImages, batch_inputs, encode_with_processor, rollout_inputs
 from posttrain.core.batch import Rollout
+from posttrain.data import vision
 from posttrain.data.chat import render_template, special_tokens
-from posttrain.generation.base import Generator
+from posttrain.generation.base import Generator, check_takes_images
 from posttrain.ops.padding import left_pad
 
 
@@ -73,6 +82,7 @@ class Episode:
     done: bool = False
     terminated: bool = False
     pending: list[ToolCall] = field(default_factory=list)  # calls of the last turn, to run
+    vision: EpisodeImages = field(default_factory=EpisodeImages)  # its images (vision-language models)
 
 
 @dataclass
@@ -99,12 +109,17 @@ class ToolLoop:
         tokenizer: the policy's tokenizer.
         template: the chat template and family chosen by ``templates.resolve_template``.
         settings: limits and special tokens.
+        processor: a vision-language model's processor (prompts with images, tools returning
+            images); ``None`` for a text-only model, which refuses both.
     """
 
-    def __init__(self, tokenizer: Any, template: TemplateChoice, settings: LoopSettings) -> None:
+    def __init__(
+        self, tokenizer: Any, template: TemplateChoice, settings: LoopSettings, processor: Any = None
+    ) -> None:
         self.tokenizer = tokenizer
         self.template = template
         self.settings = settings
+        self.processor = processor
         # what tokenizer.apply_chat_template passes too: the special tokens (bos_token, ...)
         self._template_kwargs = {**special_tokens(tokenizer), **settings.chat_template_kwargs}
 
@@ -114,20 +129,31 @@ class ToolLoop:
         prompts: list[list[dict[str, Any]]],
         tools: list[dict[str, Tool]],
         device: torch.device,
+        images: list[list[Any]] | None = None,
     ) -> AgentRollout:
         """Run one episode per prompt.
 
         Args:
             generator: any ``Generator``; if its ``generate`` accepts ``max_new_tokens`` the loop
-                passes the largest remaining budget, otherwise it cuts longer turns itself.
+                passes the largest remaining budget, otherwise it cuts longer turns itself. With
+                images it must accept ``model_inputs`` (the transformers backend does).
             prompts: conversational prompts, one per row.
             tools: the tools each row may call (rows may see different tools).
             device: where the generator's inputs go.
+            images: each row's prompt images (one per ``{"type": "image"}`` block), or ``None``.
 
         Returns:
             The ``AgentRollout`` of the batch.
+
+        Raises:
+            ValueError: images (in a prompt or a tool result) without a processor, or whose count
+                does not match the placeholders the template rendered.
         """
-        episodes = [self._start(p, t) for p, t in zip(prompts, tools, strict=True)]
+        images = images or [[] for _ in prompts]
+        episodes = [
+            self._start(p, t, row_images, i)
+            for i, (p, t, row_images) in enumerate(zip(prompts, tools, images, strict=True))
+        ]
         for i, e in enumerate(episodes):
             self._check_prompt_length(e, i)
         while active := [e for e in episodes if not e.done]:
@@ -142,11 +168,25 @@ class ToolLoop:
     def _render(self, messages: list[dict[str, Any]], schemas: list[dict[str, Any]] | None) -> str:
         return render_template(self.template.template, messages, schemas, True, **self._template_kwargs)
 
-    def _start(self, prompt: list[dict[str, Any]], tools: dict[str, Tool]) -> Episode:
+    def _start(
+        self, prompt: list[dict[str, Any]], tools: dict[str, Tool], images: list[Any], row: int
+    ) -> Episode:
         schemas = [t.schema for t in tools.values()] or None
         text = self._render(prompt, schemas)
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        return Episode(prompt=prompt, prompt_ids=list(ids), tools=tools, schemas=schemas)
+        if not images:
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            return Episode(prompt=prompt, prompt_ids=list(ids), tools=tools, schemas=schemas)
+        if self.processor is None:
+            raise ValueError(
+                f"Row {row} has images, but the model is text-only (its processing class has no image processor), "
+                "so they cannot enter the episode. Train a vision-language model with its processor as "
+                "processing_class, or drop the 'image'/'images' column."
+            )
+        vision.check_row_images(prompt, images, f"{row} of this batch", vision.image_token_of(self.processor))
+        ids, inputs = encode_with_processor(self.processor, text, images, f"the prompt of row {row}")
+        e = Episode(prompt=prompt, prompt_ids=ids, tools=tools, schemas=schemas)
+        e.vision.set_prompt(inputs, images)
+        return e
 
     def _budget(self, e: Episode) -> int:
         s = self.settings
@@ -170,7 +210,11 @@ class ToolLoop:
         """Sample one turn for every active row: (tokens up to and including EOS, ended with EOS)."""
         budgets = [self._budget(e) for e in active]
         ids, mask = left_pad([e.prompt_ids + e.ids for e in active], self.settings.pad_token_id)
-        kwargs = {"max_new_tokens": max(budgets)} if _accepts_budget(generator) else {}
+        kwargs: dict[str, Any] = {"max_new_tokens": max(budgets)} if _accepts_budget(generator) else {}
+        if any(e.vision.has_images for e in active):  # the whole episode so far is the prompt
+            inputs = batch_inputs([e.vision for e in active], [len(e.prompt_ids) for e in active])
+            kwargs["model_inputs"] = inputs.model_kwargs(ids.shape[1], 0, device)
+            check_takes_images(generator)
         samples = generator.generate(ids.to(device), mask.to(device), **kwargs)
         eos = set(self.settings.eos_token_ids)
         rows = samples.completion_ids.tolist()
@@ -189,6 +233,7 @@ class ToolLoop:
         """Record a sampled turn; return whether its tool calls must run."""
         e.ids += tokens
         e.model_mask += [1] * len(tokens)
+        e.vision.extend(len(tokens))
         text = self.tokenizer.decode(tokens[:-1] if ended else tokens, skip_special_tokens=False)
         content, calls = parse_tool_calls(self.template.family, text)
         e.messages.append(_assistant_message(content, calls))
@@ -211,12 +256,14 @@ class ToolLoop:
             self._append_results(e, row_results)
 
     def _append_results(self, e: Episode, results: list[ToolResult]) -> None:
-        for r in results:
-            if r.images:
-                raise NotImplementedError(
-                    f"Tool {r.name!r} returned an image, but posttrain does not train vision-language models "
-                    "yet, so the image cannot enter the conversation. Return text from the tool."
-                )
+        images = [image for r in results for image in r.images]
+        named = ", ".join(repr(r.name) for r in results if r.images)
+        if images and self.processor is None:
+            raise ValueError(
+                f"Tool {named} returned an image, but the model is text-only (its processing class has no image "
+                "processor), so the image cannot reach it. Train a vision-language model with its processor as "
+                "processing_class, or return text from the tool."
+            )
         tool_messages = [{"role": "tool", "name": r.name or "", "content": r.content} for r in results]
         text = continuation_text(
             self.template.template,
@@ -228,12 +275,22 @@ class ToolLoop:
             TURN_END[self.template.family],
             **self._template_kwargs,
         )
-        inserted = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         e.messages += tool_messages
         e.tool_rounds += 1
-        room = self._budget(e)
-        e.ids += inserted[: max(room, 0)]
-        e.model_mask += [0] * min(len(inserted), max(room, 0))
+        room = max(self._budget(e), 0)
+        inputs = None
+        if images:
+            inserted, inputs = encode_with_processor(
+                self.processor, text, images, f"the result of tool {named}"
+            )
+            if len(inserted) > room:  # a cut image could not be read: the episode ends before it
+                e.done = True
+                return
+        else:
+            inserted = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        e.ids += inserted[:room]
+        e.model_mask += [0] * min(len(inserted), room)
+        e.vision.extend(min(len(inserted), room), inputs, images)
         if len(inserted) >= room:  # no room left for another model turn
             e.done = True
 
@@ -258,6 +315,9 @@ class ToolLoop:
             completion_mask=completion_mask.to(device),
             is_terminated=torch.tensor([e.terminated for e in episodes], device=device),
             tool_mask=tool_mask.to(device),
+            vision=rollout_inputs([e.vision for e in episodes])
+            if any(e.vision.has_images for e in episodes)
+            else None,
         )
         return AgentRollout(
             rollout=rollout,

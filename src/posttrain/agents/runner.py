@@ -53,6 +53,9 @@ class AgentRunner:
         settings: the loop's limits and special tokens.
         fault_policy: ``reward_fault_policy``: ``"raise"`` stops on a failing ``get_reward``,
             ``"skip"`` leaves that episode unscored (NaN) and counts it.
+        processor: a vision-language model's processor: prompts with images and tools that
+            return images (``None``: a text-only model, which refuses both). Its chat template,
+            when it has one, is the one the episodes render with.
 
     Raises:
         ValueError: a tool without schema, a clash of tool names, or a chat template that cannot
@@ -67,6 +70,7 @@ class AgentRunner:
         tokenizer: Any,
         settings: LoopSettings,
         fault_policy: str = "raise",
+        processor: Any = None,
     ) -> None:
         self.fault_policy = fault_policy
         self.tools = tool_table(tools_from_functions(list(tools or [])))
@@ -76,7 +80,9 @@ class AgentRunner:
         self.reward_classes = [c for c in classes if callable(getattr(c, "get_reward", None))]
         self.reward_names = reward_column_names(self.reward_classes)
         schemas = self._all_schemas()
-        self.template = resolve_template(tokenizer.chat_template, schemas, **settings.chat_template_kwargs)
+        template = getattr(processor, "chat_template", None)
+        template = template if isinstance(template, str) else tokenizer.chat_template
+        self.template = resolve_template(template, schemas, **settings.chat_template_kwargs)
         if self.template.substituted:
             warnings.warn(
                 f"The tokenizer's chat template ({self.template.family} family) is not prefix preserving: adding a "
@@ -85,7 +91,7 @@ class AgentRunner:
                 "tokenizer.chat_template yourself if you need the original for inference.",
                 stacklevel=3,
             )
-        self.loop = ToolLoop(tokenizer, self.template, settings)
+        self.loop = ToolLoop(tokenizer, self.template, settings, processor)
 
     def _all_schemas(self) -> list[dict[str, Any]]:
         """Every schema a row may see (the template check renders them)."""
@@ -95,7 +101,12 @@ class AgentRunner:
         return schemas
 
     def rollout(
-        self, generator: Generator, rows: list[dict[str, Any]], prompts: list[Any], device: torch.device
+        self,
+        generator: Generator,
+        rows: list[dict[str, Any]],
+        prompts: list[Any],
+        device: torch.device,
+        images: list[list[Any]] | None = None,
     ) -> AgentBatch:
         """Reset the environments, run the episodes, and score the environments.
 
@@ -104,13 +115,14 @@ class AgentRunner:
             rows: this process's dataset rows (their columns reach ``reset``).
             prompts: their prompts (``None`` when the environment owns the data).
             device: where the rollout tensors go.
+            images: each row's prompt images (``image`` / ``images`` columns), or ``None``.
         """
         envs = self.pool.instances(rows) if self.pool is not None else None
         if envs is not None:
             prompts = [apply_reset_prompt(p, t) for p, t in zip(prompts, self.pool.reset_texts, strict=True)]
         conversations = [_as_conversation(p) for p in prompts]
         tables = [self._tools_for(env) for env in (envs or [None] * len(rows))]
-        result = self.loop.run(generator, conversations, tables, device)
+        result = self.loop.run(generator, conversations, tables, device, images)
         env_rewards, faults = self._score(envs or [], len(rows))
         return AgentBatch(result, conversations, envs, env_rewards, faults)
 

@@ -12,7 +12,7 @@ prompt tokens (left padded), ``T`` completion tokens (right padded).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -120,17 +120,31 @@ class VisionInputs:
     (``model_kwargs``). A row without images has an empty dict.
 
     Attributes:
-        rows: one dict per row: image tensors as the processor returned them for that row, and
-            the ``TOKEN_ALIGNED_INPUTS`` as 1-D tensors over the row's real prompt tokens.
+        rows: one dict per row: image tensors as the processor returned them for that row (or
+            several processor calls' tensors joined by ``merge_image_parts``: an agent episode's
+            prompt and tool results), and the ``TOKEN_ALIGNED_INPUTS`` as 1-D tensors over the
+            row's real prompt tokens.
+        completions: per row, the ``TOKEN_ALIGNED_INPUTS`` over the row's completion tokens, from
+            its first (the image tokens of tool results inserted into an agent episode); empty
+            (the default): 0 over every completion.
     """
 
     rows: list[dict[str, torch.Tensor]]
+    completions: list[dict[str, torch.Tensor]] = field(default_factory=list)
 
     def select(self, index: slice | Sequence[int]) -> VisionInputs:
         """The inputs of the given rows, in that order."""
         if isinstance(index, slice):
-            return VisionInputs(self.rows[index])
-        return VisionInputs([self.rows[i] for i in index])
+            return VisionInputs(self.rows[index], self.completions[index])
+        picked = [self.rows[i] for i in index]
+        return VisionInputs(picked, [self.completions[i] for i in index] if self.completions else [])
+
+    @staticmethod
+    def gather(rows: Sequence[tuple[VisionInputs | None, int]]) -> VisionInputs:
+        """Rows taken from several batches: ``(inputs, row)`` pairs, ``None`` for a text-only batch."""
+        picked = [v.rows[i] if v is not None else {} for v, i in rows]
+        completions = [v.completions[i] if v is not None and v.completions else {} for v, i in rows]
+        return VisionInputs(picked, completions if any(completions) else [])
 
     @property
     def has_images(self) -> bool:
@@ -148,28 +162,51 @@ class VisionInputs:
             device: where the tensors go.
 
         Returns:
-            Token-aligned inputs as [N, P + T] (0 on padding and completions); the image
-            tensors of every row concatenated on their first dimension, the others zero-padded
-            to the largest row's (as a processor pads a batch: padding images are all zero).
+            Token-aligned inputs as [N, P + T] (0 on padding, and on completions unless
+            ``completions`` has their values); the image tensors of every row concatenated on
+            their first dimension, the others zero-padded to the largest row's (as a processor
+            pads a batch: padding images are all zero).
         """
-        names = dict.fromkeys(k for row in self.rows for k in row)
+        names = dict.fromkeys(k for row in [*self.rows, *self.completions] for k in row)
         out: dict[str, torch.Tensor] = {}
         for name in names:
             if name in TOKEN_ALIGNED_INPUTS:
-                out[name] = _token_aligned(self.rows, name, prompt_width, completion_width)
+                out[name] = _token_aligned(self.rows, self.completions, name, prompt_width, completion_width)
             else:
                 out[name] = _concat_padded([row[name] for row in self.rows if name in row])
         return {k: v.to(device) for k, v in out.items()}
 
 
-def _token_aligned(rows: list[dict[str, torch.Tensor]], name: str, width: int, extra: int) -> torch.Tensor:
-    """[N, width + extra]: each row's values right-aligned in the prompt columns, 0 elsewhere."""
-    dtype = next(row[name].dtype for row in rows if name in row)
+def merge_image_parts(parts: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """One row's image tensors from several processor calls on it, images in call order.
+
+    Each image input is concatenated on its first dimension, the others zero-padded, as
+    ``VisionInputs.model_kwargs`` joins rows (SmolVLM's [1, images, ...] parts become [parts,
+    images, ...]: the model drops the all-zero padding images and fills the placeholders in
+    order). Token-aligned inputs are left out: they follow the tokens, not the images.
+    """
+    names = dict.fromkeys(k for part in parts for k in part if k not in TOKEN_ALIGNED_INPUTS)
+    return {name: _concat_padded([part[name] for part in parts if name in part]) for name in names}
+
+
+def _token_aligned(
+    rows: list[dict[str, torch.Tensor]],
+    completions: list[dict[str, torch.Tensor]],
+    name: str,
+    width: int,
+    extra: int,
+) -> torch.Tensor:
+    """[N, width + extra]: each row's values right-aligned in the prompt columns, its completion's
+    values (if any) from the first completion column, 0 elsewhere."""
+    dtype = next(part[name].dtype for part in [*rows, *completions] if name in part)
     out = torch.zeros(len(rows), width + extra, dtype=dtype)
     for i, row in enumerate(rows):
         if name in row:
             values = row[name].reshape(-1)[-width:]
             out[i, width - values.shape[0] : width] = values
+        if extra and completions and name in completions[i]:
+            values = completions[i][name].reshape(-1)[:extra]
+            out[i, width : width + values.shape[0]] = values
     return out
 
 

@@ -127,12 +127,31 @@ def encode_with_images(
             ids.append(tokenizer(text, add_special_tokens=special)["input_ids"])
             rows.append({})
             continue
-        out = processor(
-            text=[text], images=list(row_images_), add_special_tokens=special, return_tensors="pt"
-        )
-        ids.append(out["input_ids"][0].tolist())
-        rows.append(_row_inputs(out))
+        row_ids, row = encode_text(processor, text, row_images_, add_special_tokens=special)
+        ids.append(row_ids)
+        rows.append(row)
     return ids, VisionInputs(rows)
+
+
+def encode_text(
+    processor: Any, text: str, images: Sequence[Any], add_special_tokens: bool = False
+) -> tuple[list[int], dict[str, torch.Tensor]]:
+    """Tokenise rendered text with its images: each placeholder expands into its image's tokens.
+
+    Args:
+        processor: the model's processor.
+        text: rendered text holding one image placeholder per image, in order.
+        images: the images (PIL images).
+        add_special_tokens: whether the tokenizer adds its special tokens (a plain-text prompt).
+
+    Returns:
+        The tokens and the processor's other outputs for them (image tensors, and the
+        ``TOKEN_ALIGNED_INPUTS`` as 1-D tensors over the tokens).
+    """
+    out = processor(
+        text=[text], images=list(images), add_special_tokens=add_special_tokens, return_tensors="pt"
+    )
+    return out["input_ids"][0].tolist(), _row_inputs(out)
 
 
 def _row_inputs(out: Mapping[str, Any]) -> dict[str, torch.Tensor]:

@@ -7,6 +7,7 @@ tests can plug in a scripted generator.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -67,6 +68,22 @@ class Generator(Protocol):
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> Samples:
         """Args: prompt_ids [N, P], prompt_mask [N, P]. Returns one completion per row."""
         ...
+
+
+def check_takes_images(generator: Generator) -> None:
+    """Refuse a generator whose ``generate`` takes no ``model_inputs`` (a vision-language model's
+    image inputs): sampling without them would ignore the images.
+
+    Raises:
+        NotImplementedError: naming the generator and the backend that takes images.
+    """
+    params = inspect.signature(generator.generate).parameters
+    if "model_inputs" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    raise NotImplementedError(
+        f"{type(generator).__name__} does not take image inputs; vision-language models sample with the "
+        "transformers backend (use_vllm=False, use_transformers_continuous_batching=False)."
+    )
 
 
 def mask_after_eos(

@@ -85,7 +85,7 @@ def take_groups(
         tool_mask = torch.stack([right(rollouts[r].tool_mask[i], 0) for r, i in rows])
     vision = None
     if any(ro.vision is not None for ro in rollouts):  # each row keeps its own images
-        vision = VisionInputs([rollouts[r].vision.rows[i] if rollouts[r].vision else {} for r, i in rows])
+        vision = VisionInputs.gather([(rollouts[r].vision, i) for r, i in rows])
     device = rollouts[0].prompt_ids.device
     return Rollout(
         prompt_ids=prompt_ids.to(device),

@@ -13,7 +13,6 @@ summed across processes, and dynamic sampling continues while any process still 
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,7 +22,7 @@ from accelerate.utils import gather, gather_object
 
 from posttrain.core.batch import Rollout
 from posttrain.data import chat, formats, vision
-from posttrain.generation.base import Generator, build_rollout
+from posttrain.generation.base import Generator, build_rollout, check_takes_images
 from posttrain.generation.rollout_func import call_rollout_func
 from posttrain.observe.metrics import MetricStore
 from posttrain.ops.padding import left_pad
@@ -161,11 +160,7 @@ class OnlineSampler:
                 "The batch has images (an 'image' or 'images' column) but the processing class has no image "
                 "processor; pass the model's processor (AutoProcessor.from_pretrained(...)) as processing_class."
             )
-        if "model_inputs" not in inspect.signature(self.generator.generate).parameters:
-            raise NotImplementedError(
-                f"{type(self.generator).__name__} does not take image inputs; vision-language models sample with "
-                "the transformers backend (use_vllm=False, use_transformers_continuous_batching=False)."
-            )
+        check_takes_images(self.generator)
         s = self.settings
         ids, inputs = vision.encode_with_images(
             self.processor, self.tokenizer, prompts, images, s.chat_template_kwargs
@@ -251,12 +246,8 @@ class OnlineSampler:
         """Agent rollouts (``agents/``): tool-calling episodes, scored by the reward functions and
         the environments' ``get_reward``."""
         rows = [{k: v for k, v in row.items() if k != EPISODE_COLUMN} for row in batch]
-        if any(vision.row_images(row) for row in rows):
-            raise NotImplementedError(
-                "Prompts with images in tool-calling or environment episodes are not built yet; train the "
-                "vision-language model without tools and environments, or drop the 'image'/'images' column."
-            )
-        out = self.agent.rollout(self.generator, rows, prompts, self.device)
+        images = [vision.row_images(row) for row in rows]
+        out = self.agent.rollout(self.generator, rows, prompts, self.device, images if any(images) else None)
         rollout, completions = out.result.rollout, out.result.completions
         ids = [
             row[mask.bool()].tolist()

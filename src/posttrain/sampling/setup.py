@@ -86,8 +86,10 @@ def build_agent(
     args: Any,
     max_model_length: int | None,
     eos: list[int],
+    processor: Any = None,
 ) -> AgentRunner:
-    """The tool loop (``agents/``): tool schemas, environments, the chat template it trains with."""
+    """The tool loop (``agents/``): tool schemas, environments, the chat template it trains with;
+    ``processor``: a vision-language model's (images in prompts and tool results)."""
     settings = LoopSettings(
         max_completion_length=args.max_completion_length,
         max_tool_calling_iterations=args.max_tool_calling_iterations,
@@ -96,7 +98,7 @@ def build_agent(
         pad_token_id=tokenizer.pad_token_id,
         chat_template_kwargs=dict(args.chat_template_kwargs or {}),
     )
-    return AgentRunner(tools, environment_factory, tokenizer, settings, args.reward_fault_policy)
+    return AgentRunner(tools, environment_factory, tokenizer, settings, args.reward_fault_policy, processor)
 
 
 def build_generator(

@@ -28,7 +28,7 @@ from posttrain.data.vision import image_processor_of
 from posttrain.generation.base import Generator
 from posttrain.models import peft as peft_utils
 from posttrain.models import reference as model_options
-from posttrain.models.loading import image_placeholder_ids
+from posttrain.models.loading import image_placeholder_ids, is_vision_model
 from posttrain.observe.completions import COMPLETIONS_FILE, CompletionLog
 from posttrain.ops.logprobs import completion_logps
 from posttrain.ops.reductions import Normalizers
@@ -99,8 +99,9 @@ class OnlineTrainer(BaseTrainer):
         if tools or environment_factory is not None:
             max_length = getattr(self.model.config, "max_position_embeddings", None)
             self.agent = setup.build_agent(
-                tools, environment_factory, self._tokenizer, args, max_length, self._eos_token_ids
-            )
+                tools, environment_factory, self._tokenizer, args, max_length, self._eos_token_ids,
+                processor=self._image_processor if is_vision_model(self.model) else None,
+            )  # fmt: skip
         self.sampler = self._setup_sampler()
         self.reward_weights = setup.build_reward_weights(
             args, len(rewards.funcs), self.sampler.reward_names, name, no_reward_needed
@@ -155,10 +156,13 @@ class OnlineTrainer(BaseTrainer):
             trainer=self,
             agent=self.agent,
             rollout_func=self.rollout_func,
-            processor=self.processing_class
-            if image_processor_of(self.processing_class) is not None
-            else None,
+            processor=self._image_processor,
         )
+
+    @property
+    def _image_processor(self) -> Any:
+        """The processing class when it processes images (a vision-language model's processor), else None."""
+        return self.processing_class if image_processor_of(self.processing_class) is not None else None
 
     def _setup_completion_logs(self) -> dict[str, CompletionLog]:
         """One completion log per mode with ``log_completions``, none without."""
