@@ -360,3 +360,42 @@ def test_trainer_writes_every_completion_with_rewards_and_extras(tmp_path, capsy
     assert all(
         h["my_metric"] == 0.5 for h in trainer.state.log_history if "loss" in h and "train_runtime" not in h
     )
+
+
+def test_images_of_image_blocks_are_saved_once_as_png_files_next_to_the_file(tmp_path):
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.arange(4 * 5 * 3, dtype=np.uint8).reshape(4, 5, 3)
+    image, other = Image.fromarray(pixels), Image.fromarray(255 - pixels)
+    prompt = [
+        {"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "Count."}]}
+    ]
+    tool = {
+        "role": "tool",
+        "name": "look",
+        "content": [{"type": "image", "image": other}, {"type": "text", "text": "ok"}],
+    }
+    completion = [{"role": "assistant", "content": "call"}, tool, {"role": "assistant", "content": "Two."}]
+    log = CompletionLog(image_folder=str(tmp_path / "completion_images"))
+    log.add(1, [prompt, prompt], [completion, completion], {"r": [1.0, 0.0]}, [0.5, -0.5])
+    log.flush_to_file(tmp_path)
+    rows = read_completions(tmp_path)
+    paths = [rows[0]["prompt"][0]["content"][0]["image"], rows[0]["completion"][1]["content"][0]["image"]]
+    assert all(p.startswith("completion_images/") and p.endswith(".png") for p in paths)
+    assert rows[1]["prompt"][0]["content"][0]["image"] == paths[0]  # the same image: one file
+    assert sorted(f.name for f in (tmp_path / "completion_images").iterdir()) == sorted(
+        p.split("/")[1] for p in paths
+    )
+    for path, original in zip(paths, (image, other), strict=True):
+        assert np.array_equal(np.asarray(Image.open(tmp_path / path)), np.asarray(original))
+    assert "<image> Count." in render_messages(rows[0]["prompt"])
+
+    dropped = CompletionLog()  # log_multimodal=False: the blocks stay, their images are left out
+    dropped.add(1, [prompt], [completion], {"r": [1.0]}, [0.0])
+    dropped.flush_to_file(tmp_path / "text_only.jsonl")
+    (row,) = read_completions(tmp_path / "text_only.jsonl")
+    assert row["prompt"][0]["content"][0] == {"type": "image"} and row["completion"][1]["content"][0] == {
+        "type": "image"
+    }
+    assert prompt[0]["content"][0]["image"] is image  # the caller's messages are not changed

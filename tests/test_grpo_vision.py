@@ -205,6 +205,36 @@ def test_qwen2_vl_micro_batches_keep_their_rows_images():
             )
 
 
+# ---- the completions log with images (log_multimodal) ------------------------------------------
+
+
+@pytest.mark.parametrize("log_multimodal", [True, False])
+def test_completions_log_saves_the_prompt_images_with_log_multimodal(tmp_path, log_multimodal):
+    import json
+
+    import numpy as np
+    from PIL import Image
+
+    model, processor = build_qwen2_vl()
+    args = _vision_args(tmp_path, max_steps=1, log_completions=True, log_multimodal=log_multimodal)
+    trainer = GRPOTrainer(
+        model=model, reward_funcs=even_token_reward, args=args, train_dataset=image_dataset(4),
+        processing_class=processor,
+    )  # fmt: skip
+    trainer.train()
+    rows = [json.loads(line) for line in (tmp_path / "completions.jsonl").read_text().splitlines()]
+    assert len(rows) == 4  # one prompt, 4 completions
+    blocks = [row["prompt"][0]["content"][0] for row in rows]
+    folder = tmp_path / "completion_images"
+    if not log_multimodal:
+        assert all(b["type"] == "image" and b.get("image") is None for b in blocks) and not folder.exists()
+        return
+    (path,) = {b["image"] for b in blocks}  # the prompt's one image, written once
+    assert [f.name for f in folder.iterdir()] == [path.split("/")[1]]
+    shown = np.asarray(Image.open(tmp_path / path))
+    assert any(np.array_equal(shown, np.asarray(random_image(i))) for i in range(4))  # the row's own image
+
+
 # ---- bad inputs --------------------------------------------------------------------------------
 
 

@@ -80,6 +80,23 @@ def check_row_images(prompt: Any, images: Sequence[Any], row: int | str, image_t
     )
 
 
+def with_images(prompt: Any, images: Sequence[Any]) -> Any:
+    """A conversational prompt whose ``{"type": "image"}`` blocks carry their images (``"image"``), in
+    order (what the completions log saves); a plain-text prompt, or a row without images, as it is."""
+    if not images or isinstance(prompt, str):
+        return prompt
+    remaining = list(images)
+
+    def fill(block: Any) -> Any:
+        is_image = isinstance(block, Mapping) and block.get("type") == "image"
+        return {**block, "image": remaining.pop(0)} if is_image and remaining else block
+
+    return [
+        {**m, "content": [fill(b) for b in m["content"]]} if isinstance(m.get("content"), list) else m
+        for m in prompt
+    ]
+
+
 def image_token_of(processing_class: Any) -> str | None:
     """The processor's image placeholder in plain text (``image_token``), or ``None``."""
     token = getattr(processing_class, "image_token", None)

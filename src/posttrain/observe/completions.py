@@ -19,13 +19,19 @@ skipped the sample) is written as ``null``; so is any other non-finite float.
 Only the main process keeps rows and writes: under distributed training the trainer gathers
 the rows of all processes first and adds them on the main process.
 
-Multimodal content (``log_multimodal``): the images of a vision-language batch are not logged yet. Message
-contents made of parts are kept as they are in the file (values JSON cannot hold become
-strings) and shown by their text parts, other parts as ``<type>``, in the table.
+Message contents made of parts are kept as they are in the file (values JSON cannot hold become
+strings) and shown by their text parts, other parts as ``<type>``, in the table. Multimodal
+content (``log_multimodal``): the image of an ``{"type": "image", "image": <PIL image>}`` block (a
+vision-language prompt's images, an image a tool returned) is saved as a PNG file in the log's
+image folder (``<output_dir>/completion_images``, named by a hash of its pixels, so an image
+logged again is written once) and the block's ``"image"`` becomes the file's path relative to
+``output_dir``; without an image folder (``log_multimodal=False``) the image is left out of the
+block.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -34,6 +40,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 COMPLETIONS_FILE = "completions.jsonl"
+#: The folder of ``output_dir`` where ``log_multimodal`` saves the logged images.
+IMAGES_FOLDER = "completion_images"
 FIXED_KEYS = ("step", "prompt", "completion", "rewards", "advantage")
 EXTRA_PREFIX = "extra/"
 MISSING = "—"
@@ -69,11 +77,16 @@ class CompletionLog:
         display_limit: the table shows at most the latest ``display_limit`` rows since the last
             table (TRL keeps one generation batch: pass ``generation_batch_size``); ``None``
             keeps them all. The file always gets every row.
+        image_folder: where the images of image blocks are saved as PNG files (``log_multimodal``;
+            the rows give their paths relative to its parent); ``None`` leaves them out.
     """
 
-    def __init__(self, is_main_process: bool = True, display_limit: int | None = None) -> None:
+    def __init__(
+        self, is_main_process: bool = True, display_limit: int | None = None, image_folder: str | None = None
+    ) -> None:
         self.is_main_process = is_main_process
         self.display_limit = display_limit
+        self.image_folder = image_folder
         self.rows: list[Row] = []  # rows not yet written to the file
         self._display: list[Row] = []  # rows not yet shown in a table
 
@@ -121,8 +134,8 @@ class CompletionLog:
         for i in range(n):
             row: Row = {
                 "step": int(step),
-                "prompt": prompts[i],
-                "completion": columns["completions"][i],
+                "prompt": save_images(prompts[i], self.image_folder),
+                "completion": save_images(columns["completions"][i], self.image_folder),
                 "rewards": {name: _number(values[i]) for name, values in reward_lists.items()},
                 "advantage": _number(columns["advantages"][i]),
             }
@@ -284,6 +297,49 @@ def flat_records(rows: Iterable[Row], unique_prompts: bool = False) -> list[dict
         record.update({k: v for k, v in row.items() if k not in FIXED_KEYS})
         records.append(record)
     return records
+
+
+def save_images(value: Any, folder: str | None) -> Any:
+    """A prompt or completion whose image blocks hold file paths instead of images.
+
+    The image of each ``{"type": "image", "image": <PIL image>}`` block of a message's content is
+    saved as ``<folder>/<hash>.png`` (a hash of its mode, size and pixels: the same image is written
+    once) and replaced by that path relative to the folder's parent (the run's ``output_dir``,
+    where the completions file is); with ``folder=None`` the ``"image"`` key is dropped. Anything
+    else is returned as it is.
+    """
+    if not isinstance(value, list):
+        return value
+    out = []
+    for message in value:
+        content = message.get("content") if isinstance(message, Mapping) else None
+        if not isinstance(content, list):
+            out.append(message)
+            continue
+        blocks = [_saved_block(b, folder) if _is_image_block(b) else b for b in content]
+        out.append({**message, "content": blocks})
+    return out
+
+
+def _is_image_block(block: Any) -> bool:
+    return (
+        isinstance(block, Mapping) and block.get("type") == "image" and hasattr(block.get("image"), "tobytes")
+    )
+
+
+def _saved_block(block: Mapping[str, Any], folder: str | None) -> dict[str, Any]:
+    """An image block with its image saved under ``folder`` (its path instead), or without it."""
+    out = {k: v for k, v in block.items() if k != "image"}
+    if folder is None:
+        return out
+    image = block["image"]
+    digest = hashlib.sha1(f"{image.mode}{image.size}".encode() + image.tobytes()).hexdigest()[:16]
+    file = os.path.join(folder, f"{digest}.png")
+    if not os.path.exists(file):
+        os.makedirs(folder, exist_ok=True)
+        image.save(file, format="PNG")
+    out["image"] = os.path.join(os.path.basename(os.path.normpath(folder)), f"{digest}.png")
+    return out
 
 
 def completions_path(path: str | os.PathLike) -> str:

@@ -72,6 +72,8 @@ class OnlineSampler:
         rollout_func: the user's own sampler, replacing ``generator``.
         processor: the model's processor when it reads images (a vision-language model): rows with
             an ``image`` / ``images`` column are encoded with it (``data.vision``); else ``None``.
+        log_images: put each row's images into the image blocks of the prompts ``sampled_text``
+            keeps (``log_completions`` with ``log_multimodal``: the completions log saves them).
         log_extra_columns: the columns reward functions added with ``log_extra`` in the last call.
         sampled_text: prompts, completions and extra columns of the last call.
     """
@@ -86,6 +88,7 @@ class OnlineSampler:
     agent: Any = None
     rollout_func: Callable | None = None
     processor: Any = None
+    log_images: bool = False
     log_extra_columns: dict[str, list[Any]] = field(default_factory=dict)
     sampled_text: Texts = field(default_factory=lambda: ([], [], {}))
 
@@ -119,8 +122,15 @@ class OnlineSampler:
         completions, completion_ids = self._decode(rollout, prompts)
         kwargs = {**self._reward_kwargs(batch, prompts, completions, completion_ids, mode), **extra}
         rewards = self.rewards.score(len(batch), kwargs)
-        self.sampled_text = (prompts, completions, dict(self.log_extra_columns))
+        self.sampled_text = (self._logged_prompts(prompts, batch), completions, dict(self.log_extra_columns))
         return rollout, rewards
+
+    def _logged_prompts(self, prompts: list[Any], batch: list[dict[str, Any]]) -> list[Any]:
+        """The prompts a completions log shows: with their rows' images in their image blocks when
+        ``log_images``."""
+        if not self.log_images:
+            return prompts
+        return [vision.with_images(p, vision.row_images(row)) for p, row in zip(prompts, batch, strict=True)]
 
     def generate(self, prompts: list[Any], images: list[list[Any]] | None = None) -> Rollout:
         """Render and tokenise the prompts (``encode_prompts``) and sample one completion each.
@@ -260,7 +270,11 @@ class OnlineSampler:
         for name, count in out.faults.items():  # reported with the reward functions' faults
             self.rewards.faults[name] = self.rewards.faults.get(name, 0) + count
         self._record_tool_metrics(mode, out.result.tool_calls, out.result.tool_failures)
-        self.sampled_text = (out.prompts, completions, dict(self.log_extra_columns))
+        self.sampled_text = (
+            self._logged_prompts(out.prompts, rows),
+            completions,
+            dict(self.log_extra_columns),
+        )
         return rollout, rewards
 
     def _record_tool_metrics(self, mode: str, calls: list[int], failures: list[int]) -> None:

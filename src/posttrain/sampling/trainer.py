@@ -29,7 +29,7 @@ from posttrain.generation.base import Generator
 from posttrain.models import peft as peft_utils
 from posttrain.models import reference as model_options
 from posttrain.models.loading import image_placeholder_ids, is_vision_model
-from posttrain.observe.completions import COMPLETIONS_FILE, CompletionLog
+from posttrain.observe.completions import COMPLETIONS_FILE, IMAGES_FOLDER, CompletionLog
 from posttrain.ops.logprobs import completion_logps
 from posttrain.ops.reductions import Normalizers
 from posttrain.rewards.models import RewardModel, reward_models
@@ -157,6 +157,7 @@ class OnlineTrainer(BaseTrainer):
             agent=self.agent,
             rollout_func=self.rollout_func,
             processor=self._image_processor,
+            log_images=a.log_completions and a.log_multimodal,
         )
 
     @property
@@ -169,7 +170,8 @@ class OnlineTrainer(BaseTrainer):
         if not self.args.log_completions:
             return {}
         size = self.args.generation_batch_size
-        return {m: CompletionLog(self.accelerator.is_main_process, size) for m in ("train", "eval")}
+        images = os.path.join(self.args.output_dir, IMAGES_FOLDER) if self.args.log_multimodal else None
+        return {m: CompletionLog(self.accelerator.is_main_process, size, images) for m in ("train", "eval")}
 
     def _setup_reference(self) -> torch.nn.Module | None:
         """A frozen copy of the initial policy when the KL penalty is on (``beta != 0``).
