@@ -305,3 +305,55 @@ def test_a_text_only_model_refuses_prompt_images_in_an_episode():
             torch.device("cpu"),
             [[random_image(0)]],
         )
+
+
+class CameraEnv:
+    """An environment whose tool returns an image; it scores whether the model looked."""
+
+    def reset(self, **kwargs) -> None:
+        self.looked = 0
+
+    def get_reward(self) -> float:
+        return float(self.looked)
+
+    def look(self, page: int) -> list:
+        """Look at a page through the camera.
+
+        Args:
+            page: Which page to look at.
+
+        Returns:
+            The camera's picture.
+        """
+        self.looked += 1
+        return [{"type": "image", "image": random_image(100 + page, SCREEN_SIZES[page])}]
+
+
+def test_an_environment_episode_with_prompt_images_and_a_camera_tool_trains(tmp_path):
+    model, processor = tool_processor(build_qwen2_vl)
+    scripts = {f"What is {i} plus one?": [call("look", '{"page": 1}'), "Seen."] if i % 2 == 0 else ["Skip."]
+               for i in range(4)}  # fmt: skip
+    dataset = Dataset.from_dict(
+        {"prompt": [image_prompt(i) for i in range(4)], "image": [random_image(i) for i in range(4)]}
+    )
+    args = make_config(tmp_path, max_steps=1, per_device_train_batch_size=4, num_generations=2, logging_steps=1,
+                       max_completion_length=200)  # fmt: skip
+    trainer = GRPOTrainer(
+        model=model,
+        args=args,
+        train_dataset=dataset,
+        processing_class=processor,
+        environment_factory=CameraEnv,
+    )
+    generator = RecordingGenerator(processor.tokenizer)
+    generator.scripts = scripts
+    trainer.generator = trainer.sampler.generator = generator
+    trainer.train()
+    (log,) = [h for h in trainer.state.log_history if "loss" in h and "train_runtime" not in h]
+    first, second = generator.calls
+    looked = second[0].shape[0]  # the rows that called the tool continue
+    assert math.isfinite(log["loss"]) and log["rewards/CameraEnv/mean"] == looked / 4
+    assert len(first[2]["model_inputs"]["image_grid_thw"]) == 4  # each row's prompt image
+    assert (
+        len(second[2]["model_inputs"]["image_grid_thw"]) == 2 * looked
+    )  # its prompt image, then the camera's
