@@ -67,13 +67,15 @@ def _prompt_text(blocks: Any) -> str:
     """The text of a session's prompt blocks.
 
     Raises:
-        NotImplementedError: an image block (posttrain does not train vision-language agents yet).
+        NotImplementedError: an image block (an environment's ``reset`` returns text, so an image
+            in the task's prompt has no way to the model; a dataset row can carry it instead).
     """
     for block in blocks or []:
         if getattr(block, "type", None) == "image":
             raise NotImplementedError(
-                "The OpenReward task's prompt holds an image, which needs a vision-language model; posttrain's "
-                "agent training is text-only for now."
+                "The OpenReward task's prompt holds an image, but an environment's reset() returns text only, "
+                "so the image cannot reach the model. Put the image in the dataset row instead (an `image` column "
+                "and an image block in its prompt), which tool-calling episodes of a vision-language model read."
             )
     return text_of(list(blocks or []))
 
