@@ -72,6 +72,15 @@ def openenv_server(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def openenv_mcp_server(tmp_path_factory):
+    pytest.importorskip("openenv.core")
+    pytest.importorskip("fastmcp")
+    proc, out, url, log = start_server("hub_openenv_mcp_server.py", tmp_path_factory.mktemp("openenv_mcp"))
+    yield url, log
+    stop_server(proc, out)
+
+
+@pytest.fixture(scope="module")
 def ors_server(tmp_path_factory):
     pytest.importorskip("openreward")
     proc, out, url, log = start_server("hub_ors_server.py", tmp_path_factory.mktemp("ors"))
@@ -175,6 +184,112 @@ def test_openenv_grpo_training_against_a_local_server(tmp_path, openenv_server):
     steps = [(e["secret"], e["number"]) for e in seen if e["event"] == "step"]
     assert sorted(resets) == [2, 2, 3, 3, 4, 4, 5, 5]  # every episode reset the server with its row's secret
     assert sorted(steps) == sorted([(3, 3)] * 2 + [(4, 4)] * 2 + [(2, 1), (2, 2)] * 2 + [(5, 1)] * 2)
+
+
+def test_openenv_mcp_adapter_lists_the_servers_tools(openenv_mcp_server):
+    from posttrain.agents.environments import environment_tools
+    from posttrain.agents.hubs import openenv_environment
+    from posttrain.agents.hubs.openenv_hub import OpenEnvMCPEnvironment
+
+    url, log = openenv_mcp_server
+    Vault = openenv_environment(url)  # the server's action is CallToolAction: an MCP environment
+    assert Vault.__name__ == "VaultEnvironment" and issubclass(Vault, OpenEnvMCPEnvironment)
+    env = Vault()
+    tools = environment_tools(env)
+    assert sorted(tools) == ["fail", "guess", "hint", "picture"]
+    # each tool is described by the JSON schema FastMCP made for it, as list_tools gives it
+    assert tools["guess"].schema["function"] == {
+        "name": "guess",
+        "description": "Guess the secret number, from 1 to 5.",
+        "parameters": {
+            "additionalProperties": False,
+            "properties": {"number": {"type": "integer"}},
+            "required": ["number"],
+            "type": "object",
+        },
+    }
+    hint = tools["hint"].schema["function"]["parameters"]["properties"]["kind"]
+    assert hint == {"default": "parity", "enum": ["parity", "size"], "type": "string"}
+    before = len(events(log))
+    assert env.reset(secret=4) == "Open the vault: find the secret number, from 1 to 5."
+    assert tools["hint"].fn() == "The secret is even."
+    assert tools["hint"].fn(kind="size") == "The secret is above 3."
+    assert tools["guess"].fn(number=1) == "Wrong: go higher."
+    assert env.get_reward() == 0.0
+    text, image = tools["picture"].fn()  # an MCP image content block becomes a PIL image block
+    assert text == {"type": "text", "text": "The door:"}
+    assert image["type"] == "image" and image["image"].size == (4, 2)
+    assert image["image"].convert("RGB").getpixel((0, 0)) == (255, 0, 0)
+    with pytest.raises(RuntimeError, match="the vault is jammed"):  # the tool's error, for the model
+        tools["fail"].fn()
+    assert tools["guess"].fn(number=4) == "Correct!"
+    assert env.get_reward() == 1.0  # the reward the server's step reported
+    with pytest.raises(RuntimeError, match="the episode is over"):
+        tools["guess"].fn(number=4)
+    seen = [(e["event"], e.get("number", e.get("kind"))) for e in events(log)[before:]]
+    assert seen == [("reset", None), ("hint", "parity"), ("hint", "size"), ("guess", 1), ("guess", 4)]
+
+
+def test_openenv_mcp_grpo_training_against_a_local_server(tmp_path, openenv_mcp_server):
+    from datasets import Dataset
+
+    from posttrain.agents.hubs import openenv_environment
+
+    url, log = openenv_mcp_server
+    tok = qwen_tokenizer()
+    factory = openenv_environment(url)
+    # 4 tasks, 2 per step: task 0 asks a hint then guesses right, task 1 guesses right at once,
+    # task 2 after a miss, task 3 never.
+    dataset = Dataset.from_dict(
+        {
+            "prompt": [[{"role": "user", "content": f"task {k}: open the vault."}] for k in range(4)],
+            "secret": [3, 4, 2, 5],
+        }
+    )
+    scripts = {
+        "task 0": [call("hint", '{"kind": "parity"}'), call("guess", '{"number": 3}'), "Open."],
+        "task 1": [call("guess", '{"number": 4}'), "Open."],
+        "task 2": [call("guess", '{"number": 1}'), call("guess", '{"number": 2}'), "Open."],
+        "task 3": [call("guess", '{"number": 1}'), "I give up."],
+    }
+    before = len(events(log))
+    trainer = hub_trainer(tmp_path, tok, factory, dataset)
+    trainer.generator = TurnScriptedGenerator(tok, scripts)
+    trainer.train()
+    rewards = reward_logs(trainer, "VaultEnvironment")
+    assert len(rewards) == 2
+    # one epoch over the 4 tasks, 2 completions each: 3 of 4 tasks won -> 0.75 over the two steps
+    assert sum(rewards) / 2 == pytest.approx(0.75)
+    seen = events(log)[before:]
+    assert sorted(e["secret"] for e in seen if e["event"] == "reset") == [2, 2, 3, 3, 4, 4, 5, 5]
+    calls = sorted(
+        (e["event"], e["secret"], e.get("number", e.get("kind"))) for e in seen if e["event"] != "reset"
+    )
+    expected = [("hint", 3, "parity"), ("guess", 3, 3), ("guess", 4, 4), ("guess", 2, 1), ("guess", 2, 2)]
+    assert calls == sorted((expected + [("guess", 5, 1)]) * 2)
+
+
+def test_openenv_mcp_bad_input(openenv_mcp_server, openenv_server, monkeypatch):
+    from posttrain.agents.hubs import openenv_environment, openenv_hub
+
+    mcp_url, _ = openenv_mcp_server
+    # tool_name / tool_description name the one action tool; an MCP environment's tools keep their own
+    with pytest.raises(ValueError, match="tool_name name and describe the one action tool"):
+        openenv_environment(mcp_url, tool_name="play")
+    # mcp=True on an environment whose action model is not OpenEnv's MCP action
+    url, _ = openenv_server
+    with pytest.raises(RuntimeError, match=rf"The OpenEnv server at {url} lists no MCP tools"):
+        openenv_environment(url, mcp=True)
+    # mcp=False: the MCP server's CallToolAction is the one tool
+    Plain = openenv_environment(mcp_url, mcp=False)
+    assert [n for n in vars(Plain) if not n.startswith("_")] == ["call_tool"]
+    # an MCP tool named like a reserved method of posttrain's environments (OpenEnv reserves reset,
+    # step, state and close, not get_reward)
+    Tool = openenv_hub._mcp_types().Tool
+    reserved = Tool(name="get_reward", description="", input_schema={"type": "object"})
+    monkeypatch.setattr(openenv_hub, "list_mcp_tools", lambda *args: [reserved])
+    with pytest.raises(ValueError, match="has a tool named 'get_reward', which posttrain cannot expose"):
+        openenv_environment(mcp_url)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """Environment hubs as ``environment_factory`` classes: thin adapters over each hub's own client.
 
-- ``openenv_environment(base_url)``: an OpenEnv server (``pip install "posttrain[openenv]"``).
+- ``openenv_environment(base_url)``: an OpenEnv server, its action as a tool, or an MCP
+  environment's tools (``pip install "posttrain[openenv]"``).
 - ``openreward_environment(name, url=...)`` and ``openreward_tasks``: an ORS server or the
   OpenReward catalog (``pip install "posttrain[openreward]"``).
 - ``harbor_environment()`` and ``harbor_tasks(path)``: a Harbor task tree run in Harbor's
