@@ -412,7 +412,7 @@ def test_missing_hub_package_names_the_extra(monkeypatch, modules, adapter, extr
         getattr(hubs, adapter)(*args)
 
 
-@pytest.mark.parametrize("hub", ["openenv", "openreward"])
+@pytest.mark.parametrize("hub", ["openenv", "openenv-mcp", "openreward"])
 def test_unreachable_server_names_host_port_and_timeout(hub):
     from posttrain.agents import hubs
 
@@ -421,6 +421,9 @@ def test_unreachable_server_names_host_port_and_timeout(hub):
     if hub == "openenv":
         pytest.importorskip("openenv.core")
         make = lambda: hubs.openenv_environment(url, timeout=0.5)  # noqa: E731
+    elif hub == "openenv-mcp":
+        pytest.importorskip("openenv.core")
+        make = lambda: hubs.openenv_environment(url, timeout=0.5, mcp=True)  # noqa: E731
     else:
         pytest.importorskip("openreward")
         make = lambda: hubs.openreward_environment("echoenvironment", url=url, timeout=0.5)  # noqa: E731
