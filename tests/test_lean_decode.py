@@ -30,8 +30,10 @@ from posttrain.generation.decode import (
 )
 from posttrain.generation.transformers_backend import (
     TransformersGenerator,
+    common_prefix_length,
     group_prompts,
     prefill_shared_prefix,
+    prefix_first,
     sampling_config,
 )
 
@@ -400,3 +402,62 @@ def test_top_k_zero_disables_the_filter(tok, model):
         logits_processor=None,
     )
     assert not any(type(p).__name__ == "TopKLogitsWarper" for p in processors)
+
+
+# ---- distinct prompts with a common opening ------------------------------------------------------
+
+OPENING = list(range(50, 70))  # 20 tokens every prompt starts with (a system message, an example)
+DISTINCT = [OPENING + [71, 72, 73], OPENING + [81], OPENING + [91, 92, 93, 94, 95], OPENING + [101, 102]]
+
+
+def test_common_prefix_length_counts_from_each_rows_start():
+    ids, mask = left_pad(DISTINCT)
+    assert common_prefix_length(ids, mask) == 20  # the shortest prompt keeps its last token
+    ids, mask = left_pad([OPENING + [71], OPENING[:5]])
+    assert common_prefix_length(ids, mask) == 4  # at most the shortest length minus one
+    ids, mask = left_pad([[1, 2, 3], [4, 2, 3]])
+    assert common_prefix_length(ids, mask) == 0
+    right_padded = torch.tensor([[5, 6, 7], [5, 6, 0]]), torch.tensor([[1, 1, 1], [1, 1, 0]])
+    assert common_prefix_length(*right_padded) == 0  # not a left padding: no prefix is moved
+
+
+def test_prefix_first_moves_only_the_padding():
+    ids, mask = left_pad([[1, 2, 3, 4], [1, 2, 5]])
+    moved_ids, moved_mask = prefix_first(ids, mask, 2)
+    assert moved_ids.tolist() == [[1, 2, 3, 4], [1, 2, PAD, 5]]
+    assert moved_mask.tolist() == [[1, 1, 1, 1], [1, 1, 0, 1]]
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_distinct_prompts_run_their_common_opening_once_with_the_plain_tokens(tok, model, do_sample):
+    """Greedy and seeded sampling give the tokens of the path that runs every prompt whole, the
+    opening runs once (one forward over 20 tokens, then the rest of each row)."""
+    cfg = config([tok.eos_token_id], top_k=0, generation_kwargs={"do_sample": do_sample})
+    ids, mask = left_pad(DISTINCT)
+    plain_gen = TransformersGenerator(
+        lambda: model, cfg, share_prefix=False, prepack_weights=False, lean=True
+    )
+    torch.manual_seed(4)
+    plain = plain_gen.generate(ids, mask)
+    shared_gen = TransformersGenerator(
+        lambda: model, cfg, share_prefix=True, prepack_weights=False, lean=True
+    )
+    widths: list[int] = []
+    handle = model.register_forward_pre_hook(
+        lambda module, args, kwargs: widths.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True
+    )
+    try:
+        torch.manual_seed(4)
+        shared = shared_gen.generate(ids, mask)
+    finally:
+        handle.remove()
+    assert shared_gen.last_path == "lean+common_prefix", shared_gen.last_blocker
+    assert torch.equal(shared.completion_ids, plain.completion_ids)
+    assert widths[0] == (1, 20)  # the opening, once
+    assert widths[1] == (len(DISTINCT), ids.shape[1] - 20)  # then every row's rest
+
+
+def test_a_short_common_opening_takes_the_plain_path(tok, model):
+    cfg = config([tok.eos_token_id])
+    _, gen = run(model, cfg, [OPENING[:8] + [71], OPENING[:8] + [81, 82]], lean=True, share_prefix=True)
+    assert gen.last_path == "lean" and gen.last_blocker == "every prompt is distinct"

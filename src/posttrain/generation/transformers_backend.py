@@ -157,11 +157,21 @@ def shared_prefix_blocker(
     Returns:
         A short reason for taking the plain ``generate`` path, or None.
     """
+    if groups.unique_ids.shape[1] < 2:
+        return "one-token prompts leave nothing to prefill ahead"
+    if groups.num_unique == groups.inverse.shape[0]:
+        return EVERY_PROMPT_DISTINCT
+    return prefix_cache_blocker(model, config)
+
+
+def prefix_cache_blocker(model: torch.nn.Module, config: GenerationConfig) -> str | None:
+    """Why a prefilled prompt cache cannot be handed to this model's sampling, or None when it can.
+
+    The checks of ``shared_prefix_blocker`` that do not depend on the batch's prompts.
+    """
     core = core_model(model)
     model_default = getattr(getattr(core, "generation_config", None), "cache_implementation", None)
     checks = (
-        (groups.unique_ids.shape[1] < 2, "one-token prompts leave nothing to prefill ahead"),
-        (groups.num_unique == groups.inverse.shape[0], "every prompt is distinct"),
         (config.use_cache is False, "use_cache=False"),
         (
             config.cache_implementation not in (None, "dynamic"),
@@ -211,6 +221,82 @@ def prefill_shared_prefix(model: torch.nn.Module, groups: PromptGroups) -> Dynam
         inputs["logits_to_keep"] = 1  # the logits are not used: keep the smallest slice
     model(**inputs)
     cache.batch_select_indices(groups.inverse)  # [U, ...] -> [N, ...]
+    return cache
+
+
+# ---- common-prefix prefill (distinct prompts) ------------------------------------------------------
+
+EVERY_PROMPT_DISTINCT = "every prompt is distinct"
+
+#: The fewest leading tokens, common to every prompt of a batch of distinct prompts, worth running
+#: once for the whole batch (a system message, worked examples); fewer are run with each row.
+COMMON_PREFIX_MIN_TOKENS = 16
+
+
+def common_prefix_length(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> int:
+    """How many leading tokens every prompt of a left-padded batch shares.
+
+    Counted from each row's first token, and at most the shortest prompt's length minus one, so
+    that every row keeps at least its last token to run (its logits give the first sampled
+    token). 0 when the mask is not a left padding (ones after zeros in every row).
+
+    Args:
+        prompt_ids: [N, P] left-padded prompt tokens.
+        prompt_mask: [N, P] 1 for prompt tokens, 0 for padding.
+    """
+    rows, width = prompt_ids.shape
+    lengths = prompt_mask.long().sum(-1)
+    starts = width - lengths
+    columns = torch.arange(width, device=prompt_ids.device)
+    if not torch.equal((columns[None, :] >= starts[:, None]).to(prompt_mask.dtype), prompt_mask):
+        return 0
+    shortest = int(lengths.min())
+    if rows < 2 or shortest < 2:
+        return 0
+    heads = prompt_ids.gather(1, starts[:, None] + columns[None, : shortest - 1])  # [N, shortest - 1]
+    same = (heads == heads[:1]).all(dim=0)
+    return int(same.long().cumprod(0).sum())
+
+
+def prefix_first(
+    prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, length: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch with its common prefix moved to the front: ``[pad][prefix][rest]`` becomes
+    ``[prefix][pad][rest]``, so that every row holds the prefix at the same positions.
+
+    The model reads positions from the attention mask (its cumulative sum), so each token keeps
+    its position and attends to the same tokens as before; only the padding moved.
+    """
+    width = prompt_ids.shape[1]
+    starts = (width - prompt_mask.long().sum(-1))[:, None]
+    columns = torch.arange(width, device=prompt_ids.device)[None, :]
+    source = torch.where(
+        columns < length, starts + columns, torch.where(columns < starts + length, columns - length, columns)
+    )
+    return prompt_ids.gather(1, source), prompt_mask.gather(1, source)
+
+
+def prefill_common_prefix(model: torch.nn.Module, prefix: torch.Tensor, rows: int) -> DynamicCache:
+    """KV cache of ``prefix`` ([L] tokens) computed once and copied to ``rows`` rows.
+
+    Args:
+        model: the model to prefill with (eval mode, gradients off).
+        prefix: the tokens every prompt starts with.
+        rows: the batch's rows.
+
+    Returns:
+        A ``DynamicCache`` of ``rows`` rows and L positions (0 to L - 1).
+    """
+    ids = prefix[None, :]
+    cache = DynamicCache(config=core_model(model).config.get_text_config(decoder=True))
+    inputs: dict[str, Any] = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "use_cache": True}
+    inputs[cache_argument(model)] = cache
+    if _forward_accepts(model, "position_ids"):
+        inputs["position_ids"] = torch.arange(ids.shape[1], device=ids.device)[None, :]
+    if _forward_accepts(model, "logits_to_keep"):
+        inputs["logits_to_keep"] = 1
+    model(**inputs)
+    cache.batch_select_indices(torch.zeros(rows, dtype=torch.long, device=ids.device))
     return cache
 
 
@@ -525,6 +611,7 @@ class TransformersGenerator:
             out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config)
             return out, None
         settings, self.last_lean_blocker = lean_settings(model, config) if self.lean else (None, "lean=False")
+        original_prompt = prompt_ids
         if self.share_prefix:
             groups = group_prompts(prompt_ids, prompt_mask)
             self.last_blocker = shared_prefix_blocker(model, config, groups)
@@ -532,6 +619,18 @@ class TransformersGenerator:
                 self.last_path = "shared_prefix"
                 kwargs[cache_argument(model)] = prefill_shared_prefix(model, groups)
                 config = _without_cache_implementation(config)
+            elif self.last_blocker == EVERY_PROMPT_DISTINCT and settings is not None:
+                # distinct prompts that open alike (a system message, worked examples): that
+                # opening runs once, each row's rest with the batch
+                length = common_prefix_length(prompt_ids, prompt_mask)
+                blocked = prefix_cache_blocker(model, config)
+                if length >= COMMON_PREFIX_MIN_TOKENS and blocked is None:
+                    prompt_ids, prompt_mask = prefix_first(prompt_ids, prompt_mask, length)
+                    kwargs[cache_argument(model)] = prefill_common_prefix(
+                        model, prompt_ids[0, :length], prompt_ids.shape[0]
+                    )
+                    self.last_blocker = None
+                    self.last_path = "common_prefix"
         self.last_fused_blocker = "the lean loop did not run"
         if settings is not None:
             fused = self._fused_decoder(model, prompt_ids.shape[0], config)
@@ -541,17 +640,20 @@ class TransformersGenerator:
                 else self._packed(model, prompt_ids.shape[0], config)
             )
             with packed:
-                self.last_path = "lean+shared_prefix" if kwargs else "lean"
+                self.last_path = f"lean+{self.last_path}" if kwargs else "lean"
                 prefix = next(iter(kwargs.values()), None)
+                logps = None
                 if self.reduced is not None and self.last_reduced_blocker is None:
-                    return lean_generate_with_logps(
+                    out, logps = lean_generate_with_logps(
                         model, prompt_ids, prompt_mask, settings, prefix_cache=prefix, fused=fused
                     )
-                self._reduced_skipped(self.last_reduced_blocker)
-                out = lean_generate(
-                    model, prompt_ids, prompt_mask, settings, prefix_cache=prefix, fused=fused
-                )
-                return out, None
+                else:
+                    self._reduced_skipped(self.last_reduced_blocker)
+                    out = lean_generate(
+                        model, prompt_ids, prompt_mask, settings, prefix_cache=prefix, fused=fused
+                    )
+                out[:, : original_prompt.shape[1]] = original_prompt  # the caller's layout of the prompts
+                return out, logps
         self._reduced_skipped(f"no lean sampling loop ({self.last_lean_blocker})")
         with self._packed(model, prompt_ids.shape[0], config):
             out = model.generate(

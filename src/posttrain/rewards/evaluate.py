@@ -20,7 +20,7 @@ def task_accuracy(
     tokenizer: Any,
     dataset: Any,
     max_new_tokens: int = 64,
-    batch_size: int = 25,
+    batch_size: int = 50,
     progress: str | None = None,
 ) -> dict[str, float]:
     """Greedy completions of every prompt of ``dataset``, scored against its ``solution`` column.
@@ -46,12 +46,11 @@ def task_accuracy(
         eos_token_id=tokenizer.eos_token_id,
     )
     device = next(model.parameters()).device
-    # The training sampler's fast paths (the lean loop, the fused CPU step), greedy; a model they
-    # cannot serve (sharded, replaced generate, ...) runs model.generate, with the same result;
-    # so does a stand-in that is no transformers model (no ``config``).
-    generator = (
-        TransformersGenerator(lambda: model, config, share_prefix=False) if hasattr(model, "config") else None
-    )
+    # The training sampler's fast paths (the lean loop, the fused CPU step, the prompts' common
+    # opening prefilled once), greedy; a model they cannot serve (sharded, replaced generate, ...)
+    # runs model.generate, with the same result; so does a stand-in that is no transformers model
+    # (no ``config``).
+    generator = TransformersGenerator(lambda: model, config) if hasattr(model, "config") else None
     completions: list[str] = []
     bar = None
     if progress is not None:
