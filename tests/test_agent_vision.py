@@ -10,14 +10,20 @@ import pytest
 import torch
 from datasets import Dataset
 from helpers import TurnScriptedGenerator, make_config
-from vision_models import build_qwen2_vl, build_qwen3_vl, build_smolvlm, image_prompt, random_image
+from vision_models import (
+    build_qwen2_vl,
+    build_qwen3_vl,
+    build_smolvlm,
+    image_prompt,
+    logps_with_and_without_images,
+    random_image,
+)
 
 from posttrain import GRPOTrainer
 from posttrain.agents.loop import LoopSettings, ToolLoop
 from posttrain.agents.templates import resolve_template, training_template
 from posttrain.agents.tools import tool_table, tools_from_functions
 from posttrain.data.chat import render_template
-from posttrain.ops.logprobs import completion_logps
 
 SCREEN_SIZES = {1: (56, 28), 2: (42, 70)}
 
@@ -169,18 +175,7 @@ def test_episode_logps_equal_a_plain_forward_over_the_whole_episode_with_all_ima
     model.eval()
     out, _, prompts, images = run_episodes(processor, [0, 1, 2], prompt_images=True)
     r = out.rollout
-    with torch.no_grad():
-        ours = completion_logps(
-            model,
-            r.prompt_ids,
-            r.prompt_mask,
-            r.completion_ids,
-            r.completion_mask,
-            model_inputs=r.vision_kwargs(),
-        ).logps
-        without_images = completion_logps(
-            model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask
-        ).logps
+    ours, without_images = logps_with_and_without_images(model, r)
     for i in range(3):
         tool_images = [random_image(100 + p, SCREEN_SIZES[p]) for p in ([1], [2], [])[i]]
         ids, expected = plain_episode_logps(

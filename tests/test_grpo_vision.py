@@ -16,6 +16,7 @@ from vision_models import (
     build_smolvlm,
     image_dataset,
     image_prompt,
+    logps_with_and_without_images,
     random_image,
 )
 
@@ -393,17 +394,7 @@ def test_family_scores_as_a_plain_forward_and_trains(tmp_path, build):
     r = _rollout(processor, n=3, images_per_row=lambda i: 1 + i % 2)
     with torch.no_grad():
         expected = _full_logits_logps(model, r)
-        ours = completion_logps(
-            model,
-            r.prompt_ids,
-            r.prompt_mask,
-            r.completion_ids,
-            r.completion_mask,
-            model_inputs=r.vision_kwargs(),
-        ).logps
-        without_images = completion_logps(
-            model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask
-        ).logps
+    ours, without_images = logps_with_and_without_images(model, r)
     mask = r.completion_mask.bool()
     torch.testing.assert_close(ours[mask], expected[mask], rtol=1e-5, atol=1e-5)
     assert not torch.allclose(without_images[mask], expected[mask], atol=1e-4)

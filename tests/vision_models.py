@@ -259,3 +259,26 @@ def image_dataset(n: int = 4, column: str = "image", images_per_row: int = 1) ->
         return Dataset.from_dict({"prompt": prompts, "image": [random_image(i) for i in range(n)]})
     images = [[random_image(10 * i + k, (28 + 14 * k, 42)) for k in range(images_per_row)] for i in range(n)]
     return Dataset.from_dict({"prompt": prompts, "images": images})
+
+
+def logps_with_and_without_images(model: Any, rollout: Any) -> tuple[Any, Any]:
+    """The chunked completion log-probs of ``rollout`` with its image inputs, and without them
+    (which must differ: the images count)."""
+    import torch
+
+    from posttrain.ops.logprobs import completion_logps
+
+    r = rollout
+    with torch.no_grad():
+        with_images = completion_logps(
+            model,
+            r.prompt_ids,
+            r.prompt_mask,
+            r.completion_ids,
+            r.completion_mask,
+            model_inputs=r.vision_kwargs(),
+        ).logps
+        without_images = completion_logps(
+            model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask
+        ).logps
+    return with_images, without_images
