@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import re
@@ -12,9 +14,9 @@ from dataclasses import dataclass
 import pytest
 
 from posttrain.cli.datasets import load_dataset_split
-from posttrain.cli.grpo import LAPTOP_DEFAULTS, grpo
+from posttrain.cli.grpo import LAPTOP_DEFAULTS, _build_grpo, grpo
 from posttrain.cli.main import COMMANDS, main
-from posttrain.cli.options import CLIError, parse_config
+from posttrain.cli.options import CLIError, given_fields, parse_config
 
 # Flags of a 1-step CPU run of the tiny model.
 TINY_RUN = [
@@ -115,6 +117,66 @@ def test_unknown_command(capsys):
 
 
 # ---- posttrain grpo: flags and recipes ---------------------------------------------------------
+
+
+DYNAMIC_REFUSAL = (
+    "dynamic_sampling=True refills each process's own groups, so the per-process generation batch "
+    "(per_device_train_batch_size x steps_per_generation = 2) must be a multiple of num_generations=4"
+)
+
+
+@pytest.fixture
+def two_process_refusal(monkeypatch):
+    """``build_online_trainer`` as with 2 processes of 2 rows and groups of 4: the config refuses
+    dynamic sampling (only reachable with several processes: with one, the group check comes
+    first). Records the defaults of each call."""
+    calls: list[dict] = []
+
+    def build(argv, command, summary, config_class, trainer_class, defaults, **kwargs):
+        calls.append(dict(defaults))
+        asked = "--dynamic_sampling" in argv
+        if (defaults.get("dynamic_sampling") and not asked) or (
+            asked and argv[argv.index("--dynamic_sampling") + 1] == "true"
+        ):
+            raise ValueError(DYNAMIC_REFUSAL)
+        return "trainer", "config"
+
+    monkeypatch.setattr("posttrain.cli.grpo.build_online_trainer", build)
+    return calls
+
+
+def test_the_default_dynamic_sampling_steps_aside_for_a_batch_it_cannot_refill(two_process_refusal):
+    """The no-argument run samples dynamically; a user's batch whose processes cannot hold whole
+    groups turns that preset off with a note, instead of failing on a setting the user never chose
+    (the two-process run of test_cli_accelerate.py goes through this for real)."""
+    assert LAPTOP_DEFAULTS["dynamic_sampling"] is True
+    # stdout only (not capsys): the first import of the trainer modules may happen here, and a
+    # logging handler made then must not hold a stream that capsys closes after the test
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        assert _build_grpo(["--per_device_train_batch_size", "2"]) == ("trainer", "config")
+    assert [c["dynamic_sampling"] for c in two_process_refusal] == [True, False]
+    assert "dynamic sampling, a default of the no-argument run, is off" in out.getvalue()
+
+
+def test_dynamic_sampling_asked_for_with_such_a_batch_is_still_refused(two_process_refusal, tmp_path):
+    with pytest.raises(ValueError, match="refills each process's own groups"):
+        _build_grpo(["--per_device_train_batch_size", "2", "--dynamic_sampling", "true"])
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("dynamic_sampling: true\n")
+    with pytest.raises(ValueError, match="refills each process's own groups"):
+        _build_grpo(["--config", str(recipe)])
+    assert len(two_process_refusal) == 2  # no second try
+
+
+def test_given_fields_reads_flags_and_the_recipe(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("dynamic_sampling: true\nlearning_rate: 1.0e-6\n")
+    assert given_fields(["--max_steps", "3", "--beta=0.1"]) == {"max_steps", "beta"}
+    assert given_fields(["--config", str(recipe), "--seed", "1"]) == {
+        "dynamic_sampling",
+        "learning_rate",
+        "seed",
+    }
 
 
 def test_grpo_flags_reach_the_config(tmp_path, tiny_model_dir, recorder):

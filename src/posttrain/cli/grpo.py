@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from posttrain.cli.online import OnlineScriptArguments, build_online_trainer
+from posttrain.cli.options import given_fields
 from posttrain.cli.training import builtin_task_accuracy, run_training
 
 # Settings of the no-argument run: small enough for a laptop CPU, still a real GRPO job. Sampling
@@ -38,10 +39,30 @@ GRPOScriptArguments = OnlineScriptArguments
 
 
 def _build_grpo(argv: list[str]) -> tuple[Any, Any]:
-    """Parse ``argv`` and build the trainer; every error here is a configuration error."""
+    """Parse ``argv`` and build the trainer; every error here is a configuration error.
+
+    Dynamic sampling is a preset of the no-argument run. When the user's own batch flags leave
+    it invalid (each process must hold whole groups) and the user did not ask for it, it is
+    turned off with a note rather than failing on a setting the user never chose.
+    """
     from posttrain import GRPOConfig, GRPOTrainer
 
-    return build_online_trainer(argv, "grpo", "Train with GRPO.", GRPOConfig, GRPOTrainer, LAPTOP_DEFAULTS)
+    def build(defaults: dict[str, Any]) -> tuple[Any, Any]:
+        return build_online_trainer(argv, "grpo", "Train with GRPO.", GRPOConfig, GRPOTrainer, defaults)
+
+    try:
+        return build(LAPTOP_DEFAULTS)
+    except ValueError as error:
+        if "dynamic_sampling=True" not in str(error) or "dynamic_sampling" in given_fields(argv):
+            raise
+        print(
+            "posttrain grpo: dynamic sampling, a default of the no-argument run, is off for this run: "
+            "each process's generation batch (per_device_train_batch_size x steps_per_generation) must "
+            "hold whole groups of num_generations. Pass --dynamic_sampling true with a batch that does "
+            "to have it.",
+            flush=True,
+        )
+        return build({**LAPTOP_DEFAULTS, "dynamic_sampling": False})
 
 
 def grpo(argv: list[str]) -> Any:

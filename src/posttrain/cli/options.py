@@ -81,6 +81,20 @@ def _yaml_defaults(path: str, known: set[str], prog: str) -> dict[str, Any]:
     return values
 
 
+def given_fields(argv: list[str]) -> set[str]:
+    """The fields ``argv`` sets itself: its ``--FLAG`` names and, with ``--config``, the recipe's keys.
+
+    A command's laptop defaults are presets; this tells which of them the user replaced.
+    """
+    config_path, rest = _split_config(argv)
+    given = {arg[2:].split("=", 1)[0].replace("-", "_") for arg in rest if arg.startswith("--")}
+    if config_path is not None:
+        recipe = _read_recipe(config_path)
+        if isinstance(recipe, dict):
+            given |= {str(key) for key in recipe}
+    return given
+
+
 def _check_unknown_flags(parser: argparse.ArgumentParser, argv: list[str], prog: str) -> None:
     """Name the flags of ``argv`` the parser does not know (HfArgumentParser raises ValueError)."""
     _, remaining = parser.parse_known_args(argv)
