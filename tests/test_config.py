@@ -518,8 +518,8 @@ def test_validation_runs_before_trainingarguments_setup(tmp_path, monkeypatch) -
     monkeypatch.setattr(TrainingArguments, "__post_init__", unreachable)
     with pytest.raises(ValueError, match="temperature"):
         make(tmp_path, temperature=0.0)
-    with pytest.raises(NotImplementedError, match="use_vllm"):
-        make(tmp_path, use_vllm=True)
+    with pytest.raises(NotImplementedError, match="log_completions_hub_repo"):
+        make(tmp_path, log_completions_hub_repo="user/completions")
 
 
 def test_mutually_exclusive_batch_options(tmp_path) -> None:
@@ -574,18 +574,26 @@ def test_unbuilt_option_default_is_the_spec_default_and_works(name: str) -> None
 
 def test_unbuilt_message_format(tmp_path) -> None:
     with pytest.raises(NotImplementedError) as err:
-        make(tmp_path, use_vllm=True)
+        make(tmp_path, log_completions_hub_repo="user/completions")
     assert str(err.value) == (
-        "use_vllm=True is not implemented yet in posttrain (planned: vLLM generation). "
-        "Use use_vllm=False (completions are then generated with transformers)."
+        "log_completions_hub_repo='user/completions' is not implemented yet in posttrain (planned: completion "
+        "upload to the Hub). Leave log_completions_hub_repo=None."
     )
 
 
 def test_unbuilt_error_lists_every_offending_option(tmp_path) -> None:
+    from posttrain import SDFTConfig
+
     with pytest.raises(NotImplementedError) as err:
-        make(tmp_path, log_completions_hub_repo="user/completions", use_vllm=True)
-    assert "log_completions_hub_repo='user/completions'" in str(err.value)
+        SDFTConfig(output_dir=str(tmp_path), use_vllm=True, use_teacher_server=True)
     assert "use_vllm=True" in str(err.value)
+    assert "use_teacher_server=True" in str(err.value)
+
+
+def test_use_vllm_is_built_for_grpo(tmp_path) -> None:
+    assert (
+        make(tmp_path, use_vllm=True).use_vllm is True
+    )  # the trainer then needs vllm (tests/test_vllm_backend.py)
 
 
 def test_docs_list_exactly_the_unbuilt_options() -> None:

@@ -184,7 +184,6 @@ def test_config_has_the_reference_fields_and_defaults(tmp_path) -> None:
         pytest.param(
             {"auto_find_batch_size": True}, ValueError, "auto_find_batch_size", id="auto_find_batch_size"
         ),
-        pytest.param({"use_vllm": True}, NotImplementedError, "use_vllm", id="use_vllm"),
         pytest.param(
             {"sync_ref_model": True, "beta": 0.0}, ValueError, "sync_ref_model", id="sync_without_kl"
         ),

@@ -8,7 +8,7 @@ The pieces every training subcommand shares live beside it: :mod:`~posttrain.cli
 datasets), :mod:`~posttrain.cli.rewards` (``--reward_funcs``), :mod:`~posttrain.cli.launch`
 (the ``accelerate launch`` relaunch) and :mod:`~posttrain.cli.training` (build, train, save).
 
-``posttrain env`` prints the versions and hardware to paste into a bug report; ``posttrain
+``posttrain vllm-serve`` starts the vLLM server of ``vllm_mode="server"``. ``posttrain env`` prints the versions and hardware to paste into a bug report; ``posttrain
 plot`` and ``posttrain report`` draw a finished run.
 
 Bad input (an unknown flag, a broken recipe, a reward that cannot be found, a missing dataset,
@@ -42,6 +42,7 @@ from posttrain.cli.orpo import orpo
 from posttrain.cli.reward import reward
 from posttrain.cli.rloo import rloo
 from posttrain.cli.sft import sft
+from posttrain.cli.vllm_serve import vllm_serve
 from posttrain.cli.xtoken import xtoken_projection
 
 #: Packages ``posttrain env`` reports, by distribution name.
@@ -135,6 +136,7 @@ COMMANDS: dict[str, Callable[[list[str]], Any]] = {
     "orpo": orpo,
     "cpo": cpo,
     "reward": reward,
+    "vllm-serve": vllm_serve,
     "env": env,
     "plot": plot,
     "report": report,

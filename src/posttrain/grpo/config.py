@@ -21,7 +21,7 @@ from posttrain.sampling.config import (
     JSON_DICT_FIELDS,
     ONLINE_CHOICES,
     ONLINE_RULES,
-    ONLINE_UNBUILT,
+    VLLM_BUILT_UNBUILT,
     OnlineConfig,
 )
 
@@ -45,7 +45,7 @@ POSTTRAIN_EXTENSIONS = (
 # One row per option; when a feature is built, delete its row (and its line in docs/config.md).
 # fmt: off
 UNBUILT_OPTIONS: dict[str, UnbuiltOption] = {
-    **ONLINE_UNBUILT,
+    **VLLM_BUILT_UNBUILT,
     "log_completions_hub_repo":             UnbuiltOption(None, "completion upload to the Hub", "Leave log_completions_hub_repo=None.", "user/completions"),
 }
 # fmt: on
@@ -171,10 +171,12 @@ class GRPOConfig(OnlineConfig):
 
     vLLM generation:
         use_vllm (`bool`, defaults to `False`): Generate completions with vLLM instead of
-            `model.generate()`. Needs `vllm` installed.
+            `model.generate()`. Needs `vllm` installed (`pip install "posttrain[vllm]"`) and a
+            CUDA GPU; the sampler's log-probs feed the importance-sampling correction below
+            (docs/vllm.md).
         vllm_mode (`str`, defaults to `"colocate"`): `"server"` sends requests to a separate vLLM
-            server (start it with `vllm serve`); `"colocate"` runs vLLM inside the training
-            processes, sharing their GPUs.
+            server (start it with `posttrain vllm-serve`); `"colocate"` runs vLLM inside the
+            training processes, sharing their GPUs.
         vllm_model_impl (`str`, defaults to `"vllm"`): Model implementation used by vLLM:
             `"vllm"` or `"transformers"`.
         vllm_enable_sleep_mode (`bool`, defaults to `False`): Put vLLM to sleep during the
@@ -531,6 +533,12 @@ class GRPOConfig(OnlineConfig):
     def _check_combinations(self) -> None:
         """The combinations that cannot work (each parameter passed its rule already)."""
         super()._check_combinations()
+        if self.use_vllm and self.vllm_importance_sampling_correction and self.repetition_penalty != 1.0:
+            raise ValueError(
+                f"repetition_penalty={self.repetition_penalty} with use_vllm=True: vLLM applies the penalty to the "
+                "log-probs it returns, so the importance-sampling correction would compare them with the "
+                "policy's unpenalised ones; set repetition_penalty=1.0, or vllm_importance_sampling_correction=False."
+            )
         if self.loss_type == "luspo" and self.importance_sampling_level != "sequence":
             raise ValueError(
                 f"loss_type='luspo' is a sequence-level loss but importance_sampling_level="
@@ -576,6 +584,12 @@ class GRPOConfig(OnlineConfig):
                 f"sampler_precision={self.sampler_precision!r} runs the lean decode loop, which "
                 "use_transformers_continuous_batching=True replaces; set one of them back "
                 "(sampler_precision='float32' or use_transformers_continuous_batching=False)."
+            )
+        if self.use_vllm:
+            raise ValueError(
+                f"sampler_precision={self.sampler_precision!r} runs the lean decode loop, which use_vllm=True "
+                "replaces (vLLM samples in its own precision, and its log-probs feed the same correction); "
+                "set sampler_precision='float32' or use_vllm=False."
             )
         if not self.vllm_importance_sampling_correction:
             warnings.warn(

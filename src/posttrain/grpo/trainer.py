@@ -247,9 +247,6 @@ class GRPOTrainer(OnlineTrainer):
                 a.entropy_coef_max,
             )
         self._step_entropy = []
-        weights_changed = getattr(self.generator, "weights_changed", None)
-        if weights_changed is not None:  # a reduced-precision copy is rebuilt before the next sampling
-            weights_changed()
         if self._step_sampling:
             self._metrics.add_all("train", combine_step_metrics(self._step_sampling))
             self._step_sampling = []

@@ -12,8 +12,8 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from posttrain.core.config import Rule, is_num
-from posttrain.sampling.config import ONLINE_RULES, OnlineConfig
+from posttrain.core.config import Rule, UnbuiltOption, is_num
+from posttrain.sampling.config import ONLINE_RULES, VLLM_BUILT_UNBUILT, OnlineConfig
 
 __all__ = ["POSTTRAIN_EXTENSIONS", "RLOOConfig"]
 
@@ -84,7 +84,7 @@ class RLOOConfig(OnlineConfig):
         `top_k`, `min_p`, `generation_kwargs`, `chat_template_kwargs`, `repetition_penalty`,
         `cache_implementation`, `use_transformers_continuous_batching`,
         `transformers_continuous_batching_config`, `use_transformers_paged` (deprecated);
-        vLLM (not built yet: `use_vllm=True` raises `NotImplementedError`): `use_vllm`,
+        vLLM (as in GRPOConfig; docs/vllm.md): `use_vllm`,
         `vllm_mode`, `vllm_model_impl`, `vllm_enable_sleep_mode`,
         `vllm_structured_outputs_regex`, `vllm_server_base_url`, `vllm_server_host`,
         `vllm_server_port`, `vllm_server_timeout`, `vllm_group_port`,
@@ -114,6 +114,7 @@ class RLOOConfig(OnlineConfig):
     )
 
     _rules: ClassVar[tuple[Rule, ...]] = _RULES
+    _unbuilt: ClassVar[dict[str, UnbuiltOption]] = VLLM_BUILT_UNBUILT
 
     def _normalise_family(self) -> None:
         """The shared normalisation; a ``reward_clip_range`` list (YAML, command line) becomes a tuple."""

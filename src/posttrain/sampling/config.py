@@ -25,14 +25,25 @@ from posttrain.core.config import (
     positive_int,
 )
 
-__all__ = ["ONLINE_CHOICES", "ONLINE_RULES", "ONLINE_UNBUILT", "JSON_DICT_FIELDS", "OnlineConfig"]
+__all__ = [
+    "ONLINE_CHOICES",
+    "ONLINE_RULES",
+    "ONLINE_UNBUILT",
+    "VLLM_BUILT_UNBUILT",
+    "JSON_DICT_FIELDS",
+    "OnlineConfig",
+]
 
-#: Options accepted by every online config but not built yet (one row per option).
+#: Options accepted by every online config but not built yet (one row per option). vLLM
+#: generation is built for the trainers whose completions come from the shared sampler's generator
+#: (GRPO and RLOO: their configs use ``VLLM_BUILT_UNBUILT``); the others still refuse it.
 # fmt: off
 ONLINE_UNBUILT: dict[str, UnbuiltOption] = {
-    "use_vllm": UnbuiltOption(False, "vLLM generation", "Use use_vllm=False (completions are then generated with transformers).", True),
+    "use_vllm": UnbuiltOption(False, "vLLM generation for this trainer", "Use use_vllm=False (completions are then generated with transformers); GRPOTrainer and RLOOTrainer generate with vLLM.", True),
 }
 # fmt: on
+#: ``ONLINE_UNBUILT`` without ``use_vllm``: for the trainers that generate with vLLM.
+VLLM_BUILT_UNBUILT: dict[str, UnbuiltOption] = {k: v for k, v in ONLINE_UNBUILT.items() if k != "use_vllm"}
 
 #: Allowed values of the shared string-valued choice parameters.
 ONLINE_CHOICES: dict[str, tuple[str, ...]] = {
@@ -71,6 +82,12 @@ ONLINE_RULES: tuple[Rule, ...] = (
     Rule("ref_model_mixup_alpha", lambda v: is_num(v) and 0 <= v <= 1, "a number in [0, 1]", "set ref_model_mixup_alpha in [0, 1] (the default is 0.6)"),
     Rule("ref_model_sync_steps", positive_int, "an integer >= 1", "set ref_model_sync_steps to 1 or more (the default is 512)"),
     Rule("reward_timeout", optional(lambda v: is_num(v) and v > 0), "None or a number of seconds > 0", "set reward_timeout to a positive number of seconds, or None for no limit"),
+    Rule("vllm_gpu_memory_utilization", lambda v: is_num(v) and 0 < v <= 1, "a fraction in (0, 1] of each GPU's memory", "set vllm_gpu_memory_utilization to a fraction such as 0.3 (the default)"),
+    Rule("vllm_tensor_parallel_size", positive_int, "an integer >= 1", "set vllm_tensor_parallel_size to 1 (the default) or to a divisor of the number of training processes"),
+    Rule("vllm_server_timeout", lambda v: is_num(v) and v > 0, "a number of seconds > 0", "set vllm_server_timeout to a positive number of seconds such as 240 (the default)"),
+    Rule("vllm_server_port", lambda v: is_int(v) and 0 < v < 65536, "a TCP port in 1..65535", "set vllm_server_port to the port of the vLLM server (the default is 8000)"),
+    Rule("vllm_group_port", lambda v: is_int(v) and 0 < v < 65536, "a TCP port in 1..65535", "set vllm_group_port to a free port (the default is 51216)"),
+    Rule("vllm_max_model_length", optional(positive_int), "None or a positive integer", "set vllm_max_model_length to at least the longest prompt plus max_completion_length, or leave it None"),
     Rule("dynamic_sampling_max_rounds", positive_int, "an integer >= 1", "set dynamic_sampling_max_rounds to 1 or more (the default is 3)"),
     Rule("reward_weights", optional(lambda v: isinstance(v, (list, tuple)) and all(is_num(w) for w in v)), "None or a list of numbers, one per reward function", "pass a list of floats such as [1.0, 0.5], or None to weight every reward function 1.0"),
 ) + choice_rules(ONLINE_CHOICES)

@@ -109,8 +109,9 @@ def build_generator(
     eos: list[int],
     suppress: list[int] | None = None,
 ) -> Generator:
-    """transformers ``generate`` (shared prompt prefill, the lean loop, prepacked weights), or its
-    continuous batching engine with ``use_transformers_continuous_batching``.
+    """transformers ``generate`` (shared prompt prefill, the lean loop, prepacked weights), its
+    continuous batching engine with ``use_transformers_continuous_batching``, or vLLM with
+    ``use_vllm`` (``generation/vllm_backend.py``).
 
     Args:
         args: the sampling options of the config.
@@ -140,6 +141,10 @@ def build_generator(
     full_parameters = lambda m: distributed.generation_parameters(  # noqa: E731
         accelerator, m, args.ds3_gather_for_generation
     )
+    if getattr(args, "use_vllm", False):
+        from posttrain.generation.vllm_backend import build_vllm_generator
+
+        return build_vllm_generator(args, accelerator, get_model, tokenizer, eos, full_parameters)
     if args.use_transformers_continuous_batching:
         return ContinuousBatchingGenerator(
             get_model=get_model,

@@ -519,7 +519,12 @@ class OnlineTrainer(BaseTrainer):
         return loss.detach(), None, None
 
     def _after_optimizer_step(self) -> None:
-        """The reference's sync (TR-DPO), once per optimizer step."""
+        """The reference's sync (TR-DPO), once per optimizer step; the generator learns that the
+        weights changed (a reduced-precision copy is rebuilt, vLLM gets the new weights, before
+        the next sampling)."""
+        weights_changed = getattr(self.generator, "weights_changed", None)
+        if weights_changed is not None:
+            weights_changed()
         self._sync_reference(self.ref_model)
 
     # ---- hooks of the core -------------------------------------------------------------------
