@@ -260,3 +260,25 @@ def test_repetition_penalty_with_the_correction_is_refused(tmp_path) -> None:
     with pytest.raises(ValueError, match="vLLM applies the penalty to the log-probs it returns"):
         make_config(tmp_path, use_vllm=True, repetition_penalty=1.2)
     make_config(tmp_path, use_vllm=True, repetition_penalty=1.2, vllm_importance_sampling_correction=False)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_engines_share_the_groups_prompts(tmp_path, tiny_model_dir) -> None:
+    """Two processes, one engine group of 2: each engine generates for both processes' prompts, the
+    two engines agree, and each process trains on its own slice; the parameters stay identical."""
+    import json
+    from pathlib import Path
+
+    from helpers import run_torchrun
+
+    script = str(Path(__file__).parent / "scripts" / "vllm_tensor_parallel.py")
+    proc = run_torchrun(script, str(tmp_path), 29561, tiny_model_dir)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for rank in ranks:
+        assert rank["calls"] == ["generate(8)", "generate(8)"]  # the group's 2 x 4 prompts per step
+    assert ranks[0]["made"] == ranks[1]["made"]  # same seed, weights and prompts: the engines agree
+    for r, rank in enumerate(ranks):
+        for made, seen in zip(rank["made"], rank["seen"], strict=True):
+            assert [ids[: len(s)] for ids, s in zip(made[4 * r : 4 * r + 4], seen, strict=True)] == seen
+    assert ranks[0]["params"] == ranks[1]["params"]
