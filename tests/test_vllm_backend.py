@@ -282,3 +282,97 @@ def test_tensor_parallel_engines_share_the_groups_prompts(tmp_path, tiny_model_d
         for made, seen in zip(rank["made"], rank["seen"], strict=True):
             assert [ids[: len(s)] for ids, s in zip(made[4 * r : 4 * r + 4], seen, strict=True)] == seen
     assert ranks[0]["params"] == ranks[1]["params"]
+
+
+# ---- asynchronous GRPO sampling through a vLLM server -------------------------------------------
+
+
+def _digest(model: torch.nn.Module) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    for _, p in sorted(model.named_parameters()):
+        h.update(p.detach().float().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _async_config(tmp_path, **overrides):
+    from posttrain import AsyncGRPOConfig
+
+    values = {
+        "output_dir": str(tmp_path), "per_device_train_batch_size": 4, "num_generations": 4, "max_steps": 4,
+        "learning_rate": 1e-2, "bf16": False, "use_cpu": True, "report_to": "none", "save_strategy": "no",
+        "disable_tqdm": True, "logging_steps": 1, "max_completion_length": 8, "num_sampler_logprobs": 3,
+        "max_staleness": 1,
+    }  # fmt: skip
+    values.update(overrides)
+    return AsyncGRPOConfig(**values)
+
+
+def test_async_grpo_samples_batch_k_from_the_server_with_step_k_minus_staleness_weights(
+    standin, tiny_model_dir, tmp_path, monkeypatch
+) -> None:
+    from transformers import TrainerCallback
+
+    from posttrain import AsyncGRPOTrainer
+
+    server = standin.StandInServer(tiny_model_dir)
+    try:
+        args = _async_config(
+            tmp_path,
+            use_vllm=True,
+            vllm_mode="server",
+            vllm_server_base_url=server.base_url,
+            request_timeout=60,
+        )
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+        trainer = AsyncGRPOTrainer(
+            model, token_sum_reward, args, standard_dataset(), processing_class=build_tiny_tokenizer()
+        )
+        versions = [_digest(trainer.model)]  # version k: the weights after k optimizer steps
+
+        class Record(TrainerCallback):
+            def on_step_end(self, args, state, control, **kwargs):
+                versions.append(_digest(trainer.model))
+
+        trainer.add_callback(Record())
+        served: list[str] = []
+        generate = server.engine.generate
+
+        def record(*a, **k):
+            served.append(_digest(server.engine.engine_model.model))
+            return generate(*a, **k)
+
+        monkeypatch.setattr(server.engine, "generate", record)
+        trainer.train()
+    finally:
+        server.close()
+    assert len(served) == 4 and len(set(versions)) == 5  # every step moved the weights
+    # batch k came from the server holding the weights of step max(0, k - 1), exactly
+    assert served == [versions[max(0, k - 1)] for k in range(4)]
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert [h["batch/sampler_version"] for h in logs] == [0.0, 0.0, 1.0, 2.0]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        pytest.param({"use_vllm": True}, "set vllm_mode='server'", id="colocate"),
+        pytest.param({"vllm_server_base_url": "http://10.0.0.1:8000"}, "only apply to sampling from a vLLM server",
+                     id="url_without_vllm"),
+        pytest.param({"request_timeout": 30}, "request_timeout=30 only apply", id="timeout_without_vllm"),
+    ],
+)  # fmt: skip
+def test_async_grpo_vllm_settings_that_cannot_work_are_refused(tmp_path, overrides, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        _async_config(tmp_path, **overrides)
+
+
+def test_async_grpo_with_vllm_refuses_an_eval_dataset(standin, tiny_model_dir, tmp_path) -> None:
+    from posttrain import AsyncGRPOTrainer
+
+    args = _async_config(tmp_path, use_vllm=True, vllm_mode="server", eval_strategy="steps", eval_steps=1)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    with pytest.raises(NotImplementedError, match="one training process without an eval_dataset"):
+        AsyncGRPOTrainer(model, token_sum_reward, args, standard_dataset(), standard_dataset(),
+                         processing_class=build_tiny_tokenizer())  # fmt: skip

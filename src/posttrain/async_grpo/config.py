@@ -8,8 +8,10 @@ a constant schedule, ``logging_steps=1``), the spec's score-centering options
 (``sampling.config.OnlineConfig``).
 
 posttrain samples in a background thread of the training process, from its own copy of the
-weights (``async_grpo/sampler.py``); the reference's vLLM-server worker options are accepted at
-their defaults and raise ``NotImplementedError`` when changed (``ASYNC_UNBUILT``). The shared
+weights (``async_grpo/sampler.py``), with transformers or, with ``use_vllm=True`` and
+``vllm_mode="server"``, through a vLLM server that receives that copy's weights; the reference's
+other vLLM-worker options are accepted at their defaults and raise ``NotImplementedError`` when
+changed (``ASYNC_UNBUILT``). The shared
 online fields the reference's asynchronous trainer does not have keep their defaults
 (``OFF_FIELDS``).
 """
@@ -20,18 +22,17 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from posttrain.core.config import Rule, UnbuiltOption, choice_rules, is_int, is_num, positive_int
-from posttrain.sampling.config import ONLINE_RULES, ONLINE_UNBUILT, OnlineConfig
+from posttrain.sampling.config import ONLINE_RULES, VLLM_BUILT_UNBUILT, OnlineConfig
 
 __all__ = ["ASYNC_UNBUILT", "OFF_FIELDS", "AsyncGRPOConfig"]
 
-_SERVER = "Leave it at its default: posttrain samples in a background thread of the training process."
+_SERVER = "Leave it at its default: the background sampler sends one request per generation batch."
 
-#: The reference's vLLM-worker options: accepted at their defaults, not built otherwise.
+#: The reference's vLLM-worker options beyond the server's address and request timeout: accepted at
+#: their defaults, not built otherwise.
 # fmt: off
 ASYNC_UNBUILT: dict[str, UnbuiltOption] = {
-    **ONLINE_UNBUILT,
-    "vllm_server_base_url": UnbuiltOption("http://localhost:8000", "asynchronous sampling from a vLLM server", _SERVER, "http://10.0.0.1:8000"),
-    "request_timeout": UnbuiltOption(600, "asynchronous sampling from a vLLM server", _SERVER, 30),
+    **VLLM_BUILT_UNBUILT,
     "fork_threshold_tokens": UnbuiltOption(1024, "forked tool-calling requests to a vLLM server", _SERVER, 512),
     "token_budget": UnbuiltOption(None, "token-budget batching of a vLLM server's completions", _SERVER, 4096),
     "max_inflight_tasks": UnbuiltOption(-1, "a bound on a vLLM server's requests in flight", _SERVER, 8),
@@ -58,6 +59,7 @@ _RULES: tuple[Rule, ...] = ONLINE_RULES + (
     Rule("num_sampler_logprobs", positive_int, "a positive integer (the sampler's top tokens per position that score centering takes its expectation over)", "set num_sampler_logprobs=8 (the default)"),
     Rule("vllm_importance_sampling_clip_min", lambda v: is_num(v) and v >= 0, "a number >= 0 (C_min: tokens whose ratio to the sampler is below it leave the loss)", "set vllm_importance_sampling_clip_min=0.5 (the default)"),
     Rule("vllm_importance_sampling_clip_max", lambda v: is_num(v) and v > 0, "a number > 0 (C_max: tokens whose ratio to the sampler is above it leave the loss)", "set vllm_importance_sampling_clip_max=5.0 (the default)"),
+    Rule("request_timeout", lambda v: is_num(v) and v > 0, "a number of seconds > 0", "set request_timeout=600 (the default)"),
     Rule("weight_sync_timeout", lambda v: is_num(v) and v > 0, "a number of seconds > 0 (how long the trainer and the sampler wait for each other)", "set weight_sync_timeout=1800 (the default)"),
 ) + choice_rules({"dtype": DTYPES})
 # fmt: on
@@ -98,11 +100,19 @@ class AsyncGRPOConfig(OnlineConfig):
             `logging_steps` (defaults to `1`), `ignore_data_skip` (defaults to `True`): the
             reference's training defaults. The background sampler resumes at the
             exact batch either way.
-        `vllm_server_base_url`, `request_timeout`, `fork_threshold_tokens`, `token_budget`,
-            `max_inflight_tasks`, `queue_maxsize`, `heartbeat_stale_after_s`,
-            `weight_sync_steps`: the reference's vLLM-worker options, at their defaults
-            (`"http://localhost:8000"`, 600, 1024, `None`, -1, 1024, 300, 1); another value
-            raises `NotImplementedError`.
+        use_vllm (`bool`, defaults to `False`): With `vllm_mode="server"`, the background sampler
+            generates with the vLLM server at `vllm_server_base_url` (started with
+            `posttrain vllm-serve`), pushing its own copy's weights (those of step
+            `k - max_staleness`, exactly) before the batch of step `k`; one training process,
+            no evaluation set (docs/vllm.md). `False`: it generates with transformers.
+        vllm_server_base_url (`str`, defaults to `"http://localhost:8000"`): The server's address
+            (only with `use_vllm=True`).
+        request_timeout (`float`, defaults to `600`): Seconds one generation request to the server
+            may take (only with `use_vllm=True`).
+        `fork_threshold_tokens`, `token_budget`, `max_inflight_tasks`, `queue_maxsize`,
+            `heartbeat_stale_after_s`, `weight_sync_steps`: the reference's other vLLM-worker
+            options, at their defaults (1024, `None`, -1, 1024, 300, 1); another value raises
+            `NotImplementedError`.
 
     Shared with ``GRPOConfig`` (same meaning; documented there): `model_init_kwargs`,
     `trust_remote_code`, `router_aux_loss_coef`, `disable_dropout`, `num_generations` (8),
@@ -138,9 +148,11 @@ class AsyncGRPOConfig(OnlineConfig):
         default=1800, metadata={"help": "Seconds the trainer and the sampler wait for each other."}
     )
     vllm_server_base_url: str | None = field(
-        default="http://localhost:8000", metadata={"help": "vLLM server URL (not built: background thread)."}
+        default="http://localhost:8000", metadata={"help": "vLLM server URL (with use_vllm=True)."}
     )
-    request_timeout: float = field(default=600, metadata={"help": "vLLM request timeout (not built)."})
+    request_timeout: float = field(
+        default=600, metadata={"help": "Seconds one vLLM generation request may take (with use_vllm=True)."}
+    )
     fork_threshold_tokens: int = field(default=1024, metadata={"help": "vLLM tool forking (not built)."})
     token_budget: int | None = field(default=None, metadata={"help": "vLLM token budget (not built)."})
     max_inflight_tasks: int = field(default=-1, metadata={"help": "vLLM requests in flight (not built)."})
@@ -189,6 +201,22 @@ class AsyncGRPOConfig(OnlineConfig):
                 f"vllm_importance_sampling_clip_min={self.vllm_importance_sampling_clip_min} must be below "
                 f"vllm_importance_sampling_clip_max={self.vllm_importance_sampling_clip_max}; the defaults are 0.5 "
                 "and 5.0."
+            )
+        if self.use_vllm and self.vllm_mode != "server":
+            raise ValueError(
+                "AsyncGRPOConfig(use_vllm=True) samples from a vLLM server beside the trainer; set "
+                "vllm_mode='server' (and start it with `posttrain vllm-serve`), or use_vllm=False for the "
+                "transformers sampler thread."
+            )
+        unused = [
+            f"{name}={getattr(self, name)!r}"
+            for name, default in (("vllm_server_base_url", "http://localhost:8000"), ("request_timeout", 600))
+            if getattr(self, name) != default
+        ]
+        if unused and not self.use_vllm:
+            raise ValueError(
+                f"{', '.join(unused)} only apply to sampling from a vLLM server; set use_vllm=True and "
+                "vllm_mode='server' to use it, or leave them at their defaults."
             )
         filters = (("top_p", self.top_p < 1), ("top_k", self.top_k > 0), ("min_p", self.min_p is not None))
         filtered = [name for name, on in filters if on]

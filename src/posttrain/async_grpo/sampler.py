@@ -202,6 +202,9 @@ class BackgroundSampler:
                         f"the sampler holds step {self._version}'s weights and got step {version}'s"
                     )
                 self.model.load_state_dict(state)
+                weights_changed = getattr(self.sampler.generator, "weights_changed", None)
+                if weights_changed is not None:  # a vLLM server gets this version before the next batch
+                    weights_changed()
                 self._version = version
                 self._staged = None
                 self._cond.notify_all()

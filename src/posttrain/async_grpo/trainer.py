@@ -44,7 +44,9 @@ class AsyncGRPOTrainer(OnlineTrainer):
     """Trainer for asynchronous GRPO: a background sampler generates while the policy trains.
 
     The reference's public API (``trl.experimental.async_grpo.AsyncGRPOTrainer``), sampling in a
-    thread of the training process instead of a vLLM server. See ``docs/online.md``.
+    thread of the training process: with transformers on its own copy of the weights, or (with
+    ``use_vllm=True``, ``vllm_mode="server"``) through a vLLM server fed with that copy's weights.
+    See ``docs/online.md``.
 
     Args:
         model: hub id, local path, embedded name, a ``PreTrainedModel`` causal LM or a
@@ -101,6 +103,13 @@ class AsyncGRPOTrainer(OnlineTrainer):
                 f"AsyncGRPOTrainer({', '.join(given)}=...) is not built yet: the background sampler generates plain "
                 "completions. Use GRPOTrainer for tools, environments or a rollout_func."
             )
+        if args.use_vllm and (args.world_size > 1 or eval_dataset is not None):
+            raise NotImplementedError(
+                "AsyncGRPOTrainer with use_vllm=True is built for one training process without an eval_dataset: "
+                "the server holds one set of weights, and another process's sampler or an evaluation would load "
+                "other weights into it between a batch's push and its request. Use one process and no "
+                "eval_dataset, or use_vllm=False."
+            )
         super().__init__(
             model,
             args,
@@ -141,7 +150,10 @@ class AsyncGRPOTrainer(OnlineTrainer):
         runner = copy.copy(self.rewards)  # its own fault counts: the thread scores alongside evaluation
         runner.faults = {}
         generator = self.sampler.generator
-        if generator is self._built_generator:  # not replaced by the user: generate with the copy
+        if generator is self._built_generator and a.use_vllm:  # the server, fed with the copy's weights
+            generator = copy.copy(generator)
+            generator.get_model, generator.sync, generator.stale = (lambda: own), None, True
+        elif generator is self._built_generator:  # not replaced by the user: generate with the copy
             from posttrain.sampling import setup
 
             generator = setup.build_generator(

@@ -318,9 +318,10 @@ class VLLMServerClient:
     Only the standard library is used (``urllib``), so the client needs nothing vLLM installs.
     """
 
-    def __init__(self, base_url: str, timeout: float) -> None:
+    def __init__(self, base_url: str, timeout: float, request_timeout: float | None = None) -> None:
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
+        self.request_timeout = request_timeout
         self._model: str | None = None
 
     def _request(self, path: str, payload: dict[str, Any] | None = None, timeout: float | None = None) -> Any:
@@ -331,7 +332,9 @@ class VLLMServerClient:
             headers={"Content-Type": "application/json"} if data is not None else {},
             method="POST" if data is not None else "GET",
         )
-        with urllib.request.urlopen(request, timeout=timeout or self.timeout) as response:
+        with urllib.request.urlopen(
+            request, timeout=timeout if timeout is not None else self.timeout
+        ) as response:
             body = response.read()
         return json.loads(body) if body else None
 
@@ -372,7 +375,7 @@ class VLLMServerClient:
         """One completion per prompt (token ids in, token ids and log-probs out), in prompt order."""
         payload = {k: v for k, v in params.items() if k not in ("detokenize", "n")}
         payload.update(model=self.model(), prompt=prompts, n=1, return_token_ids=True)
-        choices = self._request("v1/completions", payload)["choices"]
+        choices = self._request("v1/completions", payload, timeout=self.request_timeout)["choices"]
         if len(choices) != len(prompts):
             raise RuntimeError(
                 f"the vLLM server at {self.base_url} returned {len(choices)} completions for {len(prompts)} prompts."
@@ -535,7 +538,9 @@ def build_vllm_generator(
     params = sampling_kwargs(args, extra_stops)
     regex = args.vllm_structured_outputs_regex
     if args.vllm_mode == "server":
-        client = VLLMServerClient(server_base_url(args), args.vllm_server_timeout)
+        client = VLLMServerClient(
+            server_base_url(args), args.vllm_server_timeout, getattr(args, "request_timeout", None)
+        )
         client.wait_until_up()
         if regex is not None:
             params["structured_outputs"] = {"regex": regex}
