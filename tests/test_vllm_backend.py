@@ -196,10 +196,29 @@ def test_tensor_parallel_rows_are_sliced_back() -> None:
 
 
 def test_trainers_that_do_not_generate_through_the_shared_sampler_still_refuse(tmp_path) -> None:
-    from posttrain import OnlineDPOConfig
+    from posttrain import A2POConfig, GKDConfig
 
-    with pytest.raises(NotImplementedError, match="use_vllm"):
-        OnlineDPOConfig(output_dir=str(tmp_path), use_vllm=True)
+    for config in (A2POConfig, GKDConfig):
+        with pytest.raises(NotImplementedError, match="use_vllm"):
+            config(output_dir=str(tmp_path), use_vllm=True)
+
+
+def test_online_dpo_generates_its_pairs_with_vllm(standin, tiny_model_dir, tmp_path) -> None:
+    from posttrain import OnlineDPOConfig, OnlineDPOTrainer
+
+    args = OnlineDPOConfig(
+        output_dir=str(tmp_path), per_device_train_batch_size=2, max_new_tokens=8, max_steps=1, use_vllm=True,
+        bf16=False, use_cpu=True, report_to="none", save_strategy="no", disable_tqdm=True, logging_steps=1,
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    trainer = OnlineDPOTrainer(
+        model=model, reward_funcs=token_sum_reward, args=args, train_dataset=standard_dataset(),
+        processing_class=build_tiny_tokenizer(),
+    )  # fmt: skip
+    trainer.train()
+    (engine,) = standin.LLM.instances
+    assert engine.calls.count("generate(4)") == 1  # 2 prompts x 2 completions
+    assert any("rewards/margins" in h for h in trainer.state.log_history)
 
 
 def test_peft_weights_go_out_merged_under_the_base_names(tiny_model_dir) -> None:

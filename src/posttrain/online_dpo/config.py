@@ -17,8 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from posttrain.core.config import Rule, choice_rules, is_num, positive_int
-from posttrain.sampling.config import ONLINE_RULES, OnlineConfig
+from posttrain.core.config import Rule, UnbuiltOption, choice_rules, is_num, positive_int
+from posttrain.sampling.config import ONLINE_RULES, VLLM_BUILT_UNBUILT, OnlineConfig
 
 __all__ = ["LOSS_TYPES", "OFF_FIELDS", "OnlineDPOConfig"]
 
@@ -82,14 +82,14 @@ class OnlineDPOConfig(OnlineConfig):
         learning_rate (`float`, defaults to `5e-7`): Initial learning rate (AdamW).
         remove_unused_columns (`bool | None`, defaults to `False`): Keep the dataset's other
             columns, which reach the reward functions as keyword arguments.
-        vllm_gpu_memory_utilization (`float`, defaults to `0.55`): As in `GRPOConfig` (vLLM is
-            not built yet).
+        vllm_gpu_memory_utilization (`float`, defaults to `0.55`): As in `GRPOConfig`
+            (docs/vllm.md).
 
     Shared with ``GRPOConfig`` (same meaning; documented there): `model_init_kwargs`,
     `trust_remote_code`, `router_aux_loss_coef`, `ds3_gather_for_generation`, `shuffle_dataset`,
     `pad_to_multiple_of`, `top_p`, `top_k`, `min_p`, `generation_kwargs`, `chat_template_kwargs`,
-    `repetition_penalty`, `cache_implementation`, `reward_weights`, vLLM (not built yet:
-    `use_vllm=True` raises `NotImplementedError`): `use_vllm`, `vllm_mode`, `vllm_model_impl`,
+    `repetition_penalty`, `cache_implementation`, `reward_weights`, vLLM (docs/vllm.md; online
+    DPO has no importance-sampling correction, as in the reference): `use_vllm`, `vllm_mode`, `vllm_model_impl`,
     `vllm_enable_sleep_mode`, `vllm_structured_outputs_regex`, `vllm_server_base_url`,
     `vllm_server_host`, `vllm_server_port`, `vllm_server_timeout`, `vllm_group_port`,
     `vllm_max_model_length`, `vllm_tensor_parallel_size`;
@@ -129,6 +129,7 @@ class OnlineDPOConfig(OnlineConfig):
     )
 
     _rules: ClassVar[tuple[Rule, ...]] = _RULES
+    _unbuilt: ClassVar[dict[str, UnbuiltOption]] = VLLM_BUILT_UNBUILT
     _off_fields: ClassVar[dict[str, tuple[tuple[Any, ...], str]]] = OFF_FIELDS
     _method: ClassVar[str] = "online DPO"
 
