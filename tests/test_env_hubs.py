@@ -1,13 +1,15 @@
 """Environment hubs through environment_factory (posttrain.agents.hubs), each against a real server of
 its own package started here: an OpenEnv game served by openenv-core, an ORS task served by the
 openreward SDK. A scripted generator writes the model's tool calls; everything past it (the adapter,
-the hub's client, the server, the reward) is real. Harbor needs Python >= 3.12 and a sandbox backend;
-its test goes as far as the machine allows (see test_harbor_up_to_the_sandbox_boundary).
+the hub's client, the server, the reward) is real. Harbor needs Python >= 3.12 and a sandbox backend:
+its tests go as far as the machine allows (test_harbor_up_to_the_sandbox_boundary without a Docker
+daemon, test_harbor_grpo_training_in_a_docker_sandbox with one; docs/agents.md, Harbor).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
 import subprocess
@@ -347,7 +349,8 @@ def test_openreward_grpo_training_against_a_local_server(tmp_path, ors_server):
 # ---------------------------------------------------------------------------------------------
 
 
-def harbor_task_tree(root: Path) -> Path:
+def harbor_task_tree(root: Path, image: str = "python:3.12-slim") -> Path:
+    """One Harbor task, hello: write hello to /workdir/answer.txt; its verifier (bash) writes the reward."""
     task = root / "tasks" / "hello"
     (task / "environment").mkdir(parents=True)
     (task / "tests").mkdir()
@@ -355,7 +358,7 @@ def harbor_task_tree(root: Path) -> Path:
     (task / "task.toml").write_text(
         'schema_version = "1.1"\n[task]\nname = "posttrain/hello"\n[verifier]\ntimeout_sec = 60.0\n'
     )
-    (task / "environment" / "Dockerfile").write_text("FROM python:3.12-slim\nWORKDIR /workdir\n")
+    (task / "environment" / "Dockerfile").write_text(f"FROM {image}\nWORKDIR /workdir\n")
     (task / "tests" / "test.sh").write_text(
         '#!/bin/bash\n[ "$(cat /workdir/answer.txt)" = hello ] && echo 1 > /logs/verifier/reward.txt '
         "|| echo 0 > /logs/verifier/reward.txt\n"
@@ -367,6 +370,54 @@ def docker_daemon_runs() -> bool:
     if shutil.which("docker") is None:
         return False
     return subprocess.run(["docker", "info"], capture_output=True, timeout=30).returncode == 0
+
+
+#: The base image of the real-sandbox test's task. Docker Hub is out of reach on posttrain's machines,
+#: so it is a local image (docs/agents.md, Harbor: a debootstrap of Debian imported with docker import).
+HARBOR_BASE_IMAGE = os.environ.get("POSTTRAIN_HARBOR_IMAGE", "local/debian:bookworm")
+
+#: What the scripted episodes run in the sandbox: PID 1 of a Harbor docker sandbox is its keep-alive
+#: command (sleep infinity), so the output shows that the command ran in the container.
+HARBOR_COMMANDS = (
+    "cat /proc/1/cmdline | tr '\\0' ' '; echo; echo hello > /workdir/answer.txt; cat /workdir/answer.txt",
+    "cat /proc/1/cmdline | tr '\\0' ' '; echo; echo bye > /workdir/answer.txt; cat /workdir/answer.txt",
+)
+
+
+class AlternatingBash:
+    """A scripted generator for Harbor's one task: on an episode's first turn, row i of the batch
+    calls ``bash`` with ``HARBOR_COMMANDS[i % 2]`` (the right answer, then a wrong one, so each group
+    of 2 has rewards 1 and 0); later turns answer "Done."."""
+
+    def __init__(self, tokenizer, marker: str = "<|im_start|>assistant"):
+        self.tokenizer = tokenizer
+        self.marker = marker
+        self.inputs: list[str] = []
+
+    def generate(self, prompt_ids, prompt_mask, **kwargs):
+        from posttrain.generation.base import Samples
+
+        eos = self.tokenizer.eos_token_id
+        rows = []
+        for i, (ids, mask) in enumerate(zip(prompt_ids.tolist(), prompt_mask.tolist(), strict=True)):
+            text = self.tokenizer.decode([t for t, m in zip(ids, mask, strict=True) if m])
+            self.inputs.append(text)
+            first = text.count(self.marker) == 1
+            reply = call("bash", json.dumps({"command": HARBOR_COMMANDS[i % 2]})) if first else "Done."
+            rows.append(self.tokenizer(reply, add_special_tokens=False)["input_ids"] + [eos])
+        return Samples.from_lists(rows, self.tokenizer.pad_token_id or eos, prompt_ids.device)
+
+    def tool_outputs(self) -> list[str]:
+        return [
+            text.split("<tool_response>")[-1].split("</tool_response>")[0].strip()
+            for text in self.inputs
+            if "<tool_response>" in text
+        ]
+
+
+def running_containers() -> set[str]:
+    out = subprocess.run(["docker", "ps", "-q"], capture_output=True, text=True, timeout=60, check=True)
+    return set(out.stdout.split())
 
 
 def test_harbor_up_to_the_sandbox_boundary(tmp_path):
@@ -384,6 +435,36 @@ def test_harbor_up_to_the_sandbox_boundary(tmp_path):
         pytest.skip("a Docker daemon runs here: this test covers the no-daemon boundary only")
     with pytest.raises(RuntimeError, match="Harbor's sandbox backend 'docker' cannot run here"):
         harbor_environment(environment_type="docker")
+
+
+def test_harbor_grpo_training_in_a_docker_sandbox(tmp_path):
+    """Where a Docker daemon runs (with ``docker compose``), ``harbor`` is installed and the local
+    base image exists: 2 GRPO steps on the Harbor task, each episode in its own container that
+    Harbor builds and starts, the reward from the verifier run in it. Elsewhere (CI: Python 3.11,
+    no daemon) it skips."""
+    pytest.importorskip("harbor")
+    if not docker_daemon_runs():
+        pytest.skip("no Docker daemon runs here (see test_harbor_up_to_the_sandbox_boundary)")
+    if subprocess.run(["docker", "compose", "version"], capture_output=True, timeout=30).returncode:
+        pytest.skip("Harbor's docker backend runs `docker compose`, which is not installed here")
+    if subprocess.run(
+        ["docker", "image", "inspect", HARBOR_BASE_IMAGE], capture_output=True, timeout=30
+    ).returncode:
+        pytest.skip(f"no local image {HARBOR_BASE_IMAGE} (POSTTRAIN_HARBOR_IMAGE): docs/agents.md, Harbor")
+    from posttrain.agents.hubs import harbor_environment, harbor_tasks
+
+    before = running_containers()
+    tok = qwen_tokenizer()
+    Env = harbor_environment(environment_type="docker")
+    dataset = harbor_tasks(harbor_task_tree(tmp_path, image=HARBOR_BASE_IMAGE))
+    trainer = hub_trainer(tmp_path / "out", tok, Env, dataset, per_device_train_batch_size=2)
+    script = AlternatingBash(tok)
+    trainer.generator = script
+    trainer.train()
+    # each step: one episode wrote hello (the verifier's 1.0), the other bye (0.0)
+    assert reward_logs(trainer, "HarborEnvironment") == [0.5, 0.5]
+    assert script.tool_outputs() == ["sh -c sleep infinity \nhello", "sh -c sleep infinity \nbye"] * 2
+    assert running_containers() <= before  # every episode's sandbox stopped once it was scored
 
 
 # ---------------------------------------------------------------------------------------------

@@ -13,7 +13,8 @@ instance, on its own thread).
   instance's previous sandbox, starts the task's sandbox and returns the task's instruction.
 - One tool, ``bash(command)``, runs a shell command in the sandbox and returns its output.
 - ``get_reward()`` runs the task's verifier in the sandbox, once per episode, and returns its
-  ``reward`` (or its first reward when it has no key of that name).
+  ``reward`` (or its first reward when it has no key of that name); the episode is then over and
+  its sandbox stops.
 
 ``harbor`` needs Python >= 3.12.
 """
@@ -125,12 +126,21 @@ class HarborEnvironment:
         return out or f"(no output, exit code {result.return_code})"
 
     def get_reward(self) -> float | None:
-        """The verifier's reward for the episode (run once, after the episode)."""
+        """The verifier's reward for the episode (run once, after the episode), then the sandbox stops.
+
+        The episode is over once it is scored, so its sandbox (container, image, network) is
+        removed here rather than at the next ``reset``: the last episode of each instance would
+        otherwise leave its sandbox running after training.
+        """
+        if self._scored:
+            return self._reward
         if self._sandbox is None:
             return None
-        if not self._scored:
+        try:
             self._reward = self._loop.run(self._verify())
+        finally:
             self._scored = True
+            self._loop.run(self._stop())
         return self._reward
 
     async def _verify(self) -> float | None:
