@@ -17,7 +17,7 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import torch  # noqa: E402
-from helpers import RankScriptedGenerator  # noqa: E402
+from helpers import RankScriptedGenerator, leave_without_teardown  # noqa: E402
 from test_invariance import SCRIPT  # noqa: E402
 
 from posttrain.models.distributed import end_process_group  # noqa: E402
@@ -48,7 +48,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    # leave without the interpreter's teardown, where gloo's threads can abort the process
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave_without_teardown()

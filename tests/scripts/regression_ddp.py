@@ -14,7 +14,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import torch  # noqa: E402
 from conftest import build_tiny_model, build_tiny_tokenizer  # noqa: E402
-from helpers import make_trainer  # noqa: E402
+from helpers import leave_without_teardown, make_trainer  # noqa: E402
 from regression_cases import _config, _reward, summary  # noqa: E402
 
 from posttrain.models.distributed import end_process_group  # noqa: E402
@@ -36,9 +36,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    # The rank's results are written and its process group destroyed; leave without the
-    # interpreter's teardown, where gloo's worker threads can still abort the process
-    # ("terminate called without an active exception", a rare SIGABRT that fails the launch).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave_without_teardown()

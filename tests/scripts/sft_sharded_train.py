@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import torch  # noqa: E402
 from conftest import build_tiny_model, build_tiny_tokenizer  # noqa: E402
 from datasets import Dataset  # noqa: E402
-from helpers import CPU_TEST_ARGS  # noqa: E402
+from helpers import CPU_TEST_ARGS, leave_without_teardown  # noqa: E402
 from scripts.sharded_train import full_state, is_full  # noqa: E402
 
 from posttrain import SFTConfig, SFTTrainer  # noqa: E402
@@ -220,9 +220,4 @@ def read_ranks(out_dir: Path) -> list[dict]:
 
 if __name__ == "__main__":
     main()
-    # The rank's results are written and its process group destroyed; leave without the
-    # interpreter's teardown, where gloo's worker threads can still abort the process
-    # ("terminate called without an active exception", a rare SIGABRT that fails the launch).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave_without_teardown()

@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import torch  # noqa: E402
 from conftest import build_tiny_model, build_tiny_tokenizer  # noqa: E402
-from helpers import make_config, standard_dataset  # noqa: E402
+from helpers import leave_without_teardown, make_config, standard_dataset  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
 from posttrain import GRPOTrainer  # noqa: E402
@@ -185,9 +185,4 @@ def read_ranks(out_dir: Path) -> list[dict]:
 
 if __name__ == "__main__":
     main()
-    # The rank's results are written and its process group destroyed; leave without the
-    # interpreter's teardown, where gloo's worker threads can still abort the process
-    # ("terminate called without an active exception", a rare SIGABRT that fails the launch).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave_without_teardown()
