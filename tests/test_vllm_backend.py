@@ -27,12 +27,19 @@ from posttrain.generation.base import build_rollout
 
 @pytest.fixture
 def standin(monkeypatch):
-    """The stand-in ``vllm`` package, and a clean record of its engines."""
+    """The stand-in ``vllm`` package, and a clean record of its engines. The variables the
+    colocated engine sets for vLLM's launcher (``RANK``, ``WORLD_SIZE``, ...) are undone after
+    the test, so later tests do not see a distributed environment."""
+    import os
+
     for name, module in vllm_standin.install().items():
         monkeypatch.setitem(__import__("sys").modules, name, module)
     vllm_standin.LLM.instances.clear()
     vllm_standin.WeightTransferTrainerFactory.engines.clear()
-    return vllm_standin
+    saved = dict(os.environ)
+    yield vllm_standin
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 def _trainer(tmp_path, model_dir, trainer_cls=GRPOTrainer, config_cls=GRPOConfig, **overrides):
