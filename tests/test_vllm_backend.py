@@ -203,11 +203,45 @@ def test_tensor_parallel_rows_are_sliced_back() -> None:
 
 
 def test_trainers_that_do_not_generate_through_the_shared_sampler_still_refuse(tmp_path) -> None:
-    from posttrain import A2POConfig, GKDConfig
+    from posttrain import DistillationConfig, GKDConfig
 
-    for config in (A2POConfig, GKDConfig):
+    for config in (DistillationConfig, GKDConfig):
         with pytest.raises(NotImplementedError, match="use_vllm"):
             config(output_dir=str(tmp_path), use_vllm=True)
+
+
+def test_a2po_stage_1_samples_the_reference_and_stage_2_the_policy(
+    standin, tiny_model_dir, tmp_path, monkeypatch
+):
+    from test_a2po import odd_sum
+
+    from posttrain import A2POConfig, A2POTrainer
+
+    args = A2POConfig(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, max_completion_length=8, num_value_samples=2,
+        max_steps=1, use_vllm=True, bf16=False, use_cpu=True, report_to="none", save_strategy="no",
+        disable_tqdm=True, logging_steps=1, learning_rate=1e-2,
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    trainer = A2POTrainer(model=model, reward_funcs=odd_sum, args=args, train_dataset=standard_dataset(),
+                          processing_class=build_tiny_tokenizer())  # fmt: skip
+    with torch.no_grad():  # the policy leaves its reference before training, so the two differ
+        for p in trainer.model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    (engine,) = standin.LLM.instances
+    reference, policy = _digest(trainer.ref_model), _digest(trainer.model)
+    served: list[str] = []
+    generate = engine.generate
+
+    def record(*a, **k):
+        served.append(_digest(engine.engine_model.model))
+        return generate(*a, **k)
+
+    monkeypatch.setattr(engine, "generate", record)
+    trainer.train()
+    assert reference != policy
+    # stage 1's value samples from the reference's weights, then stage 2's one completion per prompt
+    assert len(served) >= 2 and set(served[:-1]) == {reference} and served[-1] == policy
 
 
 def test_online_dpo_generates_its_pairs_with_vllm(standin, tiny_model_dir, tmp_path) -> None:

@@ -15,8 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from posttrain.core.config import Rule, is_int, is_num, optional, positive_int
-from posttrain.sampling.config import ONLINE_RULES, OnlineConfig
+from posttrain.core.config import Rule, UnbuiltOption, is_int, is_num, optional, positive_int
+from posttrain.sampling.config import ONLINE_RULES, VLLM_BUILT_UNBUILT, OnlineConfig
 
 __all__ = ["OFF_FIELDS", "A2POConfig"]
 
@@ -84,7 +84,7 @@ class A2POConfig(OnlineConfig):
     `cache_implementation`, `mask_truncated_completions`, `log_completions`,
     `num_completions_to_print`, `log_unique_prompts`, `use_transformers_continuous_batching`,
     `transformers_continuous_batching_config`, `reward_fault_policy`, `reward_timeout`, and vLLM
-    (not built yet: `use_vllm=True` raises `NotImplementedError`). The other shared online
+    (docs/vllm.md: the engine gets the reference's weights for stage 1). The other shared online
     fields keep their defaults (`OFF_FIELDS`: `num_generations` is 1, `beta` 0.0, ...).
     """
 
@@ -111,5 +111,6 @@ class A2POConfig(OnlineConfig):
     )
 
     _rules: ClassVar[tuple[Rule, ...]] = _RULES
+    _unbuilt: ClassVar[dict[str, UnbuiltOption]] = VLLM_BUILT_UNBUILT
     _off_fields: ClassVar[dict[str, tuple[tuple[Any, ...], str]]] = OFF_FIELDS
     _method: ClassVar[str] = "A*-PO"

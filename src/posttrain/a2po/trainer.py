@@ -236,16 +236,22 @@ class A2POTrainer(OnlineTrainer):
     def _reference_sampling(self) -> Iterator[None]:
         """Sampling from the reference: the frozen copy stands in for the policy while stage 1
         generates (so prompts first met by ``evaluate()`` mid-training are still sampled from the
-        reference); under PEFT, the base with the adapters off."""
-        if peft_utils.is_peft_model(self.model):
-            with peft_utils.adapters_disabled(self.model):
-                yield
-            return
-        policy, self.model = self.model, self.ref_model  # the generator reads self.model at each call
+        reference); under PEFT, the base with the adapters off. A generator that keeps its own
+        copy of the weights (vLLM) is told on the way in and out."""
+        swapped = getattr(self.generator, "weights_changed", None) or (lambda: None)
+        swapped()
         try:
-            yield
+            if peft_utils.is_peft_model(self.model):
+                with peft_utils.adapters_disabled(self.model):
+                    yield
+                return
+            policy, self.model = self.model, self.ref_model  # the generator reads self.model at each call
+            try:
+                yield
+            finally:
+                self.model = policy
         finally:
-            self.model = policy
+            swapped()
 
     def _filter_train_dataset(self) -> None:
         """Drop the training prompts the reference never solved (``filter_all_incorrect``) and say so."""

@@ -143,7 +143,9 @@ class merged_adapters:  # noqa: N801 (a context manager used as a function)
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
-        self.peft = hasattr(model, "merge_adapter") and hasattr(model, "peft_config")
+        # adapters switched off (a PEFT policy's base serving as the reference) stay out of the weights
+        disabled = any(getattr(m, "disable_adapters", False) for m in model.modules() if hasattr(m, "lora_A"))
+        self.peft = hasattr(model, "merge_adapter") and hasattr(model, "peft_config") and not disabled
 
     def __enter__(self) -> torch.nn.Module:
         if self.peft:
