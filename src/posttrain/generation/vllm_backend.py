@@ -23,6 +23,7 @@ what has and has not run on one).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -138,23 +139,19 @@ def weight_items(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         yield name, tensor.detach()
 
 
-class merged_adapters:  # noqa: N801 (a context manager used as a function)
-    """Merge a PEFT model's adapters for the block's length (no-op for a plain model)."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.model = model
-        # adapters switched off (a PEFT policy's base serving as the reference) stay out of the weights
-        disabled = any(getattr(m, "disable_adapters", False) for m in model.modules() if hasattr(m, "lora_A"))
-        self.peft = hasattr(model, "merge_adapter") and hasattr(model, "peft_config") and not disabled
-
-    def __enter__(self) -> torch.nn.Module:
-        if self.peft:
-            self.model.merge_adapter()
-        return self.model
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.peft:
-            self.model.unmerge_adapter()
+@contextlib.contextmanager
+def merged_adapters(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """Merge a PEFT model's adapters for the block's length (no-op for a plain model, and for
+    adapters switched off: a PEFT policy's base serving as the reference)."""
+    disabled = any(getattr(m, "disable_adapters", False) for m in model.modules() if hasattr(m, "lora_A"))
+    peft = hasattr(model, "merge_adapter") and hasattr(model, "peft_config") and not disabled
+    if peft:
+        model.merge_adapter()
+    try:
+        yield model
+    finally:
+        if peft:
+            model.unmerge_adapter()
 
 
 def colocate_engine_kwargs(args: Any, model_path: str, process_index: int, num_rows: int) -> dict[str, Any]:
@@ -258,7 +255,7 @@ class VLLMColocateGenerator:
     def push_weights(self) -> None:
         """Load the trainer's current weights into the engine and forget its cached prefixes."""
         model = self.get_model()
-        gather = self.full_parameters(model) if self.full_parameters is not None else _null()
+        gather = self.full_parameters(model) if self.full_parameters is not None else contextlib.nullcontext()
         with gather, merged_adapters(model) as merged:
             items = list(weight_items(merged))
             self.engine.apply_model(lambda engine_model: engine_model.load_weights(items))
@@ -294,14 +291,6 @@ class VLLMColocateGenerator:
         if self.sleep:
             self.engine.sleep(level=2)
         return samples_from_outputs(list(outputs)[mine], self.pad_token_id, prompt_ids.device)
-
-
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
 
 
 # ---- server mode -------------------------------------------------------------------------------
