@@ -9,7 +9,7 @@ from helpers import make_config, standard_dataset
 
 from posttrain import GRPOConfig, GRPOTrainer
 from posttrain.core.batch import Rollout
-from posttrain.sampling.dynamic_sampling import groups_with_spread, select_groups, take_groups
+from posttrain.sampling.dynamic_sampling import group_means, groups_with_spread, select_groups, take_groups
 
 
 def test_groups_with_spread_uses_the_weighted_sum():
@@ -33,6 +33,31 @@ def test_select_groups_replaces_in_order_and_keeps_positions():
 def test_select_groups_keeps_zero_spread_groups_when_short():
     spread = [torch.tensor([False, False, True]), torch.tensor([True, False])]
     assert select_groups(spread, 3) == [(1, 0), (0, 1), (0, 2)]
+
+
+def test_select_groups_takes_over_sampled_groups_before_later_rounds():
+    # 2 slots, round 0 holds 2 own groups and 2 over-sampled ones
+    spread = [torch.tensor([False, True, False, True]), torch.tensor([True])]
+    assert select_groups(spread, 2) == [(0, 3), (0, 1)]
+
+
+def test_select_groups_hardest_first():
+    spread = [torch.tensor([True, True, False, True]), torch.tensor([True, False])]
+    means = [torch.tensor([0.9, 0.5, 0.0, 0.2]), torch.tensor([0.2, 0.0])]
+    # lowest mean with spread first; the tie at 0.2 goes to the earlier round
+    assert select_groups(spread, 3, means) == [(0, 3), (1, 0), (0, 1)]
+    # not enough groups with spread: the batch's own zero-spread groups keep the rest
+    short = [torch.tensor([False, False, True]), torch.tensor([False])]
+    assert select_groups(short, 3, [torch.tensor([1.0, 0.0, 0.5]), torch.tensor([0.0])]) == [
+        (0, 2),
+        (0, 0),
+        (0, 1),
+    ]
+
+
+def test_group_means_use_the_weighted_sum():
+    rewards = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [0.0, 0.0]])
+    assert group_means(rewards, torch.tensor([2.0, 1.0]), 2).tolist() == [1.5, 1.5]
 
 
 def test_take_groups_repads_rows():
@@ -106,3 +131,57 @@ def test_dynamic_sampling_needs_whole_groups_per_process(tmp_path, monkeypatch):
             output_dir=str(tmp_path), use_cpu=True, bf16=False, per_device_train_batch_size=2,
             num_generations=4, dynamic_sampling=True,
         )  # fmt: skip
+
+
+def test_oversampling_trains_on_the_hardest_groups_in_one_generation_call(tmp_path):
+    tok = build_tiny_tokenizer()
+    args = make_config(
+        tmp_path,
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_steps=2,
+        dynamic_sampling=True,
+        dynamic_sampling_oversample=3,
+        dynamic_sampling_prefer="hardest",
+    )
+    trainer = GRPOTrainer(
+        model=build_tiny_model(tok),
+        reward_funcs=half_flat_reward,
+        args=args,
+        train_dataset=standard_dataset(32),
+        processing_class=tok,
+    )
+    generated, offered = [], []
+    generate = trainer.sampler.generate
+
+    def counting(prompts, *rest):
+        generated.append(len(prompts))
+        return generate(prompts, *rest)
+
+    trainer.sampler.generate = counting
+    refill = trainer.sampler.refill
+
+    def recording(rollout, rewards, group, weights, *rest, **options):
+        out = refill(rollout, rewards, group, weights, *rest, **options)
+        offered.append((group_means(rewards, weights, group), groups_with_spread(rewards, weights, group)))
+        offered[-1] += (group_means(out[1], weights, group),)
+        return out
+
+    trainer.sampler.refill = recording
+    trainer.train()
+    assert generated[:1] == [12]  # the batch's 2 prompts and 4 over-sampled ones, in one call
+    assert any(int(spread.sum()) >= 2 for _, spread, _ in offered)
+    for means, spread, trained in offered:
+        if int(spread.sum()) >= 2:  # the batch holds the 2 lowest means among the groups with spread
+            assert sorted(trained.tolist()) == sorted(means[spread].tolist())[:2]
+    logs = [h for h in trainer.state.log_history if "reward" in h]
+    assert all(h["dynamic_sampling/unfilled_groups"] == 0 for h in logs)
+
+
+def test_oversampling_needs_dynamic_sampling(tmp_path):
+    with pytest.raises(
+        ValueError, match="dynamic_sampling_oversample=4 shapes dynamic sampling, which is off"
+    ):
+        make_config(tmp_path, dynamic_sampling_oversample=4)
+    with pytest.raises(ValueError, match="dynamic_sampling_prefer"):
+        make_config(tmp_path, dynamic_sampling=True, dynamic_sampling_prefer="easiest")

@@ -22,6 +22,8 @@ POSTTRAIN_EXTENSIONS = (
     "max_tool_calling_iterations",
     "dynamic_sampling",
     "dynamic_sampling_max_rounds",
+    "dynamic_sampling_oversample",
+    "dynamic_sampling_prefer",
     "reward_fault_policy",
     "reward_timeout",
 )
@@ -92,8 +94,8 @@ class RLOOConfig(OnlineConfig):
         logging: `log_completions`, `log_multimodal`, `num_completions_to_print`,
         `log_unique_prompts`;
         posttrain extensions (the reference's RLOO lacks them): `max_tool_calling_iterations`,
-        `dynamic_sampling`, `dynamic_sampling_max_rounds`, `reward_fault_policy`,
-        `reward_timeout`.
+        `dynamic_sampling`, `dynamic_sampling_max_rounds`, `dynamic_sampling_oversample`,
+        `dynamic_sampling_prefer`, `reward_fault_policy`, `reward_timeout`.
     """
 
     num_generations: int | None = field(

@@ -51,6 +51,7 @@ ONLINE_CHOICES: dict[str, tuple[str, ...]] = {
     "vllm_mode": ("server", "colocate"),
     "vllm_model_impl": ("transformers", "vllm"),
     "reward_fault_policy": ("raise", "skip"),
+    "dynamic_sampling_prefer": ("first", "hardest"),
 }
 
 #: Parameters that take a dict and may arrive from the command line as a JSON string.
@@ -90,6 +91,7 @@ ONLINE_RULES: tuple[Rule, ...] = (
     Rule("vllm_group_port", lambda v: is_int(v) and 0 < v < 65536, "a TCP port in 1..65535", "set vllm_group_port to a free port (the default is 51216)"),
     Rule("vllm_max_model_length", optional(positive_int), "None or a positive integer", "set vllm_max_model_length to at least the longest prompt plus max_completion_length, or leave it None"),
     Rule("dynamic_sampling_max_rounds", positive_int, "an integer >= 1", "set dynamic_sampling_max_rounds to 1 or more (the default is 3)"),
+    Rule("dynamic_sampling_oversample", positive_int, "an integer >= 1", "set dynamic_sampling_oversample to 1 (no over-sampling, the default) or more, such as 4"),
     Rule("reward_weights", optional(lambda v: isinstance(v, (list, tuple)) and all(is_num(w) for w in v)), "None or a list of numbers, one per reward function", "pass a list of floats such as [1.0, 0.5], or None to weight every reward function 1.0"),
 ) + choice_rules(ONLINE_CHOICES)
 # fmt: on
@@ -354,6 +356,20 @@ class OnlineConfig(BaseConfig):
         default=3,
         metadata={"help": "Most extra generation rounds per generation batch for dynamic_sampling."},
     )
+    dynamic_sampling_oversample: int = field(
+        default=1,
+        metadata={
+            "help": "dynamic_sampling samples this many times the prompts the batch needs in each round, "
+            "in one generation call, and trains on the groups with spread it prefers (1: no over-sampling)."
+        },
+    )
+    dynamic_sampling_prefer: str = field(
+        default="first",
+        metadata={
+            "help": "Which groups with spread dynamic_sampling trains on: 'first' (in sampling order, DAPO's) "
+            "or 'hardest' (lowest mean reward first)."
+        },
+    )
     reward_fault_policy: str = field(
         default="raise",
         metadata={
@@ -398,6 +414,13 @@ class OnlineConfig(BaseConfig):
                 raise ValueError(
                     f"{name}={getattr(self, name)!r} does not apply to {self._method} ({why}); leave it at "
                     f"{allowed[0]!r}."
+                )
+        chooses = {"dynamic_sampling_oversample": 1, "dynamic_sampling_prefer": "first"}
+        for name, default in chooses.items():
+            if getattr(self, name) != default and not self.dynamic_sampling:
+                raise ValueError(
+                    f"{name}={getattr(self, name)!r} shapes dynamic sampling, which is off; set "
+                    f"dynamic_sampling=True, or leave {name} at {default!r}."
                 )
         if self.sync_ref_model and self.beta == 0:
             raise ValueError(

@@ -3,10 +3,11 @@
 A group whose completions all got the same reward has zero advantage everywhere and teaches
 nothing, yet it takes a slot of the batch. DAPO (Yu et al. 2025, Sec. 3.2, "Dynamic
 Sampling") over-samples and keeps only groups with spread until the batch is full. Here the
-generation batch is generated as usual; when some groups have no spread, further rounds of
-prompts are generated (at most ``dynamic_sampling_max_rounds``) and their groups with spread
-take the empty slots. When the rounds run out, the remaining slots keep their zero-spread
-groups, so the batch size never changes.
+generation batch is generated with ``dynamic_sampling_oversample - 1`` times as many further
+prompts (in the same generation call); when fewer groups than the batch holds have spread, further
+rounds of as many prompts are generated (at most ``dynamic_sampling_max_rounds``). The groups with
+spread fill the batch, in sampling order or hardest first (``dynamic_sampling_prefer``); when the
+rounds run out, the remaining slots keep their zero-spread groups, so the batch size never changes.
 
 The selection is pure and works on one process's groups; each process refills its own slots,
 so groups must not straddle processes (the per-process generation batch must be a multiple of
@@ -37,19 +38,40 @@ def groups_with_spread(rewards: torch.Tensor, weights: torch.Tensor, group_size:
     return (total.max(dim=1).values - total.min(dim=1).values) > 0
 
 
-def select_groups(spread: list[torch.Tensor], slots: int) -> list[tuple[int, int]]:
-    """Pick ``slots`` groups: first round's groups with spread, then later rounds', then, if
-    still short, the first round's groups without spread.
+def select_groups(
+    spread: list[torch.Tensor], slots: int, mean_rewards: list[torch.Tensor] | None = None
+) -> list[tuple[int, int]]:
+    """Pick ``slots`` groups for the batch.
+
+    In sampling order (``mean_rewards`` None, DAPO's rule): the batch's own groups with spread keep
+    their positions and each of its zero-spread groups is replaced in turn by the next group with
+    spread, from the first round's over-sampled groups, then from later rounds'. Hardest first
+    (``mean_rewards`` given): the groups with spread of every round, lowest mean reward first (ties
+    in sampling order). Either way, slots that no group with spread fills keep the batch's own
+    zero-spread groups, in order.
 
     Args:
-        spread: per round, [P_r] booleans (round 0 is the original batch).
-        slots: groups the batch holds (``P_0``).
+        spread: per round, [P_r] booleans. Round 0 is the sampled batch: its first ``slots`` groups
+            are the batch's own prompts, any further ones its over-sampled groups.
+        slots: groups the batch holds.
+        mean_rewards: per round, [P_r] mean weighted reward of each group, for hardest first.
 
     Returns:
-        ``(round, group)`` pairs in batch order: the original batch keeps its positions and
-        each of its zero-spread groups is replaced in turn.
+        ``(round, group)`` pairs, ``slots`` of them, in batch order.
     """
-    replacements = [(r, g) for r in range(1, len(spread)) for g in spread[r].nonzero().flatten().tolist()]
+    own_flat = [(0, g) for g in range(slots) if not spread[0][g]]
+    if mean_rewards is not None:
+        ranked = sorted(
+            (float(mean_rewards[r][g]), r, g)
+            for r, ok in enumerate(spread)
+            for g in ok.nonzero().flatten().tolist()
+        )
+        chosen = [(r, g) for _, r, g in ranked[:slots]]
+        return chosen + own_flat[: slots - len(chosen)]
+    extra = [(0, g) for g in range(slots, len(spread[0])) if spread[0][g]]
+    replacements = extra + [
+        (r, g) for r in range(1, len(spread)) for g in spread[r].nonzero().flatten().tolist()
+    ]
     chosen = []
     for g in range(slots):
         if spread[0][g] or not replacements:
@@ -57,6 +79,11 @@ def select_groups(spread: list[torch.Tensor], slots: int) -> list[tuple[int, int
         else:
             chosen.append(replacements.pop(0))
     return chosen
+
+
+def group_means(rewards: torch.Tensor, weights: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Mean weighted reward of each group: [N, F] -> [N / G] (NaN rewards count as ``None`` do)."""
+    return weighted_sum(rewards, weights).view(-1, group_size).mean(dim=1)
 
 
 def take_groups(

@@ -300,32 +300,45 @@ class OnlineSampler:
         weights: torch.Tensor,
         max_rounds: int,
         more: Iterator[list[dict[str, Any]]],
+        slots: int | None = None,
+        oversample: int = 1,
+        prefer: str = "first",
     ) -> tuple[Rollout, torch.Tensor]:
-        """Replace this process's zero-spread groups by groups with spread sampled from ``more``.
+        """Fill this process's batch with groups that have spread, sampling further rounds from ``more``.
 
         Args:
-            rollout, rewards: the batch as sampled, [n] rows and [n, F] rewards.
+            rollout, rewards: the first round as sampled, [n] rows and [n, F] rewards: the batch's
+                own groups, then its over-sampled ones.
             group: completions per prompt.
             weights: [F] reward weights (the spread is that of the weighted sum).
             max_rounds: most extra sampling rounds (``dynamic_sampling_max_rounds``).
             more: endless further batches of rows of this process.
+            slots: groups the batch holds (default: every group of ``rollout``).
+            oversample: per-process batches of ``more`` each extra round samples in one call.
+            prefer: ``"first"`` (sampling order) or ``"hardest"`` (lowest mean reward first).
         """
+        slots = rewards.shape[0] // group if slots is None else slots
         rollouts, scores, texts = [rollout], [rewards], [self.sampled_text]
         spread = [dynamic_sampling.groups_with_spread(rewards, weights, group)]
-        missing = int((~spread[0]).sum())
+        missing = max(0, slots - int(spread[0].sum()))
         rounds = 0
         while rounds < max_rounds and self._on_any_process(missing > 0):
             rounds += 1
-            extra, extra_rewards = self.sample(next(more), "train", group)
+            rows = [row for _ in range(oversample) for row in next(more)]
+            extra, extra_rewards = self.sample(rows, "train", group)
             ok = dynamic_sampling.groups_with_spread(extra_rewards, weights, group)
             rollouts.append(extra)
             texts.append(self.sampled_text)
             scores.append(extra_rewards)
             spread.append(ok)
             missing = max(0, missing - int(ok.sum()))
-        chosen = dynamic_sampling.select_groups(spread, len(spread[0]))
-        self._record_refill(spread, chosen, missing, rounds)
-        if rounds == 0:
+        means = None
+        if prefer == "hardest":
+            means = [dynamic_sampling.group_means(r, weights, group) for r in scores]
+        chosen = dynamic_sampling.select_groups(spread, slots, means)
+        self._record_refill(spread, chosen, slots, missing, rounds)
+        if chosen == [(0, g) for g in range(slots)] and len(spread[0]) == slots:
+            self.sampled_text = texts[0]
             return rollout, rewards
         merged = dynamic_sampling.take_groups(rollouts, chosen, group, self.tokenizer.pad_token_id)
         merged_rewards = torch.cat([scores[r][g * group : (g + 1) * group] for r, g in chosen])
@@ -333,10 +346,12 @@ class OnlineSampler:
         return merged, merged_rewards
 
     def _record_refill(
-        self, spread: list[torch.Tensor], chosen: list[tuple[int, int]], missing: int, rounds: int
+        self, spread: list[torch.Tensor], chosen: list[tuple[int, int]], slots: int, missing: int, rounds: int
     ) -> None:
+        """The ``dynamic_sampling/*`` metrics: the first round's groups without spread, the slots
+        not holding the batch's own group, the slots left without spread, the extra rounds."""
         counts = torch.tensor(
-            [float((~spread[0]).sum()), float(sum(r > 0 for r, _ in chosen)), float(missing)],
+            [float((~spread[0]).sum()), float(sum(r > 0 or g >= slots for r, g in chosen)), float(missing)],
             device=self.device,
         )
         dropped, refilled, unfilled = gather(counts.unsqueeze(0)).sum(dim=0).tolist()

@@ -354,10 +354,14 @@ class OnlineTrainer(BaseTrainer):
         """Sample completions for this process's rows, score them, compute advantages, split."""
         a = self.args
         group = a.num_generations if mode == "train" else a.num_generations_eval
-        rollout, rewards_local = self._sample(batch, mode)
-        if mode == "train" and a.dynamic_sampling:
+        if not (mode == "train" and a.dynamic_sampling):
+            rollout, rewards_local = self._sample(batch, mode)
+        else:
             if getattr(self, "_refill_iter", None) is None:
                 self._refill_iter = self._endless_batches()
+            oversample = a.dynamic_sampling_oversample
+            candidates = [row for _ in range(oversample - 1) for row in next(self._refill_iter)]
+            rollout, rewards_local = self._sample(batch + candidates, mode)  # one generation call
             rollout, rewards_local = self.sampler.refill(
                 rollout,
                 rewards_local,
@@ -365,6 +369,9 @@ class OnlineTrainer(BaseTrainer):
                 self.reward_weights,
                 a.dynamic_sampling_max_rounds,
                 self._refill_iter,
+                slots=len(batch) // group,
+                oversample=oversample,
+                prefer=a.dynamic_sampling_prefer,
             )
         n = rewards_local.shape[0]
         scored = ScoredRollout(rollout=rollout, rewards=rewards_local, advantages=torch.zeros(n))
