@@ -92,23 +92,27 @@ def half_flat_reward(prompts, completion_ids, **kwargs):
     return out
 
 
+def half_flat_trainer(tmp_path, **config):
+    """A tiny model trained with ``half_flat_reward`` on 32 prompts."""
+    tok = build_tiny_tokenizer()
+    return GRPOTrainer(
+        model=build_tiny_model(tok),
+        reward_funcs=half_flat_reward,
+        args=make_config(tmp_path, **config),
+        train_dataset=standard_dataset(32),
+        processing_class=tok,
+    )
+
+
 @pytest.mark.parametrize("enabled", [False, True])
 def test_zero_spread_groups_are_replaced(tmp_path, enabled):
-    tok = build_tiny_tokenizer()
-    args = make_config(
+    trainer = half_flat_trainer(
         tmp_path,
         per_device_train_batch_size=8,
         num_generations=2,
         max_steps=3,
         dynamic_sampling=enabled,
         dynamic_sampling_max_rounds=4,
-    )
-    trainer = GRPOTrainer(
-        model=build_tiny_model(tok),
-        reward_funcs=half_flat_reward,
-        args=args,
-        train_dataset=standard_dataset(32),
-        processing_class=tok,
     )
     trainer.train()
     logs = [h for h in trainer.state.log_history if "reward" in h]
@@ -134,8 +138,7 @@ def test_dynamic_sampling_needs_whole_groups_per_process(tmp_path, monkeypatch):
 
 
 def test_oversampling_trains_on_the_hardest_groups_in_one_generation_call(tmp_path):
-    tok = build_tiny_tokenizer()
-    args = make_config(
+    trainer = half_flat_trainer(
         tmp_path,
         per_device_train_batch_size=4,
         num_generations=2,
@@ -143,13 +146,6 @@ def test_oversampling_trains_on_the_hardest_groups_in_one_generation_call(tmp_pa
         dynamic_sampling=True,
         dynamic_sampling_oversample=3,
         dynamic_sampling_prefer="hardest",
-    )
-    trainer = GRPOTrainer(
-        model=build_tiny_model(tok),
-        reward_funcs=half_flat_reward,
-        args=args,
-        train_dataset=standard_dataset(32),
-        processing_class=tok,
     )
     generated, offered = [], []
     generate = trainer.sampler.generate
