@@ -50,27 +50,82 @@ def _trainer(tmp_path, model, **kwargs) -> GRPOTrainer:
     )
 
 
+@pytest.fixture(scope="module")
+def blockwise_model_dir(tmp_path_factory):
+    """A tiny Llama whose linear layers' input sizes are multiples of NF4's block of 64, the shapes
+    of real models: on an AVX512-BF16 CPU bitsandbytes would repack these for its fused kernel
+    (the hidden size 32 of the shared tiny model it cannot repack, so that one would not show it)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = build_tiny_tokenizer()
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, eos_token_id=tok.eos_token_id, tie_word_embeddings=False,
+    )  # fmt: skip
+    path = tmp_path_factory.mktemp("tiny-llama-64")
+    LlamaForCausalLM(config).save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
 @needs_bitsandbytes
-def test_qlora_trains_only_the_adapter_on_a_4bit_base(tmp_path, tiny_model_dir):
+def test_qlora_trains_only_the_adapter_on_a_4bit_base(tmp_path, blockwise_model_dir):
+    """Every adapter trains, layer 0's included, after generations and reference passes in eval mode.
+
+    On an AVX512-BF16 CPU bitsandbytes repacks a 4-bit weight at its first eval-mode call into a
+    kernel with no backward; left on, layer 0's adapters got no gradient (posttrain turns it off).
+    """
     import bitsandbytes as bnb
 
     trainer = _trainer(
-        tmp_path, tiny_model_dir, peft_config=_lora(), quantization_config=_nf4(), beta=0.1, max_steps=2
-    )
+        tmp_path, blockwise_model_dir, peft_config=_lora(), quantization_config=_nf4(), beta=0.1, max_steps=2,
+        learning_rate=1e-2,
+    )  # fmt: skip
     quantized = [m for m in trainer.model.modules() if isinstance(m, bnb.nn.Linear4bit)]
     assert len(quantized) == 14  # every linear layer of the 2 decoder layers, the LM head excepted
     before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
     trainer.train()
     after = dict(trainer.model.named_parameters())
     changed = {name for name in before if not torch.equal(before[name], after[name].detach())}
-    assert changed and all("lora_" in name for name in changed)
+    assert changed == {name for name in before if "lora_" in name}  # every adapter, and nothing else
     assert {name for name, p in after.items() if p.requires_grad} == {n for n in after if "lora_" in n}
     still = [m for m in trainer.model.modules() if isinstance(m, bnb.nn.Linear4bit)]
     assert len(still) == 14
     assert all(isinstance(m.weight, bnb.nn.Params4bit) and m.weight.dtype == torch.uint8 for m in still)
+    assert not any(getattr(m.weight.quant_state, "packing_format_for_cpu", False) for m in still)
     assert trainer.ref_model is None  # the reference is the 4-bit base, adapters disabled
     logs = [h for h in trainer.state.log_history if "kl" in h]
     assert logs[0]["kl"] == 0.0 and logs[1]["kl"] > 0.0
+
+
+@needs_bitsandbytes
+def test_a_4bit_layer_run_in_eval_mode_still_passes_the_gradient_back(blockwise_model_dir):
+    """The model a user loads quantized, generates with, then trains: every adapter gets a gradient."""
+    import bitsandbytes as bnb
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from posttrain.models.peft import keep_4bit_layers_differentiable
+
+    model = AutoModelForCausalLM.from_pretrained(blockwise_model_dir, quantization_config=_nf4())
+    model = get_peft_model(model, _lora())
+    x = torch.randint(0, 300, (2, 10))
+    model.eval()
+    with torch.no_grad():
+        model(x)  # a generation: where bitsandbytes repacks, it has now
+    assert keep_4bit_layers_differentiable(model) == 14
+    model.train()
+    for p in model.parameters():
+        if p.requires_grad:
+            torch.nn.init.normal_(p, std=0.1)  # lora_B starts at 0, which would stop lora_A's gradient
+    model(x).logits.pow(2).mean().backward()
+    adapters = {n: p for n, p in model.named_parameters() if "lora_" in n}
+    assert len(adapters) == 8 and all(
+        p.grad is not None and p.grad.abs().sum() > 0 for p in adapters.values()
+    )
+    layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert not any(getattr(m.weight.quant_state, "packing_format_for_cpu", False) for m in layers)
 
 
 def test_quantization_config_needs_an_adapter(tmp_path, tiny_model_dir):

@@ -7,9 +7,28 @@ torch or transformers in until one of them is used.
 from __future__ import annotations
 
 import importlib
+import logging
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+
+class _HubKernelNotice(logging.Filter):
+    """Drops bitsandbytes' import-time notice that its optional hub kernel is missing.
+
+    On a CPU with AVX512-BF16, bitsandbytes logs "Failed to load CPU gemm_4bit_forward from
+    kernels-community ..." when it is imported, and transformers imports it (through peft)
+    whenever both are installed, so the line reached every posttrain command's output, error
+    paragraphs included. The kernel would be downloaded from the hub, and it serves only the
+    repacked 4-bit layout that posttrain switches off for training
+    (``posttrain.models.peft.keep_4bit_layers_differentiable``): nothing to act on.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Failed to load CPU gemm_4bit_forward")
+
+
+logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_HubKernelNotice())
 
 _LAZY = {
     "A2POConfig": "posttrain.a2po.config",

@@ -128,7 +128,8 @@ def wrap_policy(policy: Any, peft_config: Any, gradient_checkpointing: bool) -> 
     """The policy ready for adapter training.
 
     A quantized model is first prepared for k-bit training (``peft.prepare_model_for_kbit_training``:
-    base weights frozen, the remaining half-precision ones such as norms cast to float32).
+    base weights frozen, the remaining half-precision ones such as norms cast to float32), and its
+    4-bit layers kept differentiable on every CPU (:func:`keep_4bit_layers_differentiable`).
 
     Args:
         policy: a causal LM (possibly loaded quantized), or already a ``PeftModel``.
@@ -143,6 +144,7 @@ def wrap_policy(policy: Any, peft_config: Any, gradient_checkpointing: bool) -> 
     Raises:
         ValueError: a ``PeftModel`` with no trainable parameter (loaded without ``is_trainable=True``).
     """
+    keep_4bit_layers_differentiable(policy)
     if peft_config is not None:
         if is_quantized(policy):
             policy = _import_peft().prepare_model_for_kbit_training(policy, use_gradient_checkpointing=False)
@@ -157,6 +159,39 @@ def wrap_policy(policy: Any, peft_config: Any, gradient_checkpointing: bool) -> 
     if gradient_checkpointing:
         policy.enable_input_require_grads()
     return policy
+
+
+def keep_4bit_layers_differentiable(model: torch.nn.Module) -> int:
+    """Keep every bitsandbytes 4-bit layer on its dequantize-and-matmul path, which has a backward.
+
+    On a CPU with AVX512-BF16, bitsandbytes (0.49 to at least 0.50.2) repacks a ``Linear4bit``'s
+    weight into a fused-kernel layout the first time the layer runs in eval mode without a
+    gradient (a generation, the adapters-disabled reference) and keeps that layout for every
+    later call, training's included. That kernel has no backward: the gradient stops at the first
+    4-bit layer it meets, so the adapters below it never train (layer 0's ``lora_A`` got no
+    gradient at all in ``tests/test_qlora.py``), and it computes in bfloat16 whatever
+    ``bnb_4bit_compute_dtype`` says. It also fails outright on a layer whose input size is not a
+    multiple of the quantization block (``shape '[32, 0]' is invalid``). So posttrain turns the
+    repacking off (bitsandbytes' own per-layer switch) and undoes it where it already happened.
+
+    Returns:
+        How many 4-bit layers were switched (0 without bitsandbytes or on a model without them).
+    """
+    switched = 0
+    for module in model.modules():
+        if not hasattr(module, "support_avx512bf16_for_cpu"):
+            continue
+        module.support_avx512bf16_for_cpu = False
+        weight = module.weight
+        if getattr(getattr(weight, "quant_state", None), "packing_format_for_cpu", False):
+            from bitsandbytes.functional import _convert_weight_packed_for_cpu_inverse
+
+            weight.data, weight.quant_state = _convert_weight_packed_for_cpu_inverse(
+                weight.data, weight.quant_state
+            )
+            module.quant_state = weight.quant_state
+        switched += 1
+    return switched
 
 
 @contextlib.contextmanager
