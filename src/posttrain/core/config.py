@@ -23,6 +23,8 @@ from typing import Any, ClassVar
 from transformers import TrainingArguments
 from transformers.utils import is_torch_bf16_gpu_available, is_torch_xla_available
 
+from posttrain.models.compat import HAS_ACTIVATION_CHECKPOINTING, checkpointing_enabled
+
 __all__ = [
     "BaseConfig",
     "Rule",
@@ -272,7 +274,7 @@ class BaseConfig(TrainingArguments):
         # Read the values as TrainingArguments will resolve them: the transformers 5 names win.
         name = "gradient_checkpointing_kwargs"
         kwargs = self.gradient_checkpointing_kwargs
-        if self.activation_checkpointing_kwargs is not None:
+        if getattr(self, "activation_checkpointing_kwargs", None) is not None:
             name, kwargs = "activation_checkpointing_kwargs", self.activation_checkpointing_kwargs
         if isinstance(kwargs, str) and kwargs.lstrip().startswith("{"):
             kwargs = parse_json_dict(name, kwargs)
@@ -286,10 +288,7 @@ class BaseConfig(TrainingArguments):
             )
         if not selective:
             return
-        enabled = self.activation_checkpointing
-        if enabled is None:
-            enabled = self.gradient_checkpointing
-        if not enabled:
+        if not checkpointing_enabled(self):
             raise ValueError(
                 f"{name}={{'selective': True}} (selective activation checkpointing) needs gradient_checkpointing=True, "
                 "but checkpointing is off (gradient_checkpointing=False, or activation_checkpointing=False). "
@@ -329,10 +328,11 @@ class BaseConfig(TrainingArguments):
                     UserWarning,
                     stacklevel=4,
                 )
-        # transformers 5 treats `gradient_checkpointing` as a deprecated alias of
+        # transformers 5.20+ treats `gradient_checkpointing` as a deprecated alias of
         # `activation_checkpointing` and warns whenever it is set; the reference sets it by
         # default, so hand the value over to the new name unless the user chose that one.
-        if self.activation_checkpointing is None:
+        # Older releases know only `gradient_checkpointing`.
+        if HAS_ACTIVATION_CHECKPOINTING and self.activation_checkpointing is None:
             self.activation_checkpointing = self.gradient_checkpointing
 
 

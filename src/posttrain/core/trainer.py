@@ -39,6 +39,7 @@ from posttrain.core import checkpoints
 from posttrain.models import distributed, loading
 from posttrain.models import peft as peft_utils
 from posttrain.models import reference as model_options
+from posttrain.models.compat import checkpointing_enabled, checkpointing_kwargs
 from posttrain.models.reference import mix_into_reference, should_sync_reference
 from posttrain.observe.metrics import MetricStore
 from posttrain.ops import checkpointing, memory, sac
@@ -130,7 +131,7 @@ class BaseTrainer(Trainer):
             )
         loading.check_model_kind(policy, cls._model_kind)
         if peft_config is not None or peft_utils.is_peft_model(policy):
-            policy = peft_utils.wrap_policy(policy, peft_config, bool(args.activation_checkpointing))
+            policy = peft_utils.wrap_policy(policy, peft_config, checkpointing_enabled(args))
         if getattr(args, "disable_dropout", False):
             loading.disable_dropout(policy)
         if getattr(args, "cast_lm_head_to_fp32", False):
@@ -458,8 +459,8 @@ class BaseTrainer(Trainer):
         Runs when training begins: ``Trainer.train`` has enabled checkpointing with the config's
         kwargs by then, and no training forward has run yet.
         """
-        if self.args.activation_checkpointing:
-            sac.use_selective_checkpointing(self.model, self.args.activation_checkpointing_kwargs)
+        if checkpointing_enabled(self.args):
+            sac.use_selective_checkpointing(self.model, checkpointing_kwargs(self.args))
 
     def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
         """Save as transformers does, then the family's state, then posttrain's state last, as the

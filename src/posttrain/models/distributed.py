@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from posttrain.models import reference as model_reference
+from posttrain.models.compat import checkpointing_enabled
 
 
 def fsdp2_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -193,7 +194,7 @@ def use_fsdp_on_cpu(trainer: Any) -> bool:
             "FSDP on CPU processes runs with FSDP2 only; set fsdp_config={'version': 2} (the default) or "
             "fsdp_version: 2 in the accelerate config, or run FSDP1 on GPUs."
         )
-    if plugin.activation_checkpointing and trainer.args.activation_checkpointing:
+    if plugin.activation_checkpointing and checkpointing_enabled(trainer.args):
         raise ValueError(
             "fsdp_config['activation_checkpointing'] and activation_checkpointing=True cannot both be set; "
             "keep one of them."
