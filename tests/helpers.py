@@ -172,6 +172,12 @@ class RankScriptedGenerator:
         return Samples.from_lists(rows, 0, prompt_ids.device)
 
 
+#: Logged fractions that count the sign of another logged value: at a tie (the policy still
+#: equal to its reference, a margin of 0) the two runs' last bits decide them, as in
+#: (policy - reference) = +1e-6 on two processes and 0.0 on one (seen on an AVX-512 host).
+SIGN_OF = {"rewards/accuracies": "rewards/margins"}
+
+
 def two_processes_against_one(
     module: str,
     build: Any,
@@ -220,6 +226,8 @@ def two_processes_against_one(
             torch.testing.assert_close(a, b.detach(), rtol=1e-4, atol=1e-6)
         for got, want in zip(rank["logs"], logs, strict=True):
             for key in keys:
+                if key in SIGN_OF and abs(want[SIGN_OF[key]]) <= 1e-5:
+                    continue  # a tie: float noise of the kernels (batch shapes differ) picks the sign
                 assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), key
     return logs
 

@@ -7,7 +7,10 @@ trainer"), so that the move, and any later refactor, can be checked to change no
 
 ``tests/test_regression_fixture.py`` reruns every case and compares. On the host that recorded
 the fixture the parameters must match bit for bit (their SHA-256); on another host (other
-matrix kernels) they must match to a relative 1e-5, and so must every metric.
+matrix kernels) within the tolerance that test derives from the measured spread, which this
+command measures again on the host it runs on (every case under each of ``KERNEL_SETS``):
+
+    python tests/regression_cases.py --spread
 
 Cases: ``default`` (sampling from the tiny model, the default loss), ``grpo_kl`` (loss_type
 "grpo", a KL reference, two iterations per generation, so old log-probs are computed),
@@ -22,6 +25,7 @@ import json
 import os
 import platform
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -172,6 +176,74 @@ CASES = {
     "two_processes": case_two_processes,
 }
 
+#: Kernel sets one host can run, standing in for other hosts' float kernels (``--spread``).
+KERNEL_SETS: dict[str, dict[str, str]] = {
+    "native": {},
+    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
+    "avx512_without_amx": {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE", "MKL_ENABLE_INSTRUCTIONS": "AVX512"},
+    "mkl_cbwr_compatible": {"MKL_CBWR": "COMPATIBLE"},
+    "sse4_2": {"MKL_ENABLE_INSTRUCTIONS": "SSE4_2", "ONEDNN_MAX_CPU_ISA": "SSE41"},
+    "unvectorised": {"ATEN_CPU_CAPABILITY": "default"},
+}
+
+
+def kind(where: str) -> str:
+    """The kind of a recorded value at ``where`` (``case.logs[0].loss``, ``case.params.probes[3][1]``):
+    ``first`` (a metric of the first step), ``later`` (of a later step), ``probe`` or ``sum``."""
+    import re
+
+    if ".params.probes" in where:
+        return "probe"
+    if ".params." in where:
+        return "sum"
+    step = re.search(r"\.logs\[(\d+)\]", where)
+    return "first" if step is not None and step.group(1) == "0" else "later"
+
+
+def _floats(value: Any, where: str) -> Iterator[tuple[str, float]]:
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from _floats(v, f"{where}.{k}")
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            yield from _floats(v, f"{where}[{i}]")
+    elif isinstance(value, float) and value == value:
+        yield where, value
+
+
+def measure_spread() -> None:
+    """Rerun every case under each kernel set (a subprocess each) and print, by kind of value, the
+    largest difference from the recording: relative for metrics and sums, absolute for probes."""
+    import subprocess
+    import tempfile
+
+    recorded = json.loads(FIXTURE.read_text())["cases"]
+    worst: dict[str, tuple[float, str]] = {}
+    for label, env in KERNEL_SETS.items():
+        for name in CASES:
+            with tempfile.TemporaryDirectory() as out:
+                code = (
+                    "import json, sys, torch; sys.path.insert(0, sys.argv[1]); torch.set_num_threads(1); "
+                    "from regression_cases import CASES; print(json.dumps(CASES[sys.argv[2]](sys.argv[3])))"
+                )
+                proc = subprocess.run(
+                    [sys.executable, "-c", code, str(HERE), name, out],
+                    env={**os.environ, **env, "HF_HUB_OFFLINE": "1"},
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                )
+            actual = dict(_floats(json.loads(proc.stdout.strip().splitlines()[-1]), name))
+            for where, expected in _floats(recorded[name], name):
+                gap = abs(actual[where] - expected)
+                size = gap if kind(where) == "probe" else gap / max(abs(expected), 1e-7)
+                if size > worst.get(kind(where), (0.0, ""))[0]:
+                    worst[kind(where)] = (size, f"{where} under {label}")
+            print(f"ran {name} under {label}", flush=True)
+    print(f"host: {host()}")
+    for k, (size, where) in sorted(worst.items()):
+        print(f"{k:6s} {size:.2e}  ({where})")
+
 
 def record() -> None:
     """Run every case and write the fixture."""
@@ -193,6 +265,9 @@ def record() -> None:
 if __name__ == "__main__":
     sys.path.insert(0, str(HERE))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    if sys.argv[1:] != ["--record"]:
-        sys.exit("usage: python tests/regression_cases.py --record")
-    record()
+    if sys.argv[1:] == ["--record"]:
+        record()
+    elif sys.argv[1:] == ["--spread"]:
+        measure_spread()
+    else:
+        sys.exit("usage: python tests/regression_cases.py --record | --spread")
