@@ -14,6 +14,7 @@ import torch
 from conftest import build_tiny_model, build_tiny_tokenizer
 
 from posttrain.models import reference as model_options
+from posttrain.models.compat import enable_model_checkpointing
 from posttrain.ops import chunked
 from posttrain.ops.logprobs import completion_logps
 
@@ -187,7 +188,7 @@ def test_bad_chunk_size_is_refused():
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_gradient_checkpointing(tok, reentrant):
     plain, ckpt = tiny(tok), tiny(tok)
-    ckpt.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
+    enable_model_checkpointing(ckpt, {"use_reentrant": reentrant})
     ckpt.enable_input_require_grads()
     ckpt.train()
     inputs = batch(len(tok))
@@ -389,7 +390,7 @@ def test_lora_on_attention_goes_through_the_chunked_path(tok, checkpointing, mon
         if "lora_B" in name:
             param.data = torch.randn(param.shape, generator=nn_init) * 0.1
     if checkpointing:
-        base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True})
+        enable_model_checkpointing(base, {"use_reentrant": True})
         model.enable_input_require_grads()
         model.train()
     assert chunked.supports_chunked(model)

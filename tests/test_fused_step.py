@@ -27,6 +27,7 @@ from posttrain.generation.transformers_backend import (
     prefill_shared_prefix,
     sampling_config,
 )
+from posttrain.models.compat import cache_argument
 
 pytestmark = pytest.mark.skipif(not onednn_linear_available(), reason="needs oneDNN's linear product")
 
@@ -108,7 +109,13 @@ def compare_steps(model, tok, make_step, tolerance=1e-5, autocast=None, steps=5,
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         for cache in (mine, theirs):
             with context:
-                model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
+                model(
+                    input_ids=ids,
+                    attention_mask=mask,
+                    position_ids=positions,
+                    **{cache_argument(model): cache},
+                    use_cache=True,
+                )
         for layer in mine.layers:  # what an allocator may leave in the unwritten positions
             layer._key_buffer[:, :, width:] = float("nan")
             layer._value_buffer[:, :, width:] = float("inf")
@@ -123,7 +130,7 @@ def compare_steps(model, tok, make_step, tolerance=1e-5, autocast=None, steps=5,
                     input_ids=tokens[:, None],
                     attention_mask=key_mask,
                     position_ids=pos[:, None],
-                    cache=theirs,
+                    **{cache_argument(model): theirs},
                     use_cache=True,
                 ).logits[:, -1]
             got = fused.step(tokens, pos, key_mask, mine.layers)
@@ -175,7 +182,7 @@ def test_fixed_shape_step_needs_the_cache_filled_up_to_the_new_position(tok):
     rows, width = ids.shape
     with torch.no_grad():
         cache = preallocated_cache(model, width + 3)
-        model(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True)
+        model(input_ids=ids, attention_mask=mask, **{cache_argument(model): cache}, use_cache=True)
         step = STEPS["fixed-shape"](model, rows)
         key_mask = torch.cat([mask, mask.new_ones(rows, 2)], dim=1)  # skips a position
         with pytest.raises(ValueError, match="the cache holds"):

@@ -21,6 +21,7 @@ from posttrain.generation.transformers_backend import (
     sampling_config,
     shared_prefix_blocker,
 )
+from posttrain.models.compat import returned_cache
 
 PAD = 0
 A = [11, 12, 13, 14, 15, 16]  # the batch's longest prompt
@@ -139,7 +140,7 @@ def test_shared_prefix_cache_matches_plain_prefill(tok, model):
             ids[:, :-1], attention_mask=mask[:, :-1], position_ids=positions[:, :-1], use_cache=True
         )
     real = mask[:, :-1].bool()  # padded positions are never attended to
-    for mine, ref in zip(cache.layers, plain.cache.layers, strict=True):
+    for mine, ref in zip(cache.layers, returned_cache(plain).layers, strict=True):
         assert mine.keys.shape == ref.keys.shape  # [N, heads, P-1, dim]
         keys, ref_keys = mine.keys.transpose(1, 2)[real], ref.keys.transpose(1, 2)[real]
         torch.testing.assert_close(keys, ref_keys, rtol=1e-5, atol=1e-6)

@@ -27,6 +27,7 @@ from posttrain.generation.reduced_precision import (
     resolve_precision,
 )
 from posttrain.generation.transformers_backend import TransformersGenerator, sampling_config
+from posttrain.models.compat import cache_argument
 
 BACKENDS = [b for b in reduced_precision.REDUCED_BACKENDS if reduced_precision.backend_blocker(b) is None]
 TOLERANCE = {"fp16": 3e-3, "bf16": 3e-2, "int8": 0.2}
@@ -108,7 +109,9 @@ def test_sampler_logps_are_the_reduced_models_log_softmax_of_its_tokens(tok, bac
     cache = preallocated_cache(model, width + completion.shape[1])
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache).logits[:, -1]
+        logits = model(
+            input_ids=ids, attention_mask=mask, position_ids=positions, **{cache_argument(model): cache}
+        ).logits[:, -1]
         expected = []
         full = torch.cat([mask, mask.new_ones(rows, completion.shape[1])], dim=1)
         for step in range(completion.shape[1]):

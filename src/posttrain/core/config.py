@@ -170,6 +170,20 @@ class BaseConfig(TrainingArguments):
     #: Parameters that take a dict and may arrive as a JSON object string.
     _json_dict_fields: ClassVar[tuple[str, ...]] = ("model_init_kwargs",)
 
+    if not HAS_ACTIVATION_CHECKPOINTING:  # transformers < 5.20 knows only gradient_checkpointing*
+        activation_checkpointing: bool | None = field(
+            default=None,
+            metadata={
+                "help": "Recompute activations in the backward pass; None follows gradient_checkpointing "
+                "(transformers 5's name, routed to gradient_checkpointing on older releases)."
+            },
+        )
+        activation_checkpointing_kwargs: dict[str, Any] | str | None = field(
+            default=None,
+            metadata={
+                "help": "Keyword arguments of activation checkpointing (None: gradient_checkpointing_kwargs)."
+            },
+        )
     gradient_checkpointing: bool = field(
         default=True,
         metadata={"help": "Recompute activations in the backward pass to save memory (slower steps)."},
@@ -221,6 +235,8 @@ class BaseConfig(TrainingArguments):
         self._reject_unbuilt_options()
         self._resolve_changed_defaults()
         super().__post_init__()
+        if not HAS_ACTIVATION_CHECKPOINTING:  # as transformers 5.20+ does: both names hold the value
+            self.activation_checkpointing_kwargs = self.gradient_checkpointing_kwargs
         self._derive()
 
     def _apply_warmup_ratio(self) -> None:
@@ -331,9 +347,18 @@ class BaseConfig(TrainingArguments):
         # transformers 5.20+ treats `gradient_checkpointing` as a deprecated alias of
         # `activation_checkpointing` and warns whenever it is set; the reference sets it by
         # default, so hand the value over to the new name unless the user chose that one.
-        # Older releases know only `gradient_checkpointing`.
-        if HAS_ACTIVATION_CHECKPOINTING and self.activation_checkpointing is None:
+        # Older releases act on `gradient_checkpointing*` only: the new names, which this config
+        # declares for them, are handed over the other way, so both spellings work on both.
+        if HAS_ACTIVATION_CHECKPOINTING:
+            if self.activation_checkpointing is None:
+                self.activation_checkpointing = self.gradient_checkpointing
+            return
+        if self.activation_checkpointing is None:
             self.activation_checkpointing = self.gradient_checkpointing
+        else:
+            self.gradient_checkpointing = self.activation_checkpointing
+        if self.activation_checkpointing_kwargs is not None and self.gradient_checkpointing_kwargs is None:
+            self.gradient_checkpointing_kwargs = self.activation_checkpointing_kwargs
 
 
 # fmt: off

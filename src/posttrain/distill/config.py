@@ -17,7 +17,13 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from posttrain.core.config import Rule, UnbuiltOption, choice_rules, is_int, is_num, optional, positive_int
-from posttrain.sampling.config import JSON_DICT_FIELDS, ONLINE_RULES, ONLINE_UNBUILT, OnlineConfig
+from posttrain.sampling.config import (
+    JSON_DICT_FIELDS,
+    ONLINE_RULES,
+    ONLINE_UNBUILT,
+    VLLM_BUILT_UNBUILT,
+    OnlineConfig,
+)
 
 __all__ = [
     "OFF_FIELDS",
@@ -83,7 +89,8 @@ class DistillationConfig(OnlineConfig):
     `cache_implementation`, `max_tool_calling_iterations`, `mask_truncated_completions`,
     `log_completions`, `num_completions_to_print`, `log_unique_prompts`,
     `use_transformers_continuous_batching`, `transformers_continuous_batching_config`, and vLLM
-    (not built yet: `use_vllm=True` raises `NotImplementedError`). The fields of rewards,
+    (`use_vllm` and the `vllm_*` fields: the student samples with the engine, and GKD's
+    `seq_kd` teacher with a second engine holding the teacher's weights). The fields of rewards,
     importance ratios and KL references keep their defaults (`OFF_FIELDS`).
     """
 
@@ -107,6 +114,7 @@ class DistillationConfig(OnlineConfig):
     )
 
     _rules: ClassVar[tuple[Rule, ...]] = _RULES
+    _unbuilt: ClassVar[dict[str, UnbuiltOption]] = VLLM_BUILT_UNBUILT
     _json_dict_fields: ClassVar[tuple[str, ...]] = (*JSON_DICT_FIELDS, "teacher_model_init_kwargs")
     _off_fields: ClassVar[dict[str, tuple[tuple[Any, ...], str]]] = OFF_FIELDS
     _method: ClassVar[str] = "distillation"

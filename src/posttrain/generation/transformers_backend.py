@@ -32,6 +32,7 @@ from transformers import DynamicCache, GenerationConfig
 from transformers.cache_utils import DynamicLayer
 
 from posttrain.generation.base import Samples
+from posttrain.models.compat import cache_argument
 
 if TYPE_CHECKING:
     from posttrain.generation.cuda_graph import GraphedDecodeStep
@@ -113,15 +114,6 @@ def core_model(model: torch.nn.Module) -> torch.nn.Module:
     """The transformers model under a PEFT wrapper (the model itself otherwise)."""
     get_base = getattr(model, "get_base_model", None)
     return get_base() if callable(get_base) else model
-
-
-def cache_argument(model: torch.nn.Module) -> str | None:
-    """The name under which the model's forward takes its KV cache, or None if it takes none.
-
-    transformers 5 renamed ``past_key_values`` to ``cache``; both spellings are accepted.
-    """
-    params = inspect.signature(core_model(model).forward).parameters
-    return next((name for name in ("cache", "past_key_values") if name in params), None)
 
 
 def _forward_accepts(model: torch.nn.Module, name: str) -> bool:

@@ -112,6 +112,11 @@ class GRPOConfig(OnlineConfig):
         gradient_checkpointing (`bool`, defaults to `True` instead of off): Recompute activations
             in the backward pass to save memory. Passed on to `activation_checkpointing`, its
             transformers 5 name, unless that one is set.
+        activation_checkpointing (`bool | None`, defaults to `None`) and
+            activation_checkpointing_kwargs (`dict | str | None`, defaults to `None`): transformers
+            5's names for the two above (`None` follows them). With transformers before 5.20,
+            which lacks them, the config declares them itself and hands them to
+            `gradient_checkpointing*`, so both spellings work on every supported release.
         bf16 (`bool | None`, defaults to `None` instead of `False`): bfloat16 mixed precision.
             `None` resolves to `True` unless `fp16=True`; on a machine that cannot run bfloat16
             (no bf16 GPU or XLA device) without `use_cpu=True` it resolves to `False` instead.

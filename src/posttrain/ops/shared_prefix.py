@@ -30,7 +30,6 @@ times), not wrapped by DDP, FSDP or DeepSpeed, and without prompt-learning PEFT 
 from __future__ import annotations
 
 import contextlib
-import inspect
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +38,7 @@ import torch
 from torch import nn
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
+from posttrain.models.compat import cache_argument
 from posttrain.ops import chunked
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral"})
@@ -172,12 +172,6 @@ def _cache_through_checkpointing(lm: nn.Module) -> Iterator[None]:
             del layer._can_checkpoint_with_cache  # back to the class's value
 
 
-def _cache_argument(lm: nn.Module) -> str:
-    """The name the model's ``forward`` takes its cache by (``cache`` from transformers 5.x)."""
-    params = inspect.signature(lm.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
-
-
 def hidden_states(
     model: nn.Module,
     groups: PromptGroups,
@@ -197,7 +191,7 @@ def hidden_states(
         completion tokens (the prompt's last position, then the completion's positions 0..T-2).
     """
     lm = chunked.causal_lm(model)
-    name = _cache_argument(lm)
+    name = cache_argument(lm) or "past_key_values"
     recorder = _recording_cache()
     prompt_positions = (groups.mask.long().cumsum(dim=1) - 1).clamp(min=0)
     mask = torch.cat([groups.mask[groups.inverse], completion_mask], dim=1)  # [N, P' + T]

@@ -36,12 +36,12 @@ __all__ = [
 ]
 
 #: Options accepted by every online config but not built yet (one row per option). vLLM
-#: generation is built for the trainers whose completions come from the shared sampler's generator
-#: (GRPO, RLOO, online DPO, A*-PO, and asynchronous GRPO's server mode: their configs use
-#: ``VLLM_BUILT_UNBUILT``); the distillation trainers, whose teachers may generate too, still refuse it.
+#: generation is built for GRPO, RLOO, online DPO, A*-PO, asynchronous GRPO's server mode and the
+#: distillation and GKD trainers (their configs use ``VLLM_BUILT_UNBUILT``); IW-OPD (whose
+#: ``vllm_sync_frequency`` is not built), self-distillation and GOLD still refuse it.
 # fmt: off
 ONLINE_UNBUILT: dict[str, UnbuiltOption] = {
-    "use_vllm": UnbuiltOption(False, "vLLM generation for this trainer", "Use use_vllm=False (completions are then generated with transformers); GRPOTrainer, RLOOTrainer, OnlineDPOTrainer, A2POTrainer and AsyncGRPOTrainer generate with vLLM.", True),
+    "use_vllm": UnbuiltOption(False, "vLLM generation for this trainer", "Use use_vllm=False (completions are then generated with transformers); GRPOTrainer, RLOOTrainer, OnlineDPOTrainer, A2POTrainer, AsyncGRPOTrainer, DistillationTrainer and GKDTrainer generate with vLLM.", True),
 }
 # fmt: on
 #: ``ONLINE_UNBUILT`` without ``use_vllm``: for the trainers that generate with vLLM.
