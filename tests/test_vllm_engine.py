@@ -156,6 +156,12 @@ def test_grpo_colocate_trains_on_the_trainers_current_weights(tmp_path, model_di
             <= h["sampling/importance_sampling_ratio/max"]
             < 1.01
         )
+    # the end of a `posttrain` run: the engine shuts down before the process group goes (left to
+    # Python's exit, its shutdown met a destroyed group and printed a traceback)
+    from posttrain.models.distributed import end_process_group
+
+    end_process_group(before_destroy=trainer.close_generators)
+    assert trainer.generator.engine is None and not torch.distributed.is_initialized()
 
 
 def test_a_stale_engine_fails_the_agreement_check(tmp_path, model_dir, monkeypatch):

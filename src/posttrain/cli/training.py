@@ -225,7 +225,8 @@ def run_training(command: str, argv: list[str], build: Builder, evaluate: Evalua
         print(f"posttrain {command}: saved the trained model to {config.output_dir}")
     from posttrain.models.distributed import end_process_group
 
-    end_process_group()  # a live gloo group can abort the process at exit
+    # a live gloo group can abort the process at exit; a colocated vLLM engine shuts down first
+    end_process_group(before_destroy=getattr(trainer, "close_generators", None))
     return trainer
 
 

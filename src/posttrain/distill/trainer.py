@@ -510,6 +510,13 @@ class GKDTrainer(DistillationTrainer):
         group = a.num_generations if mode == "train" else a.num_generations_eval
         return self._score_rollout(scored, mode, num_chunks, group)
 
+    def close_generators(self) -> None:
+        """The student's engine, and the teacher's where ``seq_kd`` built one."""
+        super().close_generators()
+        close = getattr(self._teacher_generator, "close", None)
+        if close is not None:
+            close()
+
     @contextmanager
     def _teacher_sampling(self):
         """Sample with the teacher (``seq_kd``): its own generator, built once."""

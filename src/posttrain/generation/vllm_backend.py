@@ -343,6 +343,20 @@ class VLLMColocateGenerator:
         self.stale = False
         self.pushes += 1
 
+    def close(self) -> None:
+        """Shut the engine down (its workers, and the process groups vLLM made for them) while the
+        training processes' own group still exists; a later generation builds a new engine.
+
+        Left to Python's exit, the shutdown came after a run had destroyed that group and failed
+        there (``ValueError: Invalid process group specified``, printed at exit)."""
+        if self.engine is None:
+            return
+        core = getattr(getattr(self.engine, "llm_engine", None), "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()
+        self.engine = None
+        self.stale = True
+
     def start(self) -> None:
         """Build the engine (at once, so that its errors come before training); asleep with sleep mode."""
         if self.engine is None:

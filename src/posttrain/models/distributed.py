@@ -208,7 +208,7 @@ def use_fsdp_on_cpu(trainer: Any) -> bool:
     return True
 
 
-def end_process_group() -> bool:
+def end_process_group(before_destroy: Callable[[], None] | None = None) -> bool:
     """Wait for every process, then destroy the default process group; call once at the end of a run.
 
     A process that exits with its gloo process group alive can abort (SIGABRT, ``terminate
@@ -219,11 +219,20 @@ def end_process_group() -> bool:
     is gone. Call it only after a successful run: after a failure the other ranks may never reach
     the barrier.
 
+    Args:
+        before_destroy: runs after the barrier, before the group goes (a colocated vLLM engine's
+            shutdown, which destroys the process groups it made, and the default one with them).
+
     Returns:
         Whether there was a process group to end.
     """
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        if before_destroy is not None:
+            before_destroy()
         return False
     torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    if before_destroy is not None:
+        before_destroy()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
     return True

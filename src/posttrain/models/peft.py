@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-INSTALL_HINT = "pip install 'posttrain[peft]'  (or: pip install 'peft>=0.15')"
-QLORA_INSTALL_HINT = "pip install 'posttrain[qlora]'  (or: pip install bitsandbytes 'peft>=0.15')"
+INSTALL_HINT = "pip install 'posttrain[peft]'  (or: pip install 'peft>=0.18')"
+QLORA_INSTALL_HINT = "pip install 'posttrain[qlora]'  (or: pip install bitsandbytes 'peft>=0.18')"
 
 
 def _import_peft() -> Any:

@@ -534,6 +534,13 @@ class OnlineTrainer(BaseTrainer):
             weights_changed()
         self._sync_reference(self.ref_model)
 
+    def close_generators(self) -> None:
+        """Shut down the generation engines this trainer started (a colocated vLLM engine), once
+        training is over; a generator without an engine has nothing to close."""
+        close = getattr(self.generator, "close", None)
+        if close is not None:
+            close()
+
     # ---- hooks of the core -------------------------------------------------------------------
 
     def _save_extra_state(self, folder: str) -> dict[str, Any]:
