@@ -593,8 +593,8 @@ def test_unbuilt_error_lists_every_offending_option(tmp_path) -> None:
     from posttrain import SDFTConfig
 
     with pytest.raises(NotImplementedError) as err:
-        SDFTConfig(output_dir=str(tmp_path), use_vllm=True, use_teacher_server=True)
-    assert "use_vllm=True" in str(err.value)
+        SDFTConfig(output_dir=str(tmp_path), generate_from_teacher=True, use_teacher_server=True)
+    assert "generate_from_teacher=True" in str(err.value)
     assert "use_teacher_server=True" in str(err.value)
 
 

@@ -148,9 +148,8 @@ def test_config_defaults_are_the_references(tmp_path) -> None:
         ({"uld_use_hybrid_loss": True}, ValueError, "set use_uld_loss=True as well"),
         ({"log_completions_steps": 10}, NotImplementedError, "log_completions_steps"),
         ({"seq_kd": True, "use_uld_loss": True}, NotImplementedError, "seq_kd=True with a cross-tokenizer loss"),
-        ({"use_vllm": True}, NotImplementedError, "use_vllm"),
     ],
-    ids=['lmbda', 'beta', 'num_generations', 'uld_ce_weight', 'uld_temperature', 'merge_strategy', 'xtoken_type', 'xtoken_temperature', 'lengths', 'callbacks', 'two_losses', 'xtoken_both', 'hybrid', 'log_completions_steps', 'seq_kd', 'use_vllm'],
+    ids=['lmbda', 'beta', 'num_generations', 'uld_ce_weight', 'uld_temperature', 'merge_strategy', 'xtoken_type', 'xtoken_temperature', 'lengths', 'callbacks', 'two_losses', 'xtoken_both', 'hybrid', 'log_completions_steps', 'seq_kd'],
 )  # fmt: skip
 def test_config_rejects_bad_values(tmp_path, overrides, error, match) -> None:
     with pytest.raises(error, match=match):

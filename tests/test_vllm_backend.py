@@ -221,14 +221,15 @@ def test_tensor_parallel_rows_are_sliced_back() -> None:
     assert vllm_backend.tensor_parallel_slice([3, 5, 2], 2) == slice(8, 10)
 
 
-def test_trainers_that_do_not_generate_with_vllm_yet_refuse(tmp_path) -> None:
-    from posttrain import DistillationConfig, GKDConfig, IWOPDConfig, SDFTConfig, SDPOConfig
+def test_every_online_trainer_accepts_use_vllm(tmp_path) -> None:
+    """GRPO, RLOO, online DPO, A*-PO, async GRPO and every distillation trainer build with it
+    (tests/test_vllm_engine.py trains each family on the real engine)."""
+    import posttrain
 
-    for config in (IWOPDConfig, SDFTConfig, SDPOConfig):
-        with pytest.raises(NotImplementedError, match="use_vllm"):
-            config(output_dir=str(tmp_path), use_vllm=True)
-    for config in (DistillationConfig, GKDConfig):  # built (tests/test_vllm_engine.py)
-        assert config(output_dir=str(tmp_path), use_vllm=True, bf16=False).use_vllm
+    for name in ("GRPOConfig", "RLOOConfig", "OnlineDPOConfig", "A2POConfig", "DistillationConfig", "GKDConfig",
+                 "IWOPDConfig", "SDFTConfig", "SDPOConfig", "GOLDConfig"):  # fmt: skip
+        config = getattr(posttrain, name)(output_dir=str(tmp_path), use_vllm=True, bf16=False, use_cpu=True)
+        assert config.use_vllm, name
 
 
 def test_peft_weights_go_out_merged_under_the_base_names(tiny_model_dir) -> None:

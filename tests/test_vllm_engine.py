@@ -300,6 +300,91 @@ def test_gkd_samples_the_student_and_the_teacher_with_vllm(tmp_path, model_dir, 
     assert len(gaps) == 3 and max(gaps) < GAP, gaps
 
 
+def test_iwopd_pushes_the_students_weights_every_vllm_sync_frequency_steps(tmp_path, model_dir, monkeypatch):
+    """vllm_sync_frequency=2: after step 1 the engine keeps the first weights (a gap the check sees),
+    after step 2 it has the student's again."""
+    from test_iwopd import conversations
+
+    from posttrain import IWOPDConfig, IWOPDTrainer
+
+    args = IWOPDConfig(
+        output_dir=str(tmp_path), **{**CPU_TEST_ARGS, "max_steps": 3, "learning_rate": 5e-2},
+        max_completion_length=8, max_length=128, use_vllm=True, temperature=1.0, top_p=1.0, vllm_sync_frequency=2,
+        vllm_engine_kwargs=ENGINE,
+    )  # fmt: skip
+    student = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    teacher = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        for p in teacher.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    trainer = IWOPDTrainer(
+        model=student, teacher_model=teacher, args=args, train_dataset=conversations(),
+        processing_class=build_tiny_tokenizer(),
+    )  # fmt: skip
+    gaps = watch_sampler(monkeypatch, trainer.generator)
+    trainer.train()
+    assert trainer.generator.pushes == 2  # before step 1, and after step 2
+    assert gaps[0] < GAP and gaps[1] > 10 * GAP and gaps[2] < GAP, gaps
+
+
+@pytest.mark.parametrize("family", ["sdft", "sdpo"])
+def test_self_distillation_samples_the_student_with_vllm(tmp_path, model_dir, monkeypatch, family):
+    """SDFT and SDPO: every generation from an engine holding the student's current weights
+    (their optimizer-step hook used to skip the generator's, which left an engine stale)."""
+    from posttrain import SDFTConfig, SDFTTrainer, SDPOConfig, SDPOTrainer
+
+    values = {
+        "output_dir": str(tmp_path), **{**CPU_TEST_ARGS, "max_steps": 3, "learning_rate": 5e-2},
+        "max_completion_length": 8, "use_vllm": True, "temperature": 1.0, "vllm_engine_kwargs": ENGINE,
+        "gradient_checkpointing": False,
+    }  # fmt: skip
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    tok = build_tiny_tokenizer()
+    if family == "sdft":
+        from test_sdft import privileged
+
+        trainer = SDFTTrainer(
+            model=model, args=SDFTConfig(**values, num_generations=2, distillation_topk=6),
+            train_dataset=privileged(), processing_class=tok,
+        )  # fmt: skip
+    else:
+        from datasets import Dataset
+        from test_sdpo import odd_length
+
+        rows = Dataset.from_dict({
+            "prompt": [[{"role": "user", "content": f"What is {i} plus one?"}] for i in range(16)],
+            "privileged_context": [f"Your answer to {i} was off by one." for i in range(16)],
+        })  # fmt: skip
+        trainer = SDPOTrainer(model, odd_length, SDPOConfig(**values, num_generations=4), train_dataset=rows,
+                              processing_class=tok)  # fmt: skip
+    gaps = watch_sampler(monkeypatch, trainer.generator)
+    trainer.train()
+    assert len(gaps) == 3 and max(gaps) < GAP, gaps
+
+
+def test_gold_samples_the_student_with_vllm(tmp_path, model_dir, monkeypatch):
+    """GOLD's on-policy steps (a teacher of another tokenizer, which does not sample) from the engine."""
+    from conftest import build_tiny_model
+    from test_gold import build_teacher_tokenizer, chats
+
+    from posttrain import GOLDConfig, GOLDTrainer
+
+    teacher_tok = build_teacher_tokenizer()
+    args = GOLDConfig(
+        output_dir=str(tmp_path), **{**CPU_TEST_ARGS, "max_steps": 2, "learning_rate": 5e-2},
+        max_completion_length=8, lmbda=1.0, use_uld_loss=True, use_vllm=True, temperature=1.0, top_p=1.0,
+        vllm_gpu_memory_utilization=0.3,
+        vllm_engine_kwargs=ENGINE,
+    )  # fmt: skip
+    trainer = GOLDTrainer(
+        AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), build_tiny_model(teacher_tok, seed=2),
+        args, train_dataset=chats(), processing_class=build_tiny_tokenizer(), teacher_processing_class=teacher_tok,
+    )  # fmt: skip
+    gaps = watch_sampler(monkeypatch, trainer.generator)
+    trainer.train()
+    assert len(gaps) == 2 and max(gaps) < GAP, gaps
+
+
 # ---- server ---------------------------------------------------------------------------------------------
 
 

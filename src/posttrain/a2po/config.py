@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from posttrain.core.config import Rule, UnbuiltOption, is_int, is_num, optional, positive_int
-from posttrain.sampling.config import ONLINE_RULES, VLLM_BUILT_UNBUILT, OnlineConfig
+from posttrain.sampling.config import ONLINE_RULES, ONLINE_UNBUILT, OnlineConfig
 
 __all__ = ["OFF_FIELDS", "A2POConfig"]
 
@@ -111,6 +111,6 @@ class A2POConfig(OnlineConfig):
     )
 
     _rules: ClassVar[tuple[Rule, ...]] = _RULES
-    _unbuilt: ClassVar[dict[str, UnbuiltOption]] = VLLM_BUILT_UNBUILT
+    _unbuilt: ClassVar[dict[str, UnbuiltOption]] = ONLINE_UNBUILT
     _off_fields: ClassVar[dict[str, tuple[tuple[Any, ...], str]]] = OFF_FIELDS
     _method: ClassVar[str] = "A*-PO"

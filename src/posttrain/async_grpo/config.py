@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from posttrain.core.config import Rule, UnbuiltOption, choice_rules, is_int, is_num, positive_int
-from posttrain.sampling.config import ONLINE_RULES, VLLM_BUILT_UNBUILT, OnlineConfig
+from posttrain.sampling.config import ONLINE_RULES, ONLINE_UNBUILT, OnlineConfig
 
 __all__ = ["ASYNC_UNBUILT", "OFF_FIELDS", "AsyncGRPOConfig"]
 
@@ -32,7 +32,7 @@ _SERVER = "Leave it at its default: the background sampler sends one request per
 #: their defaults, not built otherwise.
 # fmt: off
 ASYNC_UNBUILT: dict[str, UnbuiltOption] = {
-    **VLLM_BUILT_UNBUILT,
+    **ONLINE_UNBUILT,
     "fork_threshold_tokens": UnbuiltOption(1024, "forked tool-calling requests to a vLLM server", _SERVER, 512),
     "token_budget": UnbuiltOption(None, "token-budget batching of a vLLM server's completions", _SERVER, 4096),
     "max_inflight_tasks": UnbuiltOption(-1, "a bound on a vLLM server's requests in flight", _SERVER, 8),

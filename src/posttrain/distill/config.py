@@ -21,7 +21,6 @@ from posttrain.sampling.config import (
     JSON_DICT_FIELDS,
     ONLINE_RULES,
     ONLINE_UNBUILT,
-    VLLM_BUILT_UNBUILT,
     OnlineConfig,
 )
 
@@ -114,7 +113,7 @@ class DistillationConfig(OnlineConfig):
     )
 
     _rules: ClassVar[tuple[Rule, ...]] = _RULES
-    _unbuilt: ClassVar[dict[str, UnbuiltOption]] = VLLM_BUILT_UNBUILT
+    _unbuilt: ClassVar[dict[str, UnbuiltOption]] = ONLINE_UNBUILT
     _json_dict_fields: ClassVar[tuple[str, ...]] = (*JSON_DICT_FIELDS, "teacher_model_init_kwargs")
     _off_fields: ClassVar[dict[str, tuple[tuple[Any, ...], str]]] = OFF_FIELDS
     _method: ClassVar[str] = "distillation"
@@ -333,7 +332,7 @@ class SDFTConfig(SelfDistillationConfig):
 
     Shared with ``GRPOConfig`` (same meaning; documented there): the generation options
     (`temperature`, also applied in the loss, `top_p`, `top_k`, `min_p`, ...), `num_iterations`,
-    `generation_batch_size`, `steps_per_generation`, logging and vLLM (not built). The fields of
+    `generation_batch_size`, `steps_per_generation`, logging and vLLM (`use_vllm`: the student samples with the engine). The fields of
     rewards, clipping and KL references keep their defaults (`SELF_OFF_FIELDS`).
     """
 
@@ -537,7 +536,9 @@ class IWOPDConfig(DistillationConfig):
         disable_dropout (`bool`, defaults to `True`).
         use_teacher_server, teacher_model_server_url: Not built (`use_teacher_server=True` raises
             `NotImplementedError`).
-        vllm_sync_frequency (`int`, defaults to `1`): Accepted for the paper's config; vLLM is not built.
+        vllm_sync_frequency (`int`, defaults to `1`): With `use_vllm=True`, the engine gets the
+            student's weights every this many optimizer steps and samples with the last ones in
+            between (the rollout log-probs of the advantage are then the engine's).
         teacher_model_name_or_path, teacher_model_revision, teacher_model_init_kwargs: as
             ``DistillationConfig``.
     """
@@ -561,7 +562,7 @@ class IWOPDConfig(DistillationConfig):
     use_teacher_server: bool = field(default=False, metadata={"help": "Not built."})
     teacher_model_server_url: str | None = field(default=None, metadata={"help": "Not built."})
     vllm_sync_frequency: int = field(
-        default=1, metadata={"help": "vLLM weight sync period (vLLM not built)."}
+        default=1, metadata={"help": "Optimizer steps between vLLM weight syncs (with use_vllm)."}
     )
 
     _rules: ClassVar[tuple[Rule, ...]] = _IWOPD_RULES

@@ -181,8 +181,10 @@ class GOLDConfig(DistillationConfig):
         uld_skip_student_eos, uld_skip_teacher_eos (`bool`, defaults to `True`): Leave each side's
             EOS out of the alignment (also used by X-Token).
         vllm_server_port (`int`, defaults to `8001`), vllm_gpu_memory_utilization (`float`,
-            defaults to `0.9`), vllm_sync_frequency (`int`, defaults to `1`): vLLM (not built:
-            `use_vllm=True` raises `NotImplementedError`).
+            defaults to `0.9`; on vLLM's CPU build a share of main memory: 0.3 there),
+            vllm_sync_frequency (`int`, defaults to `1`): vLLM for the student's samples (as
+            ``GRPOConfig``; docs/vllm.md); the engine gets the student's weights every
+            `vllm_sync_frequency` optimizer steps.
         log_completions (`bool`, defaults to `False`), num_completions_to_print (`int | None`).
         log_completions_steps (`int`, defaults to `100`): Not built: completions are logged at
             every logging step; another value raises `NotImplementedError`.

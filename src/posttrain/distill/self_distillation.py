@@ -67,7 +67,10 @@ class SelfTeacherTrainer(TeacherStudentTrainer):
                 yield base
 
     def _after_optimizer_step(self) -> None:
-        """The EMA teacher's step toward the student, every ``teacher_sync_steps`` optimizer steps."""
+        """The generator learns that the weights changed (a vLLM engine takes the new ones before
+        the next sampling), then the EMA teacher's step toward the student, every
+        ``teacher_sync_steps`` optimizer steps."""
+        super()._after_optimizer_step()
         a = self.args
         if a.teacher_model_kind == "ema" and self.state.global_step % a.teacher_sync_steps == 0:
             mix_into_reference(

@@ -510,6 +510,15 @@ class GKDTrainer(DistillationTrainer):
         group = a.num_generations if mode == "train" else a.num_generations_eval
         return self._score_rollout(scored, mode, num_chunks, group)
 
+    def _after_optimizer_step(self) -> None:
+        """``vllm_sync_frequency`` (IW-OPD's and GOLD's field): the vLLM engine gets the student's
+        weights every that many optimizer steps (after steps k, 2k, ...) and samples with the last
+        ones in between, as in the reference."""
+        every = getattr(self.args, "vllm_sync_frequency", 1)
+        if self.args.use_vllm and every > 1 and self.state.global_step % every != 0:
+            return  # distillation keeps no reference to sync: the generator is all the base does
+        super()._after_optimizer_step()
+
     def close_generators(self) -> None:
         """The student's engine, and the teacher's where ``seq_kd`` built one."""
         super().close_generators()

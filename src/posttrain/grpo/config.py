@@ -21,8 +21,8 @@ from posttrain.sampling.config import (
     JSON_DICT_FIELDS,
     ONLINE_CHOICES,
     ONLINE_RULES,
+    ONLINE_UNBUILT,
     SAMPLING_EXTENSIONS,
-    VLLM_BUILT_UNBUILT,
     OnlineConfig,
 )
 
@@ -49,7 +49,7 @@ POSTTRAIN_EXTENSIONS = (
 # One row per option; when a feature is built, delete its row (and its line in docs/config.md).
 # fmt: off
 UNBUILT_OPTIONS: dict[str, UnbuiltOption] = {
-    **VLLM_BUILT_UNBUILT,
+    **ONLINE_UNBUILT,
     "log_completions_hub_repo":             UnbuiltOption(None, "completion upload to the Hub", "Leave log_completions_hub_repo=None.", "user/completions"),
 }
 # fmt: on

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from posttrain.core.config import Rule, UnbuiltOption, choice_rules, is_num, positive_int
-from posttrain.sampling.config import ONLINE_RULES, VLLM_BUILT_UNBUILT, OnlineConfig
+from posttrain.sampling.config import ONLINE_RULES, ONLINE_UNBUILT, OnlineConfig
 
 __all__ = ["LOSS_TYPES", "OFF_FIELDS", "OnlineDPOConfig"]
 
@@ -129,7 +129,7 @@ class OnlineDPOConfig(OnlineConfig):
     )
 
     _rules: ClassVar[tuple[Rule, ...]] = _RULES
-    _unbuilt: ClassVar[dict[str, UnbuiltOption]] = VLLM_BUILT_UNBUILT
+    _unbuilt: ClassVar[dict[str, UnbuiltOption]] = ONLINE_UNBUILT
     _off_fields: ClassVar[dict[str, tuple[tuple[Any, ...], str]]] = OFF_FIELDS
     _method: ClassVar[str] = "online DPO"
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from posttrain.core.config import Rule, UnbuiltOption, is_num
-from posttrain.sampling.config import ONLINE_RULES, SAMPLING_EXTENSIONS, VLLM_BUILT_UNBUILT, OnlineConfig
+from posttrain.sampling.config import ONLINE_RULES, ONLINE_UNBUILT, SAMPLING_EXTENSIONS, OnlineConfig
 
 __all__ = ["POSTTRAIN_EXTENSIONS", "RLOOConfig"]
 
@@ -118,7 +118,7 @@ class RLOOConfig(OnlineConfig):
     )
 
     _rules: ClassVar[tuple[Rule, ...]] = _RULES
-    _unbuilt: ClassVar[dict[str, UnbuiltOption]] = VLLM_BUILT_UNBUILT
+    _unbuilt: ClassVar[dict[str, UnbuiltOption]] = ONLINE_UNBUILT
 
     def _normalise_family(self) -> None:
         """The shared normalisation; a ``reward_clip_range`` list (YAML, command line) becomes a tuple."""

@@ -29,23 +29,14 @@ __all__ = [
     "ONLINE_CHOICES",
     "ONLINE_RULES",
     "ONLINE_UNBUILT",
-    "VLLM_BUILT_UNBUILT",
     "JSON_DICT_FIELDS",
     "OnlineConfig",
     "SAMPLING_EXTENSIONS",
 ]
 
-#: Options accepted by every online config but not built yet (one row per option). vLLM
-#: generation is built for GRPO, RLOO, online DPO, A*-PO, asynchronous GRPO's server mode and the
-#: distillation and GKD trainers (their configs use ``VLLM_BUILT_UNBUILT``); IW-OPD (whose
-#: ``vllm_sync_frequency`` is not built), self-distillation and GOLD still refuse it.
-# fmt: off
-ONLINE_UNBUILT: dict[str, UnbuiltOption] = {
-    "use_vllm": UnbuiltOption(False, "vLLM generation for this trainer", "Use use_vllm=False (completions are then generated with transformers); GRPOTrainer, RLOOTrainer, OnlineDPOTrainer, A2POTrainer, AsyncGRPOTrainer, DistillationTrainer and GKDTrainer generate with vLLM.", True),
-}
-# fmt: on
-#: ``ONLINE_UNBUILT`` without ``use_vllm``: for the trainers that generate with vLLM.
-VLLM_BUILT_UNBUILT: dict[str, UnbuiltOption] = {k: v for k, v in ONLINE_UNBUILT.items() if k != "use_vllm"}
+#: Options accepted by every online config but not built yet (one row per option; a family's
+#: config adds its own). vLLM generation (``use_vllm``) is built for every online trainer.
+ONLINE_UNBUILT: dict[str, UnbuiltOption] = {}
 
 #: Allowed values of the shared string-valued choice parameters.
 ONLINE_CHOICES: dict[str, tuple[str, ...]] = {
