@@ -162,11 +162,28 @@ def test_precomputed_reference_log_probs_give_the_live_reference_loss(tmp_path, 
     )
 
 
-def test_a_reference_free_loss_keeps_no_reference(tmp_path, tok):
-    trainer = trainer_for(tmp_path, tok, loss_type="sft")
-    assert trainer.ref_model is None
-    loss = trainer.compute_loss(trainer.model, first_batch(trainer))
-    assert loss.item() > 0
+def test_an_sft_only_run_logs_its_rewards_against_the_given_reference(tmp_path, tok):
+    """loss_type=["sft"] with a ref_model: the reference is kept and rewards/* are log-ratios, as in
+    the reference library (the given reference used to be dropped and the rewards read
+    beta * log pi: accuracies 0.75 where the reference logs 0.5)."""
+    reference, policy = build_tiny_model(tok, seed=5), build_tiny_model(tok)
+    expected = {"chosen": [], "rejected": []}
+    for row in pairs():  # before the step: the logged rewards are the step's forward's
+        for side in expected:
+            gap = summed_logps(policy, tok, row["prompt"], row[side]) - summed_logps(
+                reference, tok, row["prompt"], row[side]
+            )
+            expected[side].append(0.1 * gap)
+    args = config(tmp_path, loss_type="sft", beta=0.1, per_device_train_batch_size=8, max_steps=1)
+    trainer = DPOTrainer(policy, ref_model=reference, args=args, train_dataset=pairs(), processing_class=tok)
+    assert trainer.ref_model is not None
+    trainer.train()
+    (logged,) = [h for h in trainer.state.log_history if "rewards/chosen" in h]
+    for side, values in expected.items():
+        assert logged[f"rewards/{side}"] == pytest.approx(sum(values) / len(values), rel=1e-4, abs=1e-6)
+    wins = sum(c > r for c, r in zip(expected["chosen"], expected["rejected"], strict=True)) / 8
+    assert logged["rewards/accuracies"] == pytest.approx(wins)
+    assert trainer_for(tmp_path / "copy", tok, loss_type="sft").ref_model is not None  # without one: a copy
 
 
 def test_peft_reference_is_the_adapters_off_base(tmp_path, tok):
@@ -279,10 +296,10 @@ def test_bad_configs_fail_when_the_config_is_built(tmp_path):
         )
     with pytest.raises(ValueError, match="ld_alpha"):
         DPOConfig(output_dir=str(tmp_path), ld_alpha=1.5, use_cpu=True, bf16=False)
-    with pytest.raises(ValueError, match="precompute_ref_log_probs=True, but loss_type"):
-        DPOConfig(
-            output_dir=str(tmp_path), loss_type="sft", precompute_ref_log_probs=True, use_cpu=True, bf16=False
-        )
+    # an sft-only run keeps a reference for its logged rewards, so its log-probs may be precomputed
+    DPOConfig(
+        output_dir=str(tmp_path), loss_type="sft", precompute_ref_log_probs=True, use_cpu=True, bf16=False
+    )
 
 
 def test_missing_columns_fail_before_the_model_loads(tmp_path, tok):

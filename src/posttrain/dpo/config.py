@@ -151,11 +151,6 @@ class DPOConfig(OfflineConfig):
             self.ld_alpha,
             self.use_weighting,
         )
-        if self.precompute_ref_log_probs and not self.uses_reference(types):
-            raise ValueError(
-                f"precompute_ref_log_probs=True, but loss_type={types} uses no reference model, so there is "
-                "nothing to precompute. Set precompute_ref_log_probs=False."
-            )
         if self.sync_ref_model and self.precompute_ref_log_probs:
             raise ValueError(
                 "sync_ref_model=True moves the reference during training, but precompute_ref_log_probs=True "

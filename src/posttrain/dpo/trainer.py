@@ -114,7 +114,9 @@ class DPOTrainer(PairTrainer):
         if args.padding_free:
             self._check_packable_attention("padding_free")
         self._prepare_pair_datasets()
-        needed = DPOConfig.uses_reference(self.loss_types) and not _has_ref_columns(self.train_dataset)
+        # Every loss type keeps a reference, "sft" alone too: the logged rewards are log-ratios
+        # against it (rewards/chosen = beta * (log pi - log pi_ref)), as in the reference library.
+        needed = not _has_ref_columns(self.train_dataset)
         self.ref_model = self._offline_reference(ref_model) if needed else None
         if args.precompute_ref_log_probs and not _has_ref_columns(self.train_dataset):
             self.train_dataset = self._precompute_reference(self.train_dataset)
@@ -220,10 +222,9 @@ class DPOTrainer(PairTrainer):
         self._record("train" if train else "eval", scores, out, rows, n)
         return loss
 
-    def _reference_for(self, inputs: PairBatch) -> torch.Tensor | None:
-        """[2N] reference log-probs: precomputed columns, else scored now; ``None`` when unused."""
-        if not DPOConfig.uses_reference(self.loss_types):
-            return None
+    def _reference_for(self, inputs: PairBatch) -> torch.Tensor:
+        """[2N] reference log-probs: precomputed columns, else scored now (for the loss, and for the
+        logged rewards, log-ratios, even when the loss reads none: ``"sft"`` alone)."""
         if inputs.ref_chosen is not None:
             return torch.cat([inputs.ref_chosen, inputs.ref_rejected]).to(torch.float32)
         return self._reference_scores(inputs)
