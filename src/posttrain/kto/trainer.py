@@ -309,8 +309,9 @@ class KTOTrainer(BaseTrainer):
                 m[f"logits/{kind}"] = (g[rows, 3].sum() / g[rows, 4].sum().clamp(min=1)).item()
         if "rewards/chosen" in m and "rewards/rejected" in m:
             m["rewards/margins"] = m["rewards/chosen"] - m["rewards/rejected"]
-        if out.kl is not None:
-            m["kl"] = float(out.kl)
+        # apo_zero_unpaired has no KL term: its z0 is 0, and it is logged as 0, as in the reference
+        # (a dashboard reading `kl` finds the key under every loss type)
+        m["kl"] = float(out.kl) if out.kl is not None else 0.0
         m.update(self._token_metrics(mode, stats, mask, inputs.examples))
         self._metrics.add_all(mode, m)
 
