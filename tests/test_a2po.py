@@ -327,8 +327,9 @@ def test_stage_one_samples_the_frozen_reference_even_mid_training(tmp_path) -> N
 
 def test_trainer_feeds_its_rollout_to_the_formulas(tmp_path) -> None:
     """The advantages are r - V*(x) with V* from the prompts' stored rewards, and the loss is the
-    regression of the trainer's own log-probs against its reference's."""
-    trainer = a2po_trainer(tmp_path, per_device_train_batch_size=4)
+    regression of the trainer's own log-probs against its reference's: at temperature 1 whatever
+    the sampling temperature (0.7 here), as in the reference."""
+    trainer = a2po_trainer(tmp_path, per_device_train_batch_size=4, temperature=0.7)
     trainer.estimate_values()
     with torch.no_grad():  # move the policy away from the reference so the log-ratio is not zero
         for p in trainer.model.parameters():

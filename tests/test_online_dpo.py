@@ -188,7 +188,7 @@ def test_needs_exactly_one_way_to_order_pairs(tmp_path) -> None:
 def test_pairs_follow_the_scores_and_the_loss_is_the_formula(tmp_path) -> None:
     """Two prompts (4 completions): the higher token-sum reward is chosen; at the first step the policy
     is its reference, so z = 0 and the sigmoid loss is log 2; after moving the policy it is the
-    formula on the trainer's own log-probs."""
+    formula on the trainer's own log-probs (at temperature 1)."""
     trainer = dpo_trainer(tmp_path)
     rows = [{"prompt": f"Question {i}"} for i in range(2) for _ in range(2)]
     (chunk,) = trainer._generate_and_score(rows, "train", num_chunks=1)
@@ -206,7 +206,10 @@ def test_pairs_follow_the_scores_and_the_loss_is_the_formula(tmp_path) -> None:
         input_ids=torch.cat([r.prompt_ids, r.completion_ids], 1),
         attention_mask=torch.cat([r.prompt_mask, r.completion_mask], 1),
     )
-    logits = out.logits[:, r.prompt_ids.shape[1] - 1 : -1] / trainer.args.temperature
+    # the policy's own log-probs, not at the sampling temperature (0.9): DPO has no importance ratio
+    # for it to enter, and the reference and the paper take the policy's (they departed at 0.9)
+    assert trainer.args.temperature == 0.9
+    logits = out.logits[:, r.prompt_ids.shape[1] - 1 : -1]
     token = torch.log_softmax(logits.double(), -1).gather(2, r.completion_ids.unsqueeze(2)).squeeze(2)
     mask = r.completion_mask.double()
     u = ((token - chunk.ref_logps.double()) * mask).sum(1).view(2, 2)

@@ -59,8 +59,9 @@ class A2POConfig(OnlineConfig):
             keeps its last tokens. `None` keeps whole prompts.
         max_completion_length (`int`, defaults to `256`): Most tokens a completion may have, in
             both stages.
-        temperature (`float`, defaults to `1.0`): Sampling temperature of both stages (also
-            applied to the log-probabilities of the loss, as in every posttrain online trainer).
+        temperature (`float`, defaults to `1.0`): Sampling temperature of both stages. The
+            loss reads the policy's and the reference's own log-probabilities (temperature 1),
+            as the reference does.
         top_p (`float`, defaults to `1.0`): Nucleus sampling mass, in (0, 1].
         top_k (`int | None`, defaults to `None`): Keep the `top_k` most likely tokens; `None` or
             `0` keeps them all.

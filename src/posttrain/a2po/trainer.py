@@ -122,6 +122,12 @@ class A2POTrainer(OnlineTrainer):
         self._filtered = False
         self._row_values = torch.zeros(0)
 
+    @property
+    def _loss_temperature(self) -> float:
+        """1: the regression onto the optimal advantage reads the policy's and the reference's own
+        log-probs (A*-PO's log-ratio; the reference library's too); ``temperature`` shapes sampling."""
+        return 1.0
+
     def _setup_reference(self) -> torch.nn.Module | None:
         """A frozen copy of the policy as given (``None`` under PEFT: the adapters-off base)."""
         return self._offline_reference(None)

@@ -69,8 +69,9 @@ class OnlineDPOConfig(OnlineConfig):
         max_new_tokens (`int`, defaults to `64`): Most tokens a completion may have.
         max_length (`int | None`, defaults to `512`): Most prompt + completion tokens scored; a
             longer prompt is cut on the left. `None` does not cut.
-        temperature (`float`, defaults to `0.9`): Sampling temperature (also applied to the
-            log-probabilities of the loss, as in every posttrain online trainer).
+        temperature (`float`, defaults to `0.9`): Sampling temperature. The loss reads the
+            policy's and the reference's own log-probabilities (temperature 1), as the reference
+            and the paper do: DPO has no importance ratio for a sampling temperature to enter.
         missing_eos_penalty (`float | None`, defaults to `None`): Subtracted from the score of a
             completion that ends without EOS, before the pair is ordered.
         beta (`float | list[float]`, defaults to `[0.1]`): DPO's beta. A list gives one value

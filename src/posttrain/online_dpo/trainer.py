@@ -143,6 +143,13 @@ class OnlineDPOTrainer(OnlineTrainer):
             )
         return reward_funcs
 
+    @property
+    def _loss_temperature(self) -> float:
+        """1: DPO compares the policy's and the reference's own log-probs, as the reference library
+        and the paper do; ``temperature`` shapes the sampling only (DPO has no importance ratio
+        for it to belong to)."""
+        return 1.0
+
     def _setup_reference(self) -> torch.nn.Module | None:
         """The given ``ref_model`` (or one loaded by name), else a frozen copy (PEFT: the base)."""
         return self._offline_reference(self._given_ref_model)

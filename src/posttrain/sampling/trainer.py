@@ -456,6 +456,13 @@ class OnlineTrainer(BaseTrainer):
         scored.old_logps = _stitch(old, width) if need_old else None
         scored.ref_logps = _stitch(ref, width) if need_ref else None
 
+    @property
+    def _loss_temperature(self) -> float:
+        """What the loss's log-probs divide the logits by. The sampling temperature for GRPO and
+        RLOO (their importance ratio compares the distribution the tokens were drawn from, as in
+        the reference); a family whose loss reads the policy itself (online DPO, A*-PO) says 1."""
+        return self.args.temperature
+
     @torch.no_grad()
     def _frozen_logps(self, model: torch.nn.Module, r: Rollout) -> torch.Tensor:
         """Log-probs of a rollout's completions under ``model``, without gradient: [N, T]."""
@@ -465,7 +472,7 @@ class OnlineTrainer(BaseTrainer):
             r.prompt_mask,
             r.completion_ids,
             r.completion_mask,
-            self.args.temperature,
+            self._loss_temperature,
             model_inputs=r.vision_kwargs(),
         )
         return out.logps
@@ -481,7 +488,7 @@ class OnlineTrainer(BaseTrainer):
         self, model: torch.nn.Module, inputs: ScoredRollout, return_outputs: bool, **options: Any
     ) -> tuple[Any, str]:
         """The start of every family's ``compute_loss``: the micro-batch's completion log-probs
-        under ``model`` (at ``temperature``; ``options`` go to ``completion_logps``) and the mode.
+        under ``model`` (at ``_loss_temperature``; ``options`` go to ``completion_logps``) and the mode.
 
         Raises:
             ValueError: ``return_outputs`` is asked for (no logits are built).
@@ -495,7 +502,7 @@ class OnlineTrainer(BaseTrainer):
             r.prompt_mask,
             r.completion_ids,
             r.completion_mask,
-            self.args.temperature,
+            self._loss_temperature,
             model_inputs=r.vision_kwargs(),
             **options,
         )
