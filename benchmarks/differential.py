@@ -138,6 +138,16 @@ CONFIGS: dict[str, tuple[dict, str]] = {
         "beta=0.1, TR-DPO reference sync every step, alpha=0.6",
     ),
     "top_entropy": ({"top_entropy_quantile": 0.2}, "top_entropy_quantile=0.2"),
+    # GMPO through each library's own GMPOConfig / GMPOTrainer (TRL: trl.experimental.gmpo)
+    # (the reference's GMPO loss leaves out the sampler correction: compared with it off on both sides)
+    "gmpo_api": (
+        {"vllm_importance_sampling_correction": False},
+        "GMPOConfig / GMPOTrainer, their defaults (epsilon 0.4 in log space), IS correction off",
+    ),
+    "gmpo_api_iter2": (
+        {"num_iterations": 2, "vllm_importance_sampling_correction": False},
+        "GMPOConfig / GMPOTrainer, num_iterations=2, IS correction off",
+    ),
     "mask_truncated": ({"mask_truncated_completions": True}, "mask_truncated_completions=True"),
     "mask_truncated_grpo": (
         {"mask_truncated_completions": True, "loss_type": "grpo"},
@@ -344,7 +354,14 @@ def run_child(lib: str, name: str, model_dir: str, out_path: str) -> None:
     os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"
     from datasets import Dataset
 
-    if lib == "trl":
+    if name.startswith("gmpo_api"):  # each library's GMPO classes, under GRPO's names here
+        if lib == "trl":
+            from trl.experimental.gmpo import GMPOConfig as GRPOConfig
+            from trl.experimental.gmpo import GMPOTrainer as GRPOTrainer
+        else:
+            from posttrain import GMPOConfig as GRPOConfig
+            from posttrain import GMPOTrainer as GRPOTrainer
+    elif lib == "trl":
         from trl import GRPOConfig, GRPOTrainer
     else:
         from posttrain import GRPOConfig, GRPOTrainer

@@ -45,6 +45,8 @@ _LAZY = {
     "IWOPDTrainer": "posttrain.distill.trainer",
     "GRPOConfig": "posttrain.grpo.config",
     "GRPOTrainer": "posttrain.grpo.trainer",
+    "GMPOConfig": "posttrain.grpo.gmpo",
+    "GMPOTrainer": "posttrain.grpo.gmpo",
     "SFTConfig": "posttrain.sft.config",
     "SFTTrainer": "posttrain.sft.trainer",
     "BEMACallback": "posttrain.sft.bema",
@@ -90,6 +92,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from posttrain.dpo.config import DPOConfig  # noqa: F401
     from posttrain.dpo.trainer import DPOTrainer  # noqa: F401
     from posttrain.grpo.config import GRPOConfig  # noqa: F401
+    from posttrain.grpo.gmpo import GMPOConfig, GMPOTrainer  # noqa: F401
     from posttrain.grpo.trainer import GRPOTrainer  # noqa: F401
     from posttrain.kto.config import KTOConfig  # noqa: F401
     from posttrain.kto.trainer import KTOTrainer  # noqa: F401
