@@ -247,7 +247,11 @@ def test_dataset_completions_are_tokenised_like_samples(tmp_path) -> None:
     ]  # fmt: skip
     r = dataset_rollout(rows, tok, [tok.eos_token_id], max_completion_length=6, max_length=None)
     first = r.completion_ids[0, : int(r.completion_mask[0].sum())].tolist()
-    assert first == tok("2<|im_end|>", add_special_tokens=False)["input_ids"]  # ends at its EOS
+    assert first == tok("2<|im_end|>\n", add_special_tokens=False)["input_ids"]  # the template's tail too
+    at_eos = dataset_rollout(
+        rows, tok, [tok.eos_token_id], max_completion_length=6, max_length=None, through_end=False
+    )
+    assert at_eos.completion_ids[0, : int(at_eos.completion_mask[0].sum())].tolist() == first[:-1]  # GOLD's
     assert r.is_terminated.tolist() == [True, False]  # the long one is cut at 6 tokens
     assert int(r.completion_mask[1].sum()) == 6
     text = tok.apply_chat_template(rows[0]["prompt"], add_generation_prompt=True, tokenize=False)
@@ -502,3 +506,27 @@ def test_distillation_resume_is_exact(tmp_path) -> None:
     resumed = run(tmp_path / "stopped", resume=str(tmp_path / "stopped" / "checkpoint-1"))
     for a, b in zip(straight.model.parameters(), resumed.model.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_dataset_completion_is_tokenised_as_sft_tokenises_it() -> None:
+    """GKD's off-policy rows train on every token SFT trains on, the chat template's "\\n" after
+    <|im_end|> included (it used to be cut at the first EOS; the reference and SFT keep it)."""
+    from posttrain.data import distill as distill_data
+    from posttrain.data import sft
+
+    tok = build_tiny_tokenizer()
+    rows = [
+        {"prompt": [{"role": "user", "content": "What is 2 + 3?"}], "completion": [{"role": "assistant", "content": "5"}]},
+        {"prompt": [{"role": "user", "content": "Say hi."}], "completion": [{"role": "assistant", "content": "hi there"}]},
+    ]  # fmt: skip
+    rollout = distill_data.dataset_rollout(rows, tok, [tok.eos_token_id], 64, None)
+    newline = tok("\n", add_special_tokens=False)["input_ids"]
+    for i, row in enumerate(rows):
+        out = sft.tokenize_row(
+            row, tok, "prompt_completion", max_length=None, completion_only_loss=True, index=i
+        )
+        trained = [t for t, m in zip(out["input_ids"], out["loss_mask"], strict=True) if m]
+        mine = rollout.completion_ids[i][rollout.completion_mask[i].bool()].tolist()
+        assert mine == trained
+        assert mine[-len(newline) :] == newline and tok.eos_token_id in mine  # the template's tail after EOS
+    assert rollout.is_terminated.all()

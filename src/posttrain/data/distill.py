@@ -5,7 +5,8 @@ it the prompt). Here a ``messages`` row becomes ``prompt`` / ``completion`` colu
 shared sampler reads the prompt as for every online trainer; ``prompt`` / ``completion`` rows
 (standard or conversational) are taken as they are. ``dataset_rollout`` tokenises a batch of
 such rows into a ``Rollout`` the way the sampler would have produced it: the prompt rendered
-for generation and left-padded, the completion after it, right-padded, ending at its first EOS.
+for generation and left-padded, the completion after it, right-padded, every token SFT's
+tokenisation gives it (a chat template's tokens after the EOS included).
 """
 
 from __future__ import annotations
@@ -79,8 +80,14 @@ def dataset_rollout(
     max_length: int | None,
     chat_template_kwargs: dict[str, Any] | None = None,
     device: torch.device | str = "cpu",
+    through_end: bool = True,
 ) -> Rollout:
     """The rows' own completions as a ``Rollout``, tokenised as the sampler tokenises prompts.
+
+    ``through_end`` (the default) keeps every token SFT's tokenisation gives the completion, the
+    chat template's tokens after the EOS included (ChatML's newline after ``<|im_end|>``), as the
+    reference and posttrain's SFT train on them; ``False`` ends each row at its first EOS (GOLD,
+    whose cross-tokenizer alignment ends both sides at their EOS).
 
     A completion longer than ``max_completion_length`` is cut at the end (and then counts as
     truncated, without EOS); a prompt that would make the row longer than ``max_length`` keeps
@@ -117,7 +124,9 @@ def dataset_rollout(
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_token_ids[0]
     prompt_ids, prompt_mask = left_pad(prompts, pad)
     samples = Samples.from_lists(completions, pad, device)
-    return build_rollout(prompt_ids.to(device), prompt_mask.to(device), samples, eos_token_ids, pad)
+    return build_rollout(
+        prompt_ids.to(device), prompt_mask.to(device), samples, eos_token_ids, pad, through_end=through_end
+    )
 
 
 PRIVILEGED_COLUMN = "privileged_context"

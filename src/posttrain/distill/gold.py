@@ -605,6 +605,9 @@ class GOLDTrainer(GKDTrainer):
     _tag_names = ["posttrain", "gold"]
     _config_class = GOLDConfig
     _suffix = "GOLD"
+    #: Dataset completions end at their EOS: the byte alignment ends both tokenisations there (the
+    #: template's tokens after it, which GKD and SFT train on, are not aligned across tokenizers yet).
+    _dataset_completion_through_end = False
 
     def __init__(
         self,

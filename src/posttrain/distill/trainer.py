@@ -21,7 +21,7 @@ import random
 from collections.abc import Callable
 from contextlib import contextmanager
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from accelerate.utils import gather
@@ -459,6 +459,9 @@ class GKDTrainer(DistillationTrainer):
             )
         return train, evals
 
+    #: A dataset completion keeps the chat template's tokens after its EOS (as SFT tokenises it).
+    _dataset_completion_through_end: ClassVar[bool] = True
+
     def _source(self, batch: list[dict[str, Any]], mode: str) -> str:
         """Where this step's completions come from: one draw per optimizer step, from ``seed`` and the step."""
         a = self.args
@@ -496,6 +499,7 @@ class GKDTrainer(DistillationTrainer):
             a.max_length,
             a.chat_template_kwargs,
             self.accelerator.device,
+            through_end=self._dataset_completion_through_end,
         )
         n = rollout.completion_ids.shape[0]
         completions = self._tokenizer.batch_decode(

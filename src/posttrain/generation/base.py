@@ -87,7 +87,10 @@ def check_takes_images(generator: Generator) -> None:
 
 
 def mask_after_eos(
-    completion_ids: torch.Tensor, eos_token_ids: list[int], lengths: torch.Tensor | None = None
+    completion_ids: torch.Tensor,
+    eos_token_ids: list[int],
+    lengths: torch.Tensor | None = None,
+    through_end: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Mask every token after the first EOS, and every padding column past a row's length.
 
@@ -95,10 +98,12 @@ def mask_after_eos(
         completion_ids: [N, T] sampled tokens.
         eos_token_ids: ids that end a completion.
         lengths: [N] tokens the source produced per row (``Samples.lengths``); ``None``: all ``T``.
+        through_end: keep every token up to each row's length, EOS or not: a dataset's completion
+            as the chat template writes it (``<|im_end|>`` then ``"\n"``), which SFT trains on too.
 
     Returns:
-        ``mask`` [N, T] (1 up to and including the first EOS within the row's length) and
-        ``is_terminated`` [N] (an EOS was produced within that length).
+        ``mask`` [N, T] (1 up to and including the first EOS within the row's length; with
+        ``through_end``, up to the length) and ``is_terminated`` [N] (an EOS within that length).
     """
     T = completion_ids.shape[1]
     positions = torch.arange(T, device=completion_ids.device).unsqueeze(0)  # [1, T]
@@ -108,6 +113,8 @@ def mask_after_eos(
     eos = torch.tensor(eos_token_ids, device=completion_ids.device)
     is_eos = torch.isin(completion_ids, eos) & produced  # [N, T]
     is_terminated = is_eos.any(dim=1)
+    if through_end:
+        return produced.long(), is_terminated
     first_eos = torch.where(is_terminated, is_eos.int().argmax(dim=1), torch.full_like(lengths, T))
     mask = ((positions <= first_eos.unsqueeze(1)) & produced).long()
     return mask, is_terminated
@@ -119,8 +126,10 @@ def build_rollout(
     samples: Samples,
     eos_token_ids: list[int],
     pad_token_id: int,
+    through_end: bool = False,
 ) -> Rollout:
-    """Assemble a ``Rollout``: mask after EOS, replace masked tokens by padding."""
+    """Assemble a ``Rollout``: mask after EOS (or, ``through_end``, after each row's length: a
+    dataset completion, :func:`mask_after_eos`), replace masked tokens by padding."""
     completion_ids, logps = samples.completion_ids, samples.logps
     if completion_ids.shape[1] == 0:  # nothing sampled: one padding column that counts for nothing
         n = completion_ids.shape[0]
@@ -129,7 +138,7 @@ def build_rollout(
         terminated = torch.zeros(n, dtype=torch.bool, device=prompt_ids.device)
         logps = torch.zeros((n, 1), device=prompt_ids.device) if logps is not None else None
     else:
-        mask, terminated = mask_after_eos(completion_ids, eos_token_ids, samples.lengths)
+        mask, terminated = mask_after_eos(completion_ids, eos_token_ids, samples.lengths, through_end)
     completion_ids = torch.where(mask.bool(), completion_ids, torch.full_like(completion_ids, pad_token_id))
     return Rollout(
         prompt_ids=prompt_ids,
