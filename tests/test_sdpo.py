@@ -108,6 +108,22 @@ def test_config_rejects_bad_values(tmp_path, overrides, error, match) -> None:
 # ---- the reprompts ------------------------------------------------------------------------------------
 
 
+def test_a_successful_completion_learns_from_a_successful_sibling() -> None:
+    """dont_reprompt_on_self_success only keeps a completion from being its own demonstration (the
+    reference and the paper's code): when every rollout succeeds, every one is reprompted (it was
+    none); with the flag off the group's first success may be the row itself."""
+    rewards = torch.tensor([1.0, 1.0, 1.0, 1.0])
+    texts = ["A", "B", "C", "D"]
+    plan = plan_reprompts(rewards, texts, [None] * 4, RepromptSettings(group=2))
+    assert plan.stats["reprompt_sample_fraction"] == 1.0
+    assert ["B" in plan.fills[0]("Q"), "A" in plan.fills[1]("Q")] == [True, True]  # each from the other
+    off = plan_reprompts(
+        rewards, texts, [None] * 4, RepromptSettings(group=2, dont_reprompt_on_self_success=False)
+    )
+    assert "\nA\n" in off.fills[0]("Q") and "\nA\n" in off.fills[1]("Q")  # row 0 demonstrates to itself too
+    assert off.stats["reprompt_sample_fraction"] == 1.0
+
+
 def test_reprompts_by_hand() -> None:
     rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 0.0, float("nan")])
     texts = ["<think>hm</think>A", "B", "C", "D", "E", "F"]
@@ -132,13 +148,15 @@ def test_reprompts_by_hand() -> None:
         group=3, include_environment_feedback=True, remove_thinking_from_demonstration=True
     )
     plan = plan_reprompts(rewards, texts, feedback, with_feedback)
-    assert [f is None for f in plan.fills] == [True, False, False, False, True, False]
+    # row 0 succeeded and has no successful sibling, but its own feedback reprompts it
+    assert [f is None for f in plan.fills] == [False, False, False, False, True, False]
+    assert "fb0" in plan.fills[0]("Q?") and "Correct solution" not in plan.fills[0]("Q?")
     assert plan.fills[2]("Q?") == (
         "Q?\nCorrect solution:\n\nA\n\n\nThe following is feedback from your unsuccessful earlier attempt:\n\nfb2\n\n"
         "\n\nCorrectly solve the original question.\n"
     )
     assert (
-        plan.stats["feedback_available_fraction"] == 4 / 6 and plan.stats["feedback_used_fraction"] == 3 / 6
+        plan.stats["feedback_available_fraction"] == 4 / 6 and plan.stats["feedback_used_fraction"] == 4 / 6
     )
 
     only_without = RepromptSettings(

@@ -402,8 +402,9 @@ class SDPOConfig(SelfDistillationConfig):
         use_successful_as_teacher (`bool`, defaults to `True`): Put a successful sibling's
             completion in the reprompt.
         success_reward_threshold (`float`, defaults to `1.0`): The reward a success reaches.
-        dont_reprompt_on_self_success (`bool`, defaults to `True`): A completion that succeeded
-            itself gets no reprompt (no distillation term).
+        dont_reprompt_on_self_success (`bool`, defaults to `True`): A completion is never its own
+            demonstration (a successful one learns from a successful sibling); off, the group's
+            first success may be the row itself.
         include_environment_feedback (`bool`, defaults to `False`): Put the row's
             `privileged_context` (the environment's feedback) in the reprompt.
         environment_feedback_only_without_solution (`bool`, defaults to `False`): Only where no
@@ -433,7 +434,8 @@ class SDPOConfig(SelfDistillationConfig):
     importance_sampling_level: str = field(default="token", metadata={"help": "'token' or 'sequence'."})
     scale_rewards: str = field(default="group", metadata={"help": "'group', 'batch' or 'none'."})
     dont_reprompt_on_self_success: bool = field(
-        default=True, metadata={"help": "A completion that succeeded itself gets no reprompt."}
+        default=True,
+        metadata={"help": "A completion is never its own demonstration (a sibling's success is)."},
     )
     max_reprompt_len: int = field(default=10240, metadata={"help": "Most tokens of the reprompt."})
     use_successful_as_teacher: bool = field(

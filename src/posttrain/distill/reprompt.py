@@ -1,12 +1,13 @@
 """SDPO's reprompts: which completions get a teacher prompt, and what it says (pure).
 
-A group's completions are the ``num_generations`` samples of one prompt. A completion whose
-reward falls short of ``success_reward_threshold`` is reprompted with the first *other*
-completion of its group that reached it (``solution_template``) and/or the environment's
-feedback on its row (``feedback_template``), composed by ``reprompt_template``. A completion
-with neither gets no reprompt: it adds 0 to the distillation term but still counts in its mean
-(the reference's reduction). With ``dont_reprompt_on_self_success``, a completion that succeeded
-itself gets none either.
+A group's completions are the ``num_generations`` samples of one prompt. Every completion is
+reprompted with the first completion of its group that reached ``success_reward_threshold``
+(``solution_template``) and/or the environment's feedback on its row (``feedback_template``),
+composed by ``reprompt_template``; a successful completion too, from a successful sibling.
+``dont_reprompt_on_self_success`` (on by default) keeps a completion from being its own
+demonstration, as in the reference and the paper's code; off, the first success of the group may
+be the row itself. A completion with neither a demonstration nor feedback gets no reprompt: it
+adds 0 to the distillation term but still counts in its mean (the reference's reduction).
 """
 
 from __future__ import annotations
@@ -79,7 +80,8 @@ def plan_reprompts(
     counts = {"feedback_available": 0, "feedback_used": 0, "reprompted": 0}
     for i in range(n):
         start = i // s.group * s.group
-        sibling = next((j for j in range(start, start + s.group) if j != i and success[j]), None)
+        own = not s.dont_reprompt_on_self_success  # may the row demonstrate to itself?
+        sibling = next((j for j in range(start, start + s.group) if (own or j != i) and success[j]), None)
         solution = ""
         if s.use_successful_as_teacher and sibling is not None:
             demo = completions[sibling]
@@ -89,7 +91,7 @@ def plan_reprompts(
         counts["feedback_available"] += bool(raw)
         use_feedback = bool(raw) and not (s.environment_feedback_only_without_solution and solution)
         text = s.feedback_template.format(feedback_raw=raw) if use_feedback else ""
-        if (s.dont_reprompt_on_self_success and success[i]) or not (solution or text):
+        if not (solution or text):
             fills.append(None)
             continue
         counts["feedback_used"] += use_feedback
