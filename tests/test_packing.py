@@ -60,7 +60,10 @@ def test_wrapped_concatenates_and_cuts():
     bins = pack(EXAMPLE, 4, "wrapped")
     assert [b["input_ids"] for b in bins] == [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11]]
     assert [b["seq_lengths"] for b in bins] == [[4], [4], [3]]
-    assert bins[1]["loss_mask"] == [1, 0, 1, 0]  # masks travel with their tokens
+    assert bins[1]["loss_mask"] == [0, 0, 1, 0]  # masks travel with their tokens; a cut starts untrained
+    # rows prepared with first_token_target=True: a joined row's first token is a target
+    lm_rows = [{"input_ids": r["input_ids"], "loss_mask": [1] * len(r["input_ids"])} for r in EXAMPLE]
+    assert [b["loss_mask"] for b in pack(lm_rows, 4, "wrapped")] == [[0, 1, 1, 1], [0, 1, 1, 1], [0, 1, 1]]
 
 
 def naive_bfd(lengths, capacity):

@@ -109,6 +109,46 @@ def test_packed_rows_give_the_loss_of_the_same_sequences_unpacked(tmp_path, tok)
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("data", ["text", "prompt_completion"])
+def test_wrapped_packing_trains_each_cut_as_one_causal_sequence(tmp_path, tok, data):
+    """The reference's wrapped packing: rows laid end to end, cut every max_length, each cut one
+    causal sequence whose targets are its tokens after the first, the format's mask applied. A
+    language-modelling row's first token is then predicted from the previous row's EOS."""
+    texts = ["one two three four", "the sky is blue", "hello there", "a cat who learns arithmetic"]
+    if data == "text":
+        dataset = Dataset.from_dict({"text": texts})
+    else:
+        dataset = prompt_completion(4)
+    trainer = trainer_for(
+        tmp_path, tok, dataset, packing=True, packing_strategy="wrapped", max_length=7,
+        per_device_train_batch_size=64,
+    )  # fmt: skip
+    # the stream by hand: each row's tokens (EOS appended) and, for prompt-completion, its completion
+    stream, targets = [], []
+    for i in range(4):
+        if data == "text":
+            ids = tok(texts[i])["input_ids"] + [tok.eos_token_id]
+            kept = [1] * len(ids)
+        else:
+            prompt = tok(f"What is {i} plus {i}?")["input_ids"]
+            ids = tok(f"What is {i} plus {i}? <answer>{2 * i}</answer>")["input_ids"] + [tok.eos_token_id]
+            kept = [0] * len(prompt) + [1] * (len(ids) - len(prompt))
+        stream += ids
+        targets += kept
+    cuts = [(stream[s : s + 7], targets[s : s + 7]) for s in range(0, len(stream), 7)]
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for ids, kept in cuts:
+            logp = torch.log_softmax(trainer.model(torch.tensor([ids])).logits[0, :-1].float(), dim=-1)
+            picked = logp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+            weights = torch.tensor(kept[1:], dtype=torch.float32)
+            total += -(picked * weights).sum().item()
+            count += int(weights.sum())
+    batch = first_batch(trainer)
+    assert batch.input_ids.shape[0] == len(cuts)
+    assert trainer.compute_loss(trainer.model, batch).item() == pytest.approx(total / count, rel=1e-5)
+
+
 @pytest.mark.parametrize("strategy", ["bfd", "bfd_split", "wrapped"])
 def test_every_packing_strategy_trains(tmp_path, tok, strategy):
     trainer = trainer_for(

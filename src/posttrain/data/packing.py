@@ -12,7 +12,9 @@ Strategies (``SFTConfig.packing_strategy``):
   into ``max_length`` fragments, so no token is lost (Ding et al. 2024, "Fewer Truncations
   Improve Language Modeling"). Each fragment is its own sequence.
 * ``"wrapped"``: concatenate every row and cut every ``max_length`` tokens (T5-style). A bin
-  is then one sequence: tokens attend across the documents it joins, as in the reference.
+  is then one sequence: tokens attend across the documents it joins, as in the reference, and a
+  joined document's first token is a target when its row's mask says so (rows prepared with
+  ``first_token_target=True``); only each bin's own first token is not.
 
 A packed batch has no padding to attend to, but its sequences must not see each other:
 ``position_ids`` restart at 0 at each sequence's start, which is what flash-attention's varlen
@@ -169,13 +171,16 @@ def _join(items: list[tuple[list[int], list[int]]]) -> dict[str, list[int]]:
 
 
 def _wrap(items: list[tuple[list[int], list[int]]], size: int) -> list[dict[str, list[int]]]:
-    """Concatenate every row and cut every ``size`` tokens; each cut is one sequence."""
+    """Concatenate every row and cut every ``size`` tokens; each cut is one sequence.
+
+    Masks travel with their tokens, except that each cut's first token is never a target.
+    """
     ids = [t for item, _ in items for t in item]
     mask = [m for _, item in items for m in item]
     return [
         {
             "input_ids": ids[s : s + size],
-            "loss_mask": mask[s : s + size],
+            "loss_mask": [0, *mask[s + 1 : s + size]],
             "seq_lengths": [len(ids[s : s + size])],
         }
         for s in range(0, len(ids), size)

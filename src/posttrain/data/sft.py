@@ -15,8 +15,11 @@ Four formats, named by their columns (TRL 1.16's ``SFTTrainer`` contract):
 Every tokenised row is ``{"input_ids": [...], "loss_mask": [...]}``. ``loss_mask[t] == 1`` means
 token ``t`` is a prediction *target*: the model is trained to predict it from tokens ``< t``. The
 trainer shifts (the logits at ``t - 1`` score token ``t``), so position 0 of a row is never a
-target; this module always sets ``loss_mask[0] = 0``, which makes ``sum(loss_mask)`` the row's
-exact number of targets.
+target; this module sets ``loss_mask[0] = 0``, which makes ``sum(loss_mask)`` the row's exact
+number of targets. The one exception is ``first_token_target=True``, for ``"wrapped"`` packing:
+rows are then laid end to end and cut, so a row's first token is predicted from the row before
+it, and it keeps the mask its format gives it (1 in a language-modelling row, 0 on a prompt's or
+a chat template's opening token); the packing clears the first token of each cut instead.
 """
 
 from __future__ import annotations
@@ -267,6 +270,7 @@ def tokenize_row(
     chat_template_kwargs: Mapping[str, Any] | None = None,
     dataset_text_field: str = "text",
     index: int | None = None,
+    first_token_target: bool = False,
 ) -> dict[str, list[int]]:
     """Tokenise one row and mark its target tokens.
 
@@ -288,9 +292,12 @@ def tokenize_row(
             is merged over them.
         dataset_text_field: the text column of language-modelling rows.
         index: the row's position, named in error messages.
+        first_token_target: keep the first token's mask as the format gives it (``"wrapped"``
+            packing, where a row's first token follows the previous row's last); else it is 0.
 
     Returns:
-        ``{"input_ids": [...], "loss_mask": [...]}``, equal lengths, ``loss_mask[0] == 0``.
+        ``{"input_ids": [...], "loss_mask": [...]}``, equal lengths, ``loss_mask[0] == 0`` unless
+        ``first_token_target``.
 
     Raises:
         ValueError: an unknown format or truncation mode, an empty completion or conversation,
@@ -313,7 +320,7 @@ def tokenize_row(
     )
     ids, mask = _TOKENIZERS[fmt](row, opts)
     ids, mask = truncate(ids, mask, max_length, truncation_mode)
-    if mask:
+    if mask and not first_token_target:
         mask[0] = 0  # position 0 is never a target: nothing precedes it
     return {"input_ids": ids, "loss_mask": mask}
 
@@ -572,6 +579,7 @@ def prepare_dataset(
     tools: list[Any] | None = None,
     chat_template_kwargs: Mapping[str, Any] | None = None,
     num_proc: int | None = None,
+    first_token_target: bool = False,
 ) -> Any:
     """Tokenise every row and drop the rows left without a target token.
 
@@ -586,6 +594,8 @@ def prepare_dataset(
         dataset_text_field, max_length, truncation_mode, completion_only_loss, assistant_only_loss,
             eos_token, formatting_func, tools, chat_template_kwargs: as in ``tokenize_row``.
         num_proc: worker processes for ``Dataset.map`` (Datasets only).
+        first_token_target: as in ``tokenize_row`` (``"wrapped"`` packing); a row is then kept
+            when any of its tokens is a target, its first included.
 
     Returns:
         The tokenised dataset, of the type given.
@@ -611,6 +621,7 @@ def prepare_dataset(
         "tools": tools,
         "chat_template_kwargs": chat_template_kwargs,
         "dataset_text_field": dataset_text_field,
+        "first_token_target": first_token_target,
     }
     if isinstance(dataset, list):
         out = [tokenize_row(row, index=i, **kwargs) for i, row in enumerate(dataset)]

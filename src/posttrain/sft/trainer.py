@@ -150,6 +150,8 @@ class SFTTrainer(BaseTrainer):
             formatting_func=self.formatting_func,
             chat_template_kwargs=None,
             num_proc=a.dataset_num_proc,
+            # wrapped joins rows into one sequence: a row's first token is predicted from the last
+            first_token_target=pack and a.packing_strategy == "wrapped",
         )
         if not pack:
             return rows
