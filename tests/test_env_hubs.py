@@ -344,6 +344,68 @@ def test_openreward_grpo_training_against_a_local_server(tmp_path, ors_server):
     assert sorted((e["text"], e["reward"]) for e in seen) == [("bye", 0.0)] * 4 + [("hello", 1.0)] * 4
 
 
+def test_openreward_spec_gives_the_references_three_arguments(ors_server):
+    from posttrain.agents.environments import environment_tools
+    from posttrain.agents.hubs import OpenRewardSpec, outcome_reward
+
+    url, _ = ors_server
+    spec = OpenRewardSpec(url)  # a URL: the server's environment is found by itself
+    data = spec.train_dataset
+    assert data.column_names == ["prompt", "task_index", "word"]  # the task's own fields as columns
+    assert data[0] == {"prompt": [{"role": "user", "content": ""}], "task_index": 0, "word": "hello"}
+    env = spec.environment_factory()
+    assert list(environment_tools(env)) == ["echo"]
+    assert not hasattr(env, "get_reward")  # scored by reward_funcs only, never twice
+    assert spec.reward_funcs is outcome_reward
+    assert env.reset(task_index=0) == "Call echo with the word 'hello'."
+    assert outcome_reward([env]) == [None]  # no tool scored the episode: not a scored zero
+    env.reset(task_index=0)
+    env.echo(text="bye")
+    env.echo(text="hello")
+    assert env.rewards == [0.0, 1.0] and outcome_reward([env]) == [1.0]
+    assert OpenRewardSpec(url, include_metadata=False).train_dataset.column_names == ["prompt", "task_index"]
+    assert OpenRewardSpec(url, indices=[0]).train_dataset["task_index"] == [0]
+    with pytest.raises(ValueError, match="both num_tasks and indices"):
+        OpenRewardSpec(url, num_tasks=1, indices=[0])
+    with pytest.raises(ValueError, match=r"indices \[3\] are outside split 'train', which has 1 task"):
+        _ = OpenRewardSpec(url, indices=[3]).train_dataset
+    with pytest.raises(ValueError, match="num_tasks=0 is invalid"):
+        OpenRewardSpec(url, num_tasks=0)
+
+
+def test_openreward_spec_trains_grpo_as_a_reference_script_does(tmp_path, ors_server):
+    from posttrain import GRPOTrainer
+    from posttrain.agents.hubs import OpenRewardSpec
+
+    url, log = ors_server
+    tok = qwen_tokenizer()
+    spec = OpenRewardSpec(url, num_tasks=1)
+    scripts = {
+        "echo with the word": [call("echo", '{"text": "bye"}'), call("echo", '{"text": "hello"}'), "Done."]
+    }
+    model = build_tiny_model(tok)
+    model.config.max_position_embeddings = 4096
+    before = len(events(log))
+    trainer = GRPOTrainer(
+        model=model,
+        args=make_config(
+            tmp_path, num_generations=2, max_steps=2, max_completion_length=400, per_device_train_batch_size=2
+        ),
+        train_dataset=spec.train_dataset,
+        environment_factory=spec.environment_factory,
+        reward_funcs=spec.reward_funcs,
+        processing_class=tok,
+    )
+    trainer.generator = TurnScriptedGenerator(tok, scripts)
+    trainer.train()
+    assert reward_logs(trainer, "outcome_reward") == [1.0, 1.0]
+    reward_keys = {
+        k for e in trainer.state.log_history for k in e if k.startswith("rewards/") and k.endswith("/mean")
+    }
+    assert reward_keys == {"rewards/outcome_reward/mean"}  # the environment is not a second reward source
+    assert [e["text"] for e in events(log)[before:]].count("hello") == 4
+
+
 # ---------------------------------------------------------------------------------------------
 # Harbor
 # ---------------------------------------------------------------------------------------------

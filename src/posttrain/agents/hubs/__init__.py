@@ -3,7 +3,9 @@
 - ``openenv_environment(base_url)``: an OpenEnv server, its action as a tool, or an MCP
   environment's tools (``pip install "posttrain[openenv]"``).
 - ``openreward_environment(name, url=...)`` and ``openreward_tasks``: an ORS server or the
-  OpenReward catalog (``pip install "posttrain[openreward]"``).
+  OpenReward catalog (``pip install "posttrain[openreward]"``); ``OpenRewardSpec(target)``, the
+  reference's one-object form of the same (``train_dataset``, ``environment_factory``,
+  ``reward_funcs``).
 - ``harbor_environment()`` and ``harbor_tasks(path)``: a Harbor task tree run in Harbor's
   sandboxes (``pip install "posttrain[harbor]"``, Python >= 3.12).
 
@@ -22,6 +24,8 @@ _LAZY = {
     "openenv_environment": "posttrain.agents.hubs.openenv_hub",
     "openreward_environment": "posttrain.agents.hubs.openreward_hub",
     "openreward_tasks": "posttrain.agents.hubs.openreward_hub",
+    "OpenRewardSpec": "posttrain.agents.hubs.openreward_hub",
+    "outcome_reward": "posttrain.agents.hubs.openreward_hub",
     "harbor_environment": "posttrain.agents.hubs.harbor_hub",
     "harbor_tasks": "posttrain.agents.hubs.harbor_hub",
 }
