@@ -245,6 +245,58 @@ def test_grpo_trains_two_steps_with_a_tool_that_returns_an_image(tmp_path):
     assert torch.equal(inputs["pixel_values"][start : start + n], screen["pixel_values"])
 
 
+class SomeRowsCallTheTool:
+    """First turn: even rows call ``screenshot``, odd rows answer (after the real generator ran on the
+    prompts, images and all); later turns: the real generator, on the rows that continue."""
+
+    def __init__(self, real: Any, tokenizer: Any) -> None:
+        self.real, self.tokenizer = real, tokenizer
+
+    def generate(self, prompt_ids, prompt_mask, max_new_tokens=None, model_inputs=None):
+        from posttrain.generation.base import Samples
+
+        texts = [
+            self.tokenizer.decode(p[m.bool()], skip_special_tokens=False)
+            for p, m in zip(prompt_ids, prompt_mask, strict=True)
+        ]
+        out = self.real.generate(prompt_ids, prompt_mask, max_new_tokens, model_inputs=model_inputs)
+        if any("<tool_response>" in t for t in texts):
+            return out
+        replies = [call("screenshot", '{"page": 2}') if i % 2 == 0 else "No." for i in range(len(texts))]
+        rows = [
+            self.tokenizer(r, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
+            for r in replies
+        ]
+        return Samples.from_lists(rows, self.tokenizer.pad_token_id, prompt_ids.device)
+
+
+@pytest.mark.parametrize("prompt_images", [True, False], ids=["prompt_images", "text_prompts"])
+def test_qwen3_vl_two_prompts_two_generations_with_a_tool_image_in_some_rows_trains(tmp_path, prompt_images):
+    """Qwen3-VL (interleaved M-RoPE, DeepStack), 2 prompts x 2 generations in two micro-batches of 2;
+    half the rows get a tool image, the real generator continues them with it."""
+    model, processor = tool_processor(build_qwen3_vl)
+    prompts = [[{"role": "user", "content": f"What is {i} plus one?"}] for i in range(4)]  # no image blocks
+    columns = (
+        {"prompt": prompts, "image": [random_image(i) for i in range(4)]}
+        if prompt_images
+        else {"prompt": prompts}
+    )
+    args = make_config(tmp_path, max_steps=1, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                       num_generations=2, logging_steps=1, max_completion_length=200)  # fmt: skip
+    trainer = GRPOTrainer(
+        model=model, reward_funcs=even_token_reward, args=args, train_dataset=Dataset.from_dict(columns),
+        processing_class=processor, tools=[screenshot],
+    )  # fmt: skip
+    trainer.generator = trainer.sampler.generator = SomeRowsCallTheTool(
+        trainer.generator, processor.tokenizer
+    )
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer.train()
+    (log,) = [h for h in trainer.state.log_history if "loss" in h and "train_runtime" not in h]
+    assert math.isfinite(log["loss"]) and log["tools/call_frequency"] == 0.5
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
 # ---- bad inputs ---------------------------------------------------------------------------------
 
 

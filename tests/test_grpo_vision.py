@@ -413,6 +413,64 @@ def test_family_scores_as_a_plain_forward_and_trains(tmp_path, build):
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 
 
+def test_place_images_puts_one_block_per_image_at_the_start_of_the_first_user_message():
+    a, b = random_image(0), random_image(1)
+    prompt = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Compare them."},
+        {"role": "assistant", "content": "Sure."},
+        {"role": "user", "content": "Now?"},
+    ]
+    placed = vision.place_images(prompt, [a, b])
+    assert placed[0] == prompt[0] and placed[2:] == prompt[2:]
+    assert placed[1]["content"] == [
+        {"type": "image"},
+        {"type": "image"},
+        {"type": "text", "text": "Compare them."},
+    ]
+    assert prompt[1]["content"] == "Compare them."  # the row is not changed
+    assert vision.place_images(image_prompt(0), [a]) == image_prompt(0)  # blocks say where images go
+    assert vision.place_images("What is this?", [a]) == "What is this?"  # text writes the image token
+    assert vision.place_images(prompt, []) == prompt
+
+
+@pytest.mark.parametrize(
+    "build",
+    [build_gemma3, build_llava_next, build_qwen2_vl, build_smolvlm, build_qwen3_vl],
+    ids=["gemma3", "llava_next", "qwen2_vl", "smolvlm", "qwen3_vl"],
+)
+def test_a_dataset_without_image_blocks_trains_as_with_them(tmp_path, build):
+    """The spec's dataset format (a prompt and an image column, no blocks): the image goes at the start
+    of the first user message, as in the reference, and the prompt encodes as the explicit blocks do."""
+    from datasets import Dataset
+
+    model, processor = build()
+    plain = [[{"role": "user", "content": f"What is {i} plus one?"}] for i in range(4)]
+    images = [[random_image(i)] for i in range(4)]
+    placed, _ = vision.encode_with_images(
+        processor,
+        processor.tokenizer,
+        [vision.place_images(p, im) for p, im in zip(plain, images, strict=True)],
+        images,
+    )
+    explicit, _ = vision.encode_with_images(
+        processor, processor.tokenizer, [image_prompt(i) for i in range(4)], images
+    )
+    assert placed == explicit
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=even_token_reward,
+        args=_vision_args(tmp_path, max_steps=1),
+        train_dataset=Dataset.from_dict({"prompt": plain, "image": [im[0] for im in images]}),
+        processing_class=processor,
+    )
+    trainer.train()
+    (log,) = [h for h in trainer.state.log_history if "loss" in h and "train_runtime" not in h]
+    assert math.isfinite(log["loss"])
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
 # ---- LoRA on the vision-language projection --------------------------------------------------
 
 

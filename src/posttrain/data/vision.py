@@ -3,7 +3,9 @@
 A row of a multimodal prompt dataset has a ``prompt`` and its images in an ``image`` column
 (one PIL image) or an ``images`` column (a list of them). A conversational prompt marks where
 each image goes with an ``{"type": "image"}`` content block; a plain-text prompt writes the
-processor's image token (``processor.image_token``) there. The model's processor renders and
+processor's image token (``processor.image_token``) there. A conversational prompt whose
+contents are all plain strings (no blocks) gets one image block per image at the start of its
+first user message, as the reference places them (``place_images``). The model's processor renders and
 tokenises a row with its images: it expands each placeholder into the image's tokens and
 returns the pixel values and the model's other image inputs (``core.batch.VisionInputs``).
 """
@@ -54,6 +56,30 @@ def placeholder_count(prompt: Any, image_token: str | None) -> int:
                 1 for block in content if isinstance(block, Mapping) and block.get("type") == "image"
             )
     return count
+
+
+def place_images(prompt: Any, images: Sequence[Any]) -> Any:
+    """A conversational prompt without content blocks, given images, with one ``{"type": "image"}``
+    block per image at the start of its first user message (its text after them), as the
+    reference places a dataset row's images; any other prompt as it is.
+
+    A prompt that already has a list of blocks in some message says where its images go itself
+    (``check_row_images`` then counts them), and a plain-text prompt writes the image token.
+    """
+    if not images or isinstance(prompt, str) or not isinstance(prompt, Sequence):
+        return prompt
+    messages = list(prompt)
+    if any(not isinstance(m, Mapping) or isinstance(m.get("content"), list) for m in messages):
+        return prompt
+    first_user = next((i for i, m in enumerate(messages) if m.get("role") == "user"), None)
+    if first_user is None:
+        return prompt
+    message = messages[first_user]
+    blocks: list[dict[str, Any]] = [{"type": "image"} for _ in images]
+    if message.get("content"):
+        blocks.append({"type": "text", "text": message["content"]})
+    messages[first_user] = {**message, "content": blocks}
+    return messages
 
 
 def check_row_images(prompt: Any, images: Sequence[Any], row: int | str, image_token: str | None) -> None:

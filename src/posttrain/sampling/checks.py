@@ -127,9 +127,8 @@ def check_vision_inputs(
         if hasattr(dataset, "__len__") and len(dataset) > 0 and formats.PROMPT_COLUMN in dataset.column_names:
             first = dataset[0]
             images = vision.row_images(first)
-            vision.check_row_images(
-                first[formats.PROMPT_COLUMN], images, f"0 of {name}", vision.image_token_of(processing_class)
-            )
+            prompt = vision.place_images(first[formats.PROMPT_COLUMN], images)
+            vision.check_row_images(prompt, images, f"0 of {name}", vision.image_token_of(processing_class))
 
 
 def _check_image_model(name: str, column: str, model: Any, processing_class: Any, args: Any) -> None:
