@@ -192,3 +192,37 @@ def test_gspo_with_the_per_sequence_loss_does_not_warn(tmp_path):
         GRPOConfig(
             output_dir=str(tmp_path), loss_type="grpo", importance_sampling_level="sequence", bf16=False
         )
+
+
+# ---- use_liger_kernel ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["grpo", "sft"])
+def test_use_liger_kernel_without_the_package_fails_before_the_model_loads(tmp_path, tok, family):
+    """transformers' Trainer would raise only when train() starts, after the model loaded; the model
+    here does not exist, so the liger error coming first shows nothing was loaded."""
+    from datasets import Dataset
+    from transformers.utils import is_liger_kernel_available
+
+    from posttrain import SFTConfig, SFTTrainer
+
+    if is_liger_kernel_available():
+        pytest.skip("liger-kernel is installed here")
+    with pytest.raises(ImportError, match="use_liger_kernel=True needs the liger-kernel package"):
+        if family == "grpo":
+            GRPOTrainer(
+                model="no-such/model",
+                reward_funcs=constant,
+                args=make_config(tmp_path, use_liger_kernel=True),
+                train_dataset=standard_dataset(),
+                processing_class=tok,
+            )
+        else:
+            SFTTrainer(
+                model="no-such/model",
+                args=SFTConfig(
+                    output_dir=str(tmp_path), use_liger_kernel=True, use_cpu=True, report_to="none"
+                ),
+                train_dataset=Dataset.from_dict({"text": ["one two three"] * 4}),
+                processing_class=tok,
+            )

@@ -109,6 +109,7 @@ class BaseTrainer(Trainer):
         cls, model: Any, args: Any, peft_config: Any = None, quantization_config: Any = None
     ) -> tuple[Any, str]:
         """The policy to train (of the family's ``_model_kind``) and the name or path its tokenizer loads from."""
+        _check_liger(args)
         peft_utils.check_peft_arguments(model, peft_config, args, quantization_config)
         if isinstance(model, str):
             source = loading.resolve_model_path(model)
@@ -561,6 +562,25 @@ def refuse_logit_hooks(trainer: str, logged: str, **hooks: Any) -> None:
             f"{', '.join(given)} need the model's full [batch, length, vocabulary] logits, which posttrain's "
             f"{trainer} never builds (it takes its log-probs from the hidden states in chunks). Remove them; "
             f"{logged} are logged for train and eval."
+        )
+
+
+def _check_liger(args: Any) -> None:
+    """``use_liger_kernel=True`` needs the ``liger-kernel`` package, which transformers' Trainer
+    applies to the model's layers only when training starts; say so before any model loads.
+
+    Raises:
+        ImportError: ``use_liger_kernel=True`` and ``liger-kernel`` is not installed.
+    """
+    if not getattr(args, "use_liger_kernel", False):
+        return
+    from transformers.utils import is_liger_kernel_available
+
+    if not is_liger_kernel_available():
+        raise ImportError(
+            "use_liger_kernel=True needs the liger-kernel package (pip install liger-kernel; its Triton kernels "
+            "run on a GPU), which is not installed. Set use_liger_kernel=False: posttrain's own loss already "
+            "computes the log-probs in chunks without building the [batch, length, vocabulary] logits."
         )
 
 

@@ -106,7 +106,9 @@ class OnlineSampler:
             group: completions per prompt.
         """
         # a row's images without image blocks go at the start of its first user message, as in the reference
-        prompts = [vision.place_images(row.get(formats.PROMPT_COLUMN), vision.row_images(row)) for row in batch]
+        prompts = [
+            vision.place_images(row.get(formats.PROMPT_COLUMN), vision.row_images(row)) for row in batch
+        ]
         if self.agent is not None:
             return self._sample_episodes(batch, prompts, mode)
         for i, p in enumerate(prompts):
