@@ -198,7 +198,6 @@ def test_config_has_the_reference_fields_and_defaults(tmp_path) -> None:
             {"vllm_importance_sampling_clip_min": 2.0, "vllm_importance_sampling_clip_max": 1.5},
             ValueError, "must be below", id="bounds",
         ),
-        pytest.param({"top_p": 0.9}, NotImplementedError, "Keep Sampling Mask", id="top_p"),
         pytest.param({"beta": 0.1}, ValueError, "beta=0.1 does not apply to asynchronous GRPO", id="beta"),
         pytest.param({"steps_per_generation": 2}, ValueError, "one generation batch per optimizer step", id="spg"),
         pytest.param({"weight_sync_steps": 2}, NotImplementedError, "weight_sync_steps=2", id="weight_sync_steps"),
@@ -334,6 +333,97 @@ def test_trains_and_logs_the_metrics(tmp_path, centering) -> None:
     assert logs[0]["kl"] == pytest.approx(0.0, abs=1e-5)  # batch 0: the sampler is the policy
     assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters(), strict=True))
     assert trainer.background is None  # stopped with the training
+
+
+# ---- the Keep Sampling Mask: top-k / top-p / min-p ---------------------------------------------------
+
+TRUNCATIONS = {
+    "top_k": {"top_k": 3},
+    "top_p": {"top_p": 0.5},
+    "min_p": {"min_p": 0.6},
+    "all": {"top_k": 20, "top_p": 0.8, "min_p": 0.3},
+}
+
+
+@pytest.mark.parametrize("settings", TRUNCATIONS.values(), ids=TRUNCATIONS.keys())
+def test_truncated_topk_is_the_softmax_restricted_to_the_support(settings) -> None:
+    from posttrain.ops import support
+
+    torch.manual_seed(1)
+    scores = torch.randn(6, 40, dtype=F64) * 2
+    targets = torch.randint(0, 40, (6,))
+    trunc = support.Truncation(**settings)
+    logps, top_logps, top_ids, ids = support.truncated_topk(scores, targets, 4, trunc)
+    probs = torch.softmax(scores, dim=-1)
+    for i in range(6):  # the support by its definition, filter after filter, the drawn token added
+        keep = torch.ones(40, dtype=torch.bool)
+        if trunc.top_k:
+            keep &= scores[i] >= scores[i].topk(trunc.top_k).values[-1]
+        if trunc.top_p < 1:
+            order = scores[i].masked_fill(~keep, -torch.inf).argsort(descending=True)
+            p = torch.softmax(scores[i].masked_fill(~keep, -torch.inf), dim=-1)[order]
+            needed = int((p.cumsum(0) < trunc.top_p).sum()) + 1  # the smallest head that reaches top_p
+            keep = torch.zeros(40, dtype=torch.bool).index_fill(0, order[:needed], True)
+        if trunc.min_p:
+            p = torch.softmax(scores[i].masked_fill(~keep, -torch.inf), dim=-1)
+            keep &= p >= trunc.min_p * p.max()
+        keep[targets[i]] = True
+        assert ids[i][ids[i] >= 0].tolist() == keep.nonzero().flatten().tolist()
+        restricted = torch.log(probs[i] * keep / (probs[i] * keep).sum())
+        torch.testing.assert_close(logps[i], restricted[targets[i]])
+        n = min(int(keep.sum()), 4)
+        torch.testing.assert_close(top_logps[i, :n], restricted[top_ids[i, :n]])
+        assert torch.isinf(top_logps[i, n:]).all()  # past the support: no token of the sampler
+
+
+@pytest.mark.parametrize("settings", TRUNCATIONS.values(), ids=TRUNCATIONS.keys())
+def test_keep_sampling_mask_gives_ratio_one_on_policy(tmp_path, settings) -> None:
+    """Batch 0 is sampled with the policy's own weights: renormalised on the sampler's support, the
+    policy's log-probs are the sampler's and every importance ratio is 1 (without the mask it is the
+    policy's mass on the support, below 1). The sampled tokens are drawn from the support."""
+    trainer = async_trainer(tmp_path, generator=None, max_staleness=0, max_steps=1, **settings)
+    trainer._start_background(0)
+    (chunk,) = trainer._take_batch(0)
+    trainer._stop_background()
+    kept, r = chunk.sampler_support, chunk.rollout
+    assert kept is not None and torch.isfinite(chunk.sampler_logps).all()
+    out, _ = trainer._renormalised_forward(trainer.model, chunk, False)
+    mask = r.completion_mask.bool()
+    torch.testing.assert_close(out.logps[mask], chunk.sampler_logps[mask], rtol=1e-5, atol=1e-5)
+    if "top_k" in settings:
+        assert int((kept >= 0).sum(-1).max()) <= settings["top_k"]
+    trainer.train()
+    (log,) = [h for h in trainer.state.log_history if "loss" in h and "train_runtime" not in h]
+    assert log["sampling/importance_sampling_ratio/mean"] == pytest.approx(1.0, abs=1e-5)
+    assert log["loss"] == log["loss"] and abs(log["loss"]) < float("inf")  # top slots past a support count 0
+
+
+def test_keep_sampling_mask_gradient_is_the_restricted_log_softmax(tmp_path) -> None:
+    """The renormalised log-probs and their gradient equal log_softmax of the model's logits with
+    every token outside the support at -inf (a stale batch, so the supports are the sampler's)."""
+    trainer = async_trainer(tmp_path, generator=None, max_staleness=1, top_k=5, per_device_train_batch_size=8)
+    trainer._start_background(0)
+    (chunk,) = trainer._take_batch(0)
+    trainer._stop_background()
+    with torch.no_grad():
+        for p in trainer.model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    r, kept = chunk.rollout, chunk.sampler_support
+    mask = r.completion_mask.float()
+    weights = torch.randn(mask.shape) * mask
+    out, _ = trainer._renormalised_forward(trainer.model, chunk, False)
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+    got = torch.autograd.grad((out.logps * weights).sum(), params)
+    ids = torch.cat([r.prompt_ids, r.completion_ids], dim=1)
+    attention = torch.cat([r.prompt_mask, r.completion_mask], dim=1)
+    T = r.completion_ids.shape[1]
+    logits = trainer.model(input_ids=ids, attention_mask=attention).logits[:, -T - 1 : -1].float()
+    inside = torch.zeros_like(logits, dtype=torch.bool).scatter(-1, kept.clamp(min=0), kept >= 0)
+    restricted = torch.log_softmax(logits.masked_fill(~inside, -torch.inf), dim=-1)
+    expected = restricted.gather(-1, r.completion_ids.unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(out.logps * mask, expected * mask, rtol=1e-5, atol=1e-6)
+    for a, b in zip(got, torch.autograd.grad((expected * weights).sum(), params), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
 def test_evaluation_scores_on_policy(tmp_path) -> None:

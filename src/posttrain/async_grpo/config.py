@@ -218,11 +218,3 @@ class AsyncGRPOConfig(OnlineConfig):
                 f"{', '.join(unused)} only apply to sampling from a vLLM server; set use_vllm=True and "
                 "vllm_mode='server' to use it, or leave them at their defaults."
             )
-        filters = (("top_p", self.top_p < 1), ("top_k", self.top_k > 0), ("min_p", self.min_p is not None))
-        filtered = [name for name, on in filters if on]
-        if filtered:
-            raise NotImplementedError(
-                f"{', '.join(filtered)} truncate the sampler's distribution, and asynchronous GRPO's importance ratios "
-                "then need the sampler's support at each position (the paper index's Keep Sampling Mask), which the "
-                "background sampler does not record yet. Leave top_p=1.0, top_k=0 and min_p=None."
-            )

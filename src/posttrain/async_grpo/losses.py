@@ -19,6 +19,11 @@ outside:
 - **The clipped objective** (``score_centering=False``): PPO's token-level clip of ``r`` against
   ``[1 - epsilon, 1 + epsilon_high]``, tokens with ``r`` outside ``[C_min, C_max]`` masked out.
 
+With a truncated sampler (top-k / top-p / min-p) every log-prob here, the policy's and the
+sampler's, is of the distribution restricted to the position's support (the paper index's Keep
+Sampling Mask, ``ops/support.py``); the top slots past a support's size carry ``-inf`` and count
+for nothing, and the tail is the rest of the support.
+
 Both losses are summed over the counted tokens and divided by the step's token count (as the
 reference's asynchronous trainer does). The advantages are the reference's: ``(r - mean_g) /
 (std_g + 1e-8)`` with the population standard deviation of each group.
@@ -83,17 +88,19 @@ def score_centred_loss(
     ratio = torch.exp(logps.detach() - sampler_logps.to(logps.dtype))  # [B, T]
     inside = _in_bounds(ratio, clip_min, clip_max)
     weight = ratio * inside  # f(r_t)
-    p_top = top_logps.detach().exp()  # [B, T, K]
+    # top slots past a truncated support's size are no tokens of the sampler (log-prob -inf)
+    valid = torch.isfinite(sampler_top_logps).to(top_logps.dtype)  # [B, T, K]
+    p_top = top_logps.detach().exp() * valid  # [B, T, K]
     q_top = sampler_top_logps.to(p_top.dtype).exp()
     tail_q = (1.0 - q_top.sum(dim=-1)).clamp(min=0.0)  # [B, T]
     tail_p = (1.0 - p_top.sum(dim=-1)).clamp(min=TAIL_FLOOR)
     tail_ratio = tail_p / tail_q.clamp(min=torch.finfo(tail_q.dtype).tiny)  # 1 / rho: pi / mu on the tail
     tail_inside = _in_bounds(tail_ratio, clip_min, clip_max) & (tail_q > 0)
+    top_ratio = p_top / q_top.clamp(min=torch.finfo(q_top.dtype).tiny)
     coef = p_top * (
-        _in_bounds(p_top / q_top, clip_min, clip_max).to(p_top.dtype)
-        - tail_inside.unsqueeze(-1).to(p_top.dtype)
+        _in_bounds(top_ratio, clip_min, clip_max).to(p_top.dtype) - tail_inside.unsqueeze(-1).to(p_top.dtype)
     )
-    centred = weight * logps - (coef * top_logps).sum(dim=-1)  # [B, T]
+    centred = weight * logps - (coef * top_logps.masked_fill(valid == 0, 0.0)).sum(dim=-1)  # [B, T]
     per_token = -advantages.to(logps.dtype).unsqueeze(1) * centred
     loss = (per_token * mask).sum() / norms.tokens
     return loss, {"ratio": ratio, "masked": ~inside}

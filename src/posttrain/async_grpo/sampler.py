@@ -29,7 +29,8 @@ import torch
 
 from posttrain.core.batch import Rollout
 from posttrain.observe.metrics import MetricStore
-from posttrain.ops.logprobs import sampler_topk
+from posttrain.ops.logprobs import sampler_topk, sampler_topk_truncated
+from posttrain.ops.support import Truncation
 from posttrain.sampling.pipeline import OnlineSampler
 
 
@@ -42,6 +43,8 @@ class SampledBatch:
         version: the optimizer steps behind the weights that sampled it.
         rollout, rewards: the completions and their [n, F] rewards.
         sampler_logps: [n, T]; sampler_top_logps, sampler_top_ids: [n, T, K].
+        sampler_support: [n, T, M] the ids of each position's truncated support (``-1`` padded),
+            or ``None`` when the sampler does not truncate (``ops/support.py``).
         metrics: what the reward functions logged while it was scored (means).
         faults: reward-function faults counted while it was scored.
         texts: prompts, completions and log_extra columns (the completions table).
@@ -55,6 +58,7 @@ class SampledBatch:
     sampler_logps: torch.Tensor
     sampler_top_logps: torch.Tensor
     sampler_top_ids: torch.Tensor
+    sampler_support: torch.Tensor | None = None
     metrics: dict[str, float] = field(default_factory=dict)
     faults: dict[str, int] = field(default_factory=dict)
     texts: Any = None
@@ -75,6 +79,8 @@ class BackgroundSampler:
         max_staleness: how many steps the sampling weights may lag (``AsyncGRPOConfig``).
         group: completions per prompt.
         temperature, num_logprobs: the sampler's log-prob pass.
+        truncation: the sampler's top-k / top-p / min-p (``ops/support.Truncation``); when active,
+            the log-prob pass reports the distribution restricted to each position's support.
         timeout: seconds either side waits for the other before failing.
         ready: batches made before a checkpoint, not yet trained on (a resume).
         last_index: the sampler makes no batch from this index on (the run's ``max_steps``).
@@ -95,6 +101,7 @@ class BackgroundSampler:
         timeout: float,
         ready: list[SampledBatch] | None = None,
         last_index: int | None = None,
+        truncation: Truncation | None = None,
     ) -> None:
         self.model, self.sampler, self.metrics = model, sampler, metrics
         self._batches, self._next, self._version = batches, first_index, version
@@ -102,6 +109,7 @@ class BackgroundSampler:
         self.temperature, self.num_logprobs, self.timeout = temperature, num_logprobs, timeout
         self._ready: dict[int, SampledBatch] = {b.index: b for b in ready or []}
         self._last = last_index
+        self.truncation = truncation if truncation is not None and truncation.active else None
         self._staged: tuple[int, dict[str, torch.Tensor]] | None = None
         self._buffers: dict[str, torch.Tensor] | None = None
         self._error: BaseException | None = None
@@ -214,14 +222,8 @@ class BackgroundSampler:
     def _make(self, index: int, rows: list[dict[str, Any]]) -> SampledBatch:
         start = time.perf_counter()
         rollout, rewards = self.sampler.sample(rows, "train", self.group)
-        logps, top_logps, top_ids = sampler_topk(
-            self.model,
-            rollout.prompt_ids,
-            rollout.prompt_mask,
-            rollout.completion_ids,
-            rollout.completion_mask,
-            self.temperature,
-            self.num_logprobs,
+        logps, top_logps, top_ids, kept = sampler_report(
+            self.model, rollout, self.temperature, self.num_logprobs, self.truncation
         )
         return SampledBatch(
             index=index,
@@ -231,8 +233,21 @@ class BackgroundSampler:
             sampler_logps=logps,
             sampler_top_logps=top_logps,
             sampler_top_ids=top_ids,
+            sampler_support=kept,
             metrics=self.metrics.pop_means("train"),
             faults=self.sampler.rewards.pop_faults(),
             texts=self.sampler.sampled_text,
             seconds=time.perf_counter() - start,
         )
+
+
+def sampler_report(
+    model: torch.nn.Module, rollout: Rollout, temperature: float, k: int, truncation: Truncation | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The sampler's log-probs of its tokens, its top ``k`` and (truncating) its supports, from one
+    teacher-forced pass of ``model``: ``(logps, top_logps, top_ids, support or None)``."""
+    r = rollout
+    args = (model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, temperature, k)
+    if truncation is None or not truncation.active:
+        return (*sampler_topk(*args), None)
+    return sampler_topk_truncated(*args, truncation)

@@ -5,6 +5,7 @@ are ``sampling.OnlineTrainer``'s::
 
     background thread: batch k = sample(rows k) with the weights of step max(0, k - S),
                        scored, with the sampler's log-probs and its top-K tokens   # sampler.py
+                       (and its truncated supports with top-k / top-p / min-p)
     trainer, step k:   batch k -> group advantages (population std, + 1e-8)      # losses.py
                        loss = score-centred (or clipped) objective against the sampler
                        after the step: publish the weights of step k + 1 to the sampler
@@ -15,6 +16,7 @@ from __future__ import annotations
 import copy
 import os
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -23,9 +25,11 @@ from transformers import PreTrainedModel, TrainerCallback
 
 from posttrain.async_grpo import losses
 from posttrain.async_grpo.config import AsyncGRPOConfig
-from posttrain.async_grpo.sampler import BackgroundSampler, SampledBatch
+from posttrain.async_grpo.sampler import BackgroundSampler, SampledBatch, sampler_report
 from posttrain.observe.metrics import MetricStore
-from posttrain.ops.logprobs import sampler_topk
+from posttrain.ops import support
+from posttrain.ops.logprobs import PolicyOutput
+from posttrain.ops.support import Truncation
 from posttrain.rewards.runner import weighted_sum
 from posttrain.sampling.pipeline import OnlineSampler
 from posttrain.sampling.rollout import ScoredRollout
@@ -124,6 +128,7 @@ class AsyncGRPOTrainer(OnlineTrainer):
             peft_config,
         )
         self.epsilon_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
+        self._truncation = Truncation(args.top_k, args.top_p, args.min_p)
         self._built_generator = self.sampler.generator
         self.background: BackgroundSampler | None = None
         self._resumed: list[SampledBatch] = []
@@ -184,6 +189,7 @@ class AsyncGRPOTrainer(OnlineTrainer):
             timeout=a.weight_sync_timeout,
             ready=ready,
             last_index=self.state.max_steps if self.state.max_steps > 0 else None,
+            truncation=self._truncation,
         )
         self.background.start()
 
@@ -239,6 +245,7 @@ class AsyncGRPOTrainer(OnlineTrainer):
             sampler_logps=got.sampler_logps,
             sampler_top_logps=got.sampler_top_logps,
             sampler_top_ids=got.sampler_top_ids,
+            sampler_support=got.sampler_support,
         )
         return self._score_rollout(scored, "train", a.steps_per_generation, a.num_generations)
 
@@ -277,12 +284,12 @@ class AsyncGRPOTrainer(OnlineTrainer):
         """The score-centred (or clipped) objective of one micro-batch against its sampler."""
         a, r = self.args, inputs.rollout
         if inputs.sampler_logps is None:  # evaluation samples with the policy itself
-            inputs.sampler_logps, inputs.sampler_top_logps, inputs.sampler_top_ids = sampler_topk(
-                model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, a.temperature,
-                a.num_sampler_logprobs,
-            )  # fmt: skip
-        top_ids = inputs.sampler_top_ids if a.score_centering else None
-        out, mode = self._policy_forward(model, inputs, return_outputs, with_entropy=True, extra_ids=top_ids)
+            with torch.no_grad():
+                (inputs.sampler_logps, inputs.sampler_top_logps, inputs.sampler_top_ids,
+                 inputs.sampler_support) = sampler_report(
+                    model, r, a.temperature, a.num_sampler_logprobs, self._truncation
+                )  # fmt: skip
+        out, mode = self._renormalised_forward(model, inputs, return_outputs)
         mask = self._loss_mask(r).to(out.logps.dtype)
         lo, hi = a.vllm_importance_sampling_clip_min, a.vllm_importance_sampling_clip_max
         if a.score_centering:
@@ -299,6 +306,24 @@ class AsyncGRPOTrainer(OnlineTrainer):
         loss = self._with_aux_loss(loss, out, inputs, metrics)
         self._metrics.add_all(mode, metrics)
         return loss
+
+    def _renormalised_forward(
+        self, model: torch.nn.Module, inputs: ScoredRollout, return_outputs: bool
+    ) -> tuple[PolicyOutput, str]:
+        """The policy's log-probs of the tokens (and of the sampler's top tokens with score
+        centering), renormalised on the sampler's truncated support when it has one: the paper
+        index's Keep Sampling Mask, ``log pi_S(v) = log pi(v) - log sum_{u in S} pi(u)``."""
+        top_ids = inputs.sampler_top_ids if self.args.score_centering else None
+        kept = inputs.sampler_support
+        parts = [t for t in (top_ids, None if kept is None else support.gather_ids(kept)) if t is not None]
+        extra = torch.cat(parts, dim=-1) if parts else None
+        out, mode = self._policy_forward(model, inputs, return_outputs, with_entropy=True, extra_ids=extra)
+        if kept is None:
+            return out, mode
+        k = 0 if top_ids is None else top_ids.shape[-1]
+        log_mass = support.support_log_mass(out.extra_logps[..., k:], kept)  # [B, T], with gradient
+        top = out.extra_logps[..., :k] - log_mass.unsqueeze(-1) if k else None
+        return replace(out, logps=out.logps - log_mass, extra_logps=top), mode
 
     def _loss_metrics(
         self, out: Any, inputs: ScoredRollout, mask: torch.Tensor, stats: dict[str, torch.Tensor]

@@ -39,6 +39,7 @@ from posttrain.generation.transformers_backend import (
     cache_argument,
     core_model,
 )
+from posttrain.ops.support import truncate_scores
 
 if TYPE_CHECKING:
     from posttrain.generation.cuda_graph import GraphedDecodeStep
@@ -390,21 +391,7 @@ class ScoreProcessor:
             scores = torch.where(self.eos_mask, -math.inf, scores)
         if s.temperature is not None and s.temperature != 1.0:
             scores = scores / s.temperature
-        if s.top_k is not None and s.top_k != 0:
-            kth = torch.topk(scores, min(s.top_k, scores.shape[-1]))[0][..., -1, None]
-            scores = scores.masked_fill(scores < kth, -math.inf)
-        if s.top_p is not None and s.top_p < 1.0:
-            sorted_scores, order = torch.sort(scores, descending=False)
-            cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
-            remove = cumulative <= (1 - s.top_p)
-            remove[..., -1:] = False  # keep at least one token
-            scores = scores.masked_fill(remove.scatter(1, order, remove), -math.inf)
-        if s.min_p is not None:
-            probs = torch.softmax(scores, dim=-1)
-            remove = probs < s.min_p * probs.amax(dim=-1, keepdim=True)
-            remove.scatter_(-1, torch.topk(probs, 1, dim=-1).indices, False)
-            scores = scores.masked_fill(remove, -math.inf)
-        return scores
+        return truncate_scores(scores, s.top_k, s.top_p, s.min_p)  # top-k, top-p, min-p (ops/support.py)
 
 
 def sample_tokens(scores: torch.Tensor) -> torch.Tensor:

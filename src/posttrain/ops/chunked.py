@@ -47,6 +47,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from posttrain.ops import support
+
 DEFAULT_CHUNK_SIZE = 256
 """Token rows projected at once. One chunk's float32 logits take ``chunk_size * V * 4`` bytes (50 MB
 for SmolLM2's V = 49152), and forward holds two such buffers at most, backward one (two with the
@@ -388,6 +390,35 @@ def token_topk(
         logps[rows] = target_u - log_norm
         top_logps[rows], top_ids[rows] = (top.values - peak) - log_norm.unsqueeze(1), top.indices
     return logps.view(shape), top_logps.view(*shape, k), top_ids.view(*shape, k)
+
+
+def token_topk_truncated(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    temperature: float,
+    k: int,
+    truncation: Any,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``token_topk`` on a truncated sampler (``ops/support.py``), without gradient.
+
+    Returns:
+        ``(logps [...], top_logps [..., k], top_ids [..., k], support [..., M])``: log-probs under
+        the softmax restricted to each position's support, and the support's ids (``-1`` padded).
+    """
+    shape = targets.shape
+    flat_h, flat_t = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+    parts = [
+        support.truncated_topk(_scaled_logits(flat_h[s : s + chunk_size], weight, bias, temperature),
+                               flat_t[s : s + chunk_size], k, truncation)
+        for s in range(0, flat_t.shape[0], chunk_size)
+    ]  # fmt: skip
+    logps, top_logps, top_ids = (torch.cat([p[i] for p in parts]) for i in range(3))
+    ids = support.pad_support([p[3] for p in parts])
+    k = top_ids.shape[-1]
+    return logps.view(shape), top_logps.view(*shape, k), top_ids.view(*shape, k), ids.view(*shape, -1)
 
 
 # ---- which models, and their hidden states --------------------------------------------------

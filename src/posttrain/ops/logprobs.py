@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from posttrain.ops import checkpointing, chunked, shared_prefix
+from posttrain.ops import checkpointing, chunked, shared_prefix, support
 from posttrain.ops.divergence import HeadInputs, log_softmax
 
 
@@ -185,6 +185,43 @@ def sampler_topk(
     logp_all = torch.log_softmax(logits, dim=-1)
     top = logp_all.topk(k, dim=-1)
     return logp_all.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1), top.values, top.indices
+
+
+def sampler_topk_truncated(
+    model: torch.nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+    temperature: float,
+    k: int,
+    truncation: Any,
+    chunk_size: int = chunked.DEFAULT_CHUNK_SIZE,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``sampler_topk`` for a sampler with top-k / top-p / min-p (``ops/support.Truncation``).
+
+    The support of each position is the sampler's filters applied to its own teacher-forced scores
+    (the drawn token always in it); the log-probs are the softmax restricted to it.
+
+    Returns:
+        ``(logps [B, T], top_logps [B, T, k], top_ids [B, T, k], support [B, T, M])``; top slots
+        past a support's size have log-prob ``-inf``, support ids past it are ``-1``.
+    """
+    inputs = _row_inputs(prompt_ids, prompt_mask, completion_ids, completion_mask)
+    found = _completion_hidden(model, inputs, prompt_ids, prompt_mask, completion_ids, completion_mask, True)
+    if found is not None:
+        head = chunked.causal_lm(model).get_output_embeddings()
+        return chunked.token_topk_truncated(
+            chunked.head_input(model, found[1]), head.weight, head.bias, completion_ids, temperature, k,
+            truncation, chunk_size,
+        )  # fmt: skip
+    B, T = completion_ids.shape
+    logits = model(**inputs, logits_to_keep=T + 1).logits[:, :-1, :].float() / temperature  # [B, T, V]
+    logps, top_logps, top_ids, ids = support.truncated_topk(
+        logits.reshape(B * T, -1), completion_ids.reshape(-1), k, truncation
+    )
+    kk = top_ids.shape[-1]
+    return logps.view(B, T), top_logps.view(B, T, kk), top_ids.view(B, T, kk), ids.view(B, T, -1)
 
 
 def completion_head_inputs(

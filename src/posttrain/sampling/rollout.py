@@ -17,7 +17,14 @@ from posttrain.ops.reductions import Normalizers
 
 # Per-token tensors of a ScoredRollout, [N, T] (or [N, T, K]) like the completions, sliced and
 # trimmed with them.
-TOKEN_FIELDS = ("old_logps", "ref_logps", "sampler_logps", "sampler_top_logps", "sampler_top_ids")
+TOKEN_FIELDS = (
+    "old_logps",
+    "ref_logps",
+    "sampler_logps",
+    "sampler_top_logps",
+    "sampler_top_ids",
+    "sampler_support",
+)
 
 
 @dataclass
@@ -34,6 +41,8 @@ class ScoredRollout:
         sampler_logps: [N, T] the sampler's own log-probs of the tokens (asynchronous GRPO).
         sampler_top_logps, sampler_top_ids: [N, T, K] the sampler's K most likely tokens at each
             position and their log-probs (score centering).
+        sampler_support: [N, T, M] the ids of each position's truncated support, ``-1`` padded, when
+            the sampler truncates (top-k / top-p / min-p, asynchronous GRPO), or ``None``.
         teacher_prompt_ids, teacher_prompt_mask: [N, P'] the prompts a teacher reads the same
             completions after, left padded (self-distillation's privileged context), or ``None``.
         teacher_index: [N] which of several teachers scores each row (multi-teacher distillation), or ``None``.
@@ -50,6 +59,7 @@ class ScoredRollout:
     sampler_logps: torch.Tensor | None = None
     sampler_top_logps: torch.Tensor | None = None
     sampler_top_ids: torch.Tensor | None = None
+    sampler_support: torch.Tensor | None = None
     teacher_prompt_ids: torch.Tensor | None = None
     teacher_prompt_mask: torch.Tensor | None = None
     teacher_index: torch.Tensor | None = None
