@@ -113,6 +113,40 @@ def test_metrics_have_the_reference_names_and_agree(tmp_path, tok):
     assert logs[-1]["num_tokens"] > logs[0]["num_tokens"]
 
 
+def test_token_metrics_are_the_references_entropy_over_both_accuracy_over_chosen(tmp_path, tok):
+    """entropy: the token mean over both completions; mean_token_accuracy: the share of the chosen
+    completions' tokens that are the model's argmax (the reference's definition). The chosen
+    completions are the model's own greedy ones, so the two sides' accuracies differ."""
+    model = build_tiny_model(tok)
+    prompts = [f"What is {i} plus {i}?" for i in range(4)]
+    greedy = []
+    for p in prompts:
+        ids = tok(p, return_tensors="pt")["input_ids"]
+        out = model.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=tok.eos_token_id)
+        greedy.append(tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
+    data = Dataset.from_dict({"prompt": prompts, "chosen": greedy, "rejected": [" no" * 3] * 4})
+    trainer = trainer_for(tmp_path, tok, dataset=data, model=model, max_steps=1, learning_rate=0.0)
+    batch = first_batch(trainer)
+    totals = {}
+    with torch.no_grad():
+        for side in ("chosen", "rejected"):
+            rows = getattr(batch.pairs, side)
+            logits = trainer.model(input_ids=rows.input_ids, attention_mask=rows.attention_mask).logits[
+                :, :-1
+            ]
+            logp = torch.log_softmax(logits.double(), dim=-1)
+            mask = rows.loss_mask[:, 1:].double()
+            hits = (logits.argmax(-1) == rows.input_ids[:, 1:]).double()
+            entropy = -(logp.exp() * logp).sum(-1)
+            totals[side] = ((hits * mask).sum().item(), (entropy * mask).sum().item(), mask.sum().item())
+    trainer.train()
+    (log,) = [h for h in trainer.state.log_history if "loss" in h and "train_runtime" not in h]
+    c, r = totals["chosen"], totals["rejected"]
+    assert log["mean_token_accuracy"] == pytest.approx(c[0] / c[2], rel=1e-6)
+    assert c[0] / c[2] != pytest.approx((c[0] + r[0]) / (c[2] + r[2]))  # the chosen side alone counts
+    assert log["entropy"] == pytest.approx((c[1] + r[1]) / (c[2] + r[2]), rel=1e-5)
+
+
 def test_conversational_and_implicit_prompt_pairs_train(tmp_path, tok):
     chats = Dataset.from_dict(
         {

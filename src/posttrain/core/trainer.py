@@ -331,7 +331,9 @@ class BaseTrainer(Trainer):
         elif self.eval_dataset is not None:
             self.eval_dataset = prepare(self.eval_dataset)
 
-    def _token_metrics(self, mode: str, stats: Any, mask: torch.Tensor, rows: Any) -> dict[str, float]:
+    def _token_metrics(
+        self, mode: str, stats: Any, mask: torch.Tensor, rows: Any, accuracy_mask: torch.Tensor | None = None
+    ) -> dict[str, float]:
         """The per-token metrics every offline trainer logs, over every process's target tokens.
 
         ``entropy`` and ``mean_token_accuracy`` (when ``stats`` has them), ``num_tokens`` (train:
@@ -342,15 +344,20 @@ class BaseTrainer(Trainer):
             stats: the ``SequenceStats`` of the micro-batch.
             mask: [N, L - 1] 1 on the target tokens.
             rows: the micro-batch's ``Sequences``.
+            accuracy_mask: the targets ``mean_token_accuracy`` counts, when not all of ``mask``
+                (a preference pair's chosen side, as the reference counts it).
         """
         device = self.accelerator.device
         m: dict[str, float] = {}
         if stats.entropy is not None and stats.top is not None:
             correct = (stats.logps.detach() == stats.top).to(mask.dtype)
-            local = torch.stack([(stats.entropy * mask).sum(), (correct * mask).sum(), mask.sum()]).to(device)
-            entropy, hits, targets = gather(local.unsqueeze(0)).sum(dim=0).tolist()
+            counted = mask if accuracy_mask is None else accuracy_mask.to(mask.dtype)
+            local = torch.stack(
+                [(stats.entropy * mask).sum(), mask.sum(), (correct * counted).sum(), counted.sum()]
+            ).to(device)
+            entropy, targets, hits, counted_targets = gather(local.unsqueeze(0)).sum(dim=0).tolist()
             m["entropy"] = entropy / max(targets, 1.0)
-            m["mean_token_accuracy"] = hits / max(targets, 1.0)
+            m["mean_token_accuracy"] = hits / max(counted_targets, 1.0)
         if mode == "train":
             padded = rows.attention_mask is not None and rows.attention_mask.dim() == 2
             tokens = int(rows.attention_mask.sum()) if padded else rows.input_ids.numel()

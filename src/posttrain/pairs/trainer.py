@@ -199,7 +199,8 @@ class PairTrainer(BaseTrainer):
         rejected_rewards: torch.Tensor,
         rows: Sequences,
     ) -> dict[str, float]:
-        """The reference's pair metrics, averaged over every process's pairs.
+        """The reference's pair metrics, averaged over every process's pairs (``entropy`` over both
+        completions' tokens, ``mean_token_accuracy`` over the chosen ones').
 
         Args:
             mode: ``"train"`` or ``"eval"``.
@@ -232,7 +233,11 @@ class PairTrainer(BaseTrainer):
             "logits/chosen": (g[:, 6].sum() / g[:, 8].sum().clamp(min=1)).item(),
             "logits/rejected": (g[:, 7].sum() / g[:, 9].sum().clamp(min=1)).item(),
         }
-        m.update(self._token_metrics(mode, stats, mask, rows))
+        # mean_token_accuracy counts the chosen completions' tokens, as the reference's DPO does
+        chosen = mask.clone()
+        if chosen.shape[0] == 2 * n:  # rows: the chosen completions, then the rejected
+            chosen[n:] = 0
+        m.update(self._token_metrics(mode, stats, mask, rows, accuracy_mask=chosen))
         return m
 
 
