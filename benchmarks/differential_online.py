@@ -1,0 +1,272 @@
+"""Differential check of posttrain's RLOO and online DPO trainers against the reference (TRL 1.16) on identical rollouts.
+
+Run in the benchmark environment, where both libraries are installed::
+
+    OMP_NUM_THREADS=1 benchmarks/.venv/bin/python benchmarks/differential_online.py
+    OMP_NUM_THREADS=1 benchmarks/.venv/bin/python benchmarks/differential_online.py --only rloo rloo_beta_0
+
+The reference's RLOOTrainer and OnlineDPOTrainer have no ``rollout_func``, so each library's
+generation is replaced in place by the same scripted completions: the reference's RLOO
+``_generate_single_turn`` (which returns each row's completion ids) and online DPO ``_generate``
+(its own tokenisation and sampling kept, the sampled completions then replaced), and posttrain's
+generator (``trainer.generator``, which returns ``Samples``). A completion is a deterministic function of the row's prompt tokens, its index in
+the group and the call number (``differential.rollout_plan``: some end with EOS, some are cut at
+``max_completion_length`` without it). Rewards are deterministic functions of the completion
+tokens. Everything else (the tiny seeded Llama whose pad token is EOS, the options, the
+comparison of every metric both log and of the parameters after 3 plain-SGD steps) is
+``differential.py``'s.
+
+Nothing here is copied from the reference; it only calls both libraries' public API and replaces
+one generation method of each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from differential import BASE, PROMPTS, build_model_dir, compare, fmt, rollout_plan  # noqa: E402
+
+RLOO_BASE = dict(BASE)
+
+#: Online DPO's options (its config has no num_generations / max_completion_length).
+ONLINE_DPO_BASE = {
+    **{
+        k: v
+        for k, v in BASE.items()
+        if k not in ("num_generations", "max_completion_length", "shuffle_dataset", "log_completions")
+    },
+    "per_device_train_batch_size": 4,  # prompts; two completions each
+    "max_new_tokens": 8,
+}
+
+CONFIGS: dict[str, dict] = {
+    "rloo": {},  # beta=0.05, the reference's default
+    "rloo_beta_0": {"beta": 0.0},
+    "rloo_normalize_advantages": {"normalize_advantages": True},
+    "rloo_reward_clip": {"reward_clip_range": (-1.0, 1.0)},
+    "rloo_num_iterations_2": {"num_iterations": 2, "epsilon": 0.05},
+    "rloo_epsilon_high": {"num_iterations": 2, "epsilon": 0.05, "epsilon_high": 0.1},
+    "rloo_mask_truncated": {"mask_truncated_completions": True},
+    "rloo_reward_weights": {"reward_weights": [1.0, -0.5]},
+    "rloo_temperature": {"temperature": 0.7},
+    "online_dpo": {},  # sigmoid, beta 0.1
+    "online_dpo_ipo": {"loss_type": "ipo"},
+    "online_dpo_beta": {"beta": 0.5},
+    "online_dpo_missing_eos_penalty": {"missing_eos_penalty": 1.0},
+}
+
+
+def spread_reward(completion_ids, **kwargs):
+    """Few ties between two completions of one prompt (online DPO picks the better one)."""
+    return [0.01 * sum(ids) + 0.1 * len(ids) for ids in completion_ids]
+
+
+def token_sum_reward(completion_ids, **kwargs):
+    return [float(sum(ids) % 5) for ids in completion_ids]
+
+
+def length_reward(completion_ids, **kwargs):
+    return [0.1 * len(ids) for ids in completion_ids]
+
+
+class Script:
+    """The same completions for the same rows, whichever library asks."""
+
+    def __init__(self, tok):
+        self.tok, self.calls = tok, 0
+
+    def completions(self, prompts: list[list[int]]) -> list[list[int]]:
+        eos, specials = self.tok.eos_token_id, set(self.tok.all_special_ids)
+        seen: dict[tuple[int, ...], int] = {}
+        out = []
+        for ids in prompts:
+            key = tuple(ids)
+            j = seen.get(key, 0)
+            seen[key] = j + 1
+            text = self.tok.decode(list(ids))
+            out.append(rollout_plan(text, j, self.calls, len(self.tok), specials, eos)[0])
+        self.calls += 1
+        return out
+
+
+def scripted_online_dpo(generate, script):
+    """The reference's online DPO ``_generate`` with its sampled completions replaced by the script's
+    (right padded, the mask 1 through the EOS, as its own truncation leaves them)."""
+    import torch
+
+    def scripted(model, prompts, images=None):
+        prompt_ids, prompt_mask, _, _, vision = generate(model, prompts, images)
+        rows = [
+            [t for t, m in zip(r, k, strict=True) if m]
+            for r, k in zip(prompt_ids.tolist(), prompt_mask.tolist(), strict=True)
+        ]
+        done = script.completions(rows)
+        width = max(len(c) for c in done)
+        pad = script.tok.pad_token_id
+        ids = torch.tensor([c + [pad] * (width - len(c)) for c in done], device=prompt_ids.device)
+        mask = torch.tensor([[1] * len(c) + [0] * (width - len(c)) for c in done], device=prompt_ids.device)
+        return prompt_ids, prompt_mask, ids, mask, vision
+
+    return scripted
+
+
+def run_child(lib: str, name: str, model_dir: str, out_path: str) -> None:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+
+    torch.set_num_threads(1)
+    online_dpo = name.startswith("online_dpo")
+    if lib == "trl" and online_dpo:
+        from trl.experimental.online_dpo import OnlineDPOConfig as Config
+        from trl.experimental.online_dpo import OnlineDPOTrainer as Trainer
+    elif lib == "trl":
+        from trl import RLOOConfig as Config
+        from trl import RLOOTrainer as Trainer
+    elif online_dpo:
+        from posttrain import OnlineDPOConfig as Config
+        from posttrain import OnlineDPOTrainer as Trainer
+    else:
+        from posttrain import RLOOConfig as Config
+        from posttrain import RLOOTrainer as Trainer
+    script = Script(AutoTokenizer.from_pretrained(model_dir))
+    result: dict = {"lib": lib, "config": name}
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            args = Config(
+                output_dir=tmp, **{**(ONLINE_DPO_BASE if online_dpo else RLOO_BASE), **CONFIGS[name]}
+            )
+            trainer = Trainer(
+                model=model_dir,
+                reward_funcs=[spread_reward] if online_dpo else [token_sum_reward, length_reward],
+                args=args,
+                train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+                processing_class=script.tok,  # the reference's online DPO needs it given
+            )
+            if lib == "trl" and online_dpo:
+                trainer._generate = scripted_online_dpo(trainer._generate, script)
+            elif lib == "trl":
+                trainer._generate_single_turn = lambda prompt_ids, images, fields: script.completions(
+                    prompt_ids
+                )
+            else:
+                from posttrain.generation.base import Samples
+
+                class Scripted:
+                    def generate(self, prompt_ids, prompt_mask, **kwargs):
+                        prompts = [
+                            [t for t, m in zip(row, mask, strict=True) if m]
+                            for row, mask in zip(prompt_ids.tolist(), prompt_mask.tolist(), strict=True)
+                        ]
+                        return Samples.from_lists(
+                            script.completions(prompts), script.tok.pad_token_id, prompt_ids.device
+                        )
+
+                trainer.generator = trainer.sampler.generator = Scripted()
+            trainer.train()
+        except Exception as exc:  # noqa: BLE001 - recorded as "not accepted"
+            import traceback
+
+            result["error"] = f"{type(exc).__name__}: {exc}"
+            result["traceback"] = traceback.format_exc()[-3000:]
+            with open(out_path, "w") as f:
+                json.dump(result, f)
+            return
+        result["log_history"] = trainer.state.log_history
+        result["calls"] = script.calls
+        params = {k: v.detach().float().cpu() for k, v in trainer.model.state_dict().items()}
+        torch.save(params, out_path + ".pt")
+    with open(out_path, "w") as f:
+        json.dump(result, f, default=float)
+
+
+def run_parent(names: list[str], keep: str | None, verbose: bool) -> int:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    work = keep or tempfile.mkdtemp(prefix="differential-online-")
+    model_dir = os.path.join(work, "model")
+    if not os.path.exists(os.path.join(model_dir, "config.json")):
+        build_model_dir(model_dir)
+    init_path = os.path.join(work, "init.pt")
+    m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    torch.save({k: v.detach().float() for k, v in m.state_dict().items()}, init_path)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+           "TOKENIZERS_PARALLELISM": "false", "TRL_EXPERIMENTAL_SILENCE": "1"}  # fmt: skip
+    rows, t0 = [], time.time()
+    for name in names:
+        res = {}
+        for lib in ("trl", "posttrain"):
+            path = os.path.join(work, f"{name}.{lib}.json")
+            cmd = [sys.executable, os.path.abspath(__file__), "--lib", lib, "--config", name,
+                   "--model_dir", model_dir, "--out", path]  # fmt: skip
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            if not os.path.exists(path):
+                res[lib] = {"error": f"exit {proc.returncode}: {proc.stderr[-1500:]}"}
+                continue
+            with open(path) as f:
+                res[lib] = json.load(f)
+            if os.path.exists(path + ".pt"):
+                res[lib]["_pt"] = path + ".pt"
+            res[lib]["_init"] = init_path
+        errs = {lib: r["error"] for lib, r in res.items() if "error" in r}
+        if errs:
+            rows.append((name, "NOT COMPARED", "; ".join(f"{k}: {v[:200]}" for k, v in errs.items()), ""))
+            print(f"[{name}] not compared: {errs}", flush=True)
+            if verbose:
+                for r in res.values():
+                    print(r.get("traceback", ""))
+            continue
+        c = compare(res["trl"], res["posttrain"])
+        w = c["worst"][1]
+        worst = "all equal" if w is None or c["worst"][0] == 0.0 else (
+            f"{w[0]} (step {w[3]}): trl {fmt(w[1])} / posttrain {fmt(w[2])}"
+        )  # fmt: skip
+        status = "agree" if c["agree"] else "DIFFER"
+        rows.append((name, status, worst, f"{c['param_maxdiff']:.2e} (update {c['param_maxupdate']:.2e})"))
+        print(f"[{name}] {status}; worst {worst}; params {c['param_maxdiff']:.2e}; generation calls "
+              f"trl {res['trl']['calls']} posttrain {res['posttrain']['calls']}", flush=True)  # fmt: skip
+        if c["only_trl"] or c["only_posttrain"]:
+            print(f"    only trl: {sorted(c['only_trl'])}; only posttrain: {sorted(c['only_posttrain'])}")
+        if verbose or not c["agree"]:
+            for k, a, b, r, step in c["bad"][:12]:
+                print(f"    step {step}: {k}: trl {fmt(a)} posttrain {fmt(b)} (rel {r:.2e})")
+    print(f"\n{len(names)} configurations in {time.time() - t0:.0f}s; work folder {work}\n")
+    print("| config | result | worst metric (step): trl / posttrain | max param diff |")
+    print("|---|---|---|---|")
+    for r in rows:
+        print(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]} |")
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--lib", choices=["trl", "posttrain"])
+    parser.add_argument("--config", choices=list(CONFIGS))
+    parser.add_argument("--model_dir")
+    parser.add_argument("--out")
+    parser.add_argument("--only", nargs="*", help="configurations to run (default: all)")
+    parser.add_argument("--work", help="folder to keep the model and results in (default: a temporary one)")
+    parser.add_argument("--verbose", action="store_true")
+    opts = parser.parse_args()
+    if opts.lib:
+        run_child(opts.lib, opts.config, opts.model_dir, opts.out)
+        return 0
+    names = opts.only or list(CONFIGS)
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown:
+        parser.error(f"unknown configs {unknown}; choose from {list(CONFIGS)}")
+    return run_parent(names, opts.work, opts.verbose)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
