@@ -47,6 +47,15 @@ ONLINE_DPO_BASE = {
     "per_device_train_batch_size": 4,  # prompts; two completions each
     "max_new_tokens": 8,
 }
+#: A*-PO's options: every prompt in each step (the libraries' samplers need not agree on an order).
+A2PO_BASE = {
+    **ONLINE_DPO_BASE,
+    "per_device_train_batch_size": len(PROMPTS),
+    "max_completion_length": 8,
+    "num_value_samples": 4,
+}
+A2PO_BASE.pop("max_new_tokens")
+A2PO_BASE.pop("disable_dropout")  # not a field of the reference's A2POConfig (the tiny model has no dropout)
 
 CONFIGS: dict[str, dict] = {
     "rloo": {},  # beta=0.05, the reference's default
@@ -62,7 +71,15 @@ CONFIGS: dict[str, dict] = {
     "online_dpo_ipo": {"loss_type": "ipo"},
     "online_dpo_beta": {"beta": 0.5},
     "online_dpo_missing_eos_penalty": {"missing_eos_penalty": 1.0},
+    "a2po": {},  # beta1 0.5, beta2 1e-3
+    "a2po_beta2": {"beta2": 0.05, "beta1": 1.0},
+    "a2po_keep_unsolved": {"filter_all_incorrect": False},
 }
+
+
+def even_length_reward(prompts, completions, **kwargs):
+    """A*-PO's binary reward, from the completion's text."""
+    return [float(len(c) % 2 == 0) for c in completions]
 
 
 def spread_reward(completion_ids, **kwargs):
@@ -81,21 +98,52 @@ def length_reward(completion_ids, **kwargs):
 class Script:
     """The same completions for the same rows, whichever library asks."""
 
-    def __init__(self, tok):
-        self.tok, self.calls = tok, 0
+    def __init__(self, tok, per_prompt: bool = False):
+        self.tok, self.calls, self.per_prompt = tok, 0, per_prompt
+        self.asked: dict[tuple[int, ...], int] = {}
 
     def completions(self, prompts: list[list[int]]) -> list[list[int]]:
+        """One completion per row: a function of the prompt, its occurrence in this call and the call
+        number; or (``per_prompt``) of the prompt and how often it was asked for over the run, so that
+        two libraries that batch their generation calls differently still get the same completions."""
         eos, specials = self.tok.eos_token_id, set(self.tok.all_special_ids)
         seen: dict[tuple[int, ...], int] = {}
         out = []
         for ids in prompts:
             key = tuple(ids)
-            j = seen.get(key, 0)
-            seen[key] = j + 1
             text = self.tok.decode(list(ids))
-            out.append(rollout_plan(text, j, self.calls, len(self.tok), specials, eos)[0])
+            if self.per_prompt:
+                n = self.asked.get(key, 0)
+                self.asked[key] = n + 1
+                index, call = n % 4, n // 4
+            else:
+                index, call = seen.get(key, 0), self.calls
+                seen[key] = index + 1
+            out.append(rollout_plan(text, index, call, len(self.tok), specials, eos)[0])
         self.calls += 1
         return out
+
+
+def scripted_generate(script):
+    """A ``model.generate`` that returns ``[prompt | scripted completion]`` rows (right padded),
+    ``num_return_sequences`` per prompt, as the reference's A*-PO reads them."""
+    import torch
+
+    def generate(input_ids=None, attention_mask=None, generation_config=None, **kwargs):
+        n = getattr(generation_config, "num_return_sequences", None) or 1
+        ids, mask = input_ids.repeat_interleave(n, 0), attention_mask.repeat_interleave(n, 0)
+        rows = [
+            [t for t, m in zip(r, k, strict=True) if m]
+            for r, k in zip(ids.tolist(), mask.tolist(), strict=True)
+        ]
+        done = script.completions(rows)
+        width = max(len(c) for c in done)
+        tail = torch.tensor(
+            [c + [script.tok.pad_token_id] * (width - len(c)) for c in done], device=ids.device
+        )
+        return torch.cat([ids, tail], dim=1)
+
+    return generate
 
 
 def scripted_online_dpo(generate, script):
@@ -125,8 +173,14 @@ def run_child(lib: str, name: str, model_dir: str, out_path: str) -> None:
     from transformers import AutoTokenizer
 
     torch.set_num_threads(1)
-    online_dpo = name.startswith("online_dpo")
-    if lib == "trl" and online_dpo:
+    online_dpo, a2po = name.startswith("online_dpo"), name.startswith("a2po")
+    if lib == "trl" and a2po:
+        from trl.experimental.a2po import A2POConfig as Config
+        from trl.experimental.a2po import A2POTrainer as Trainer
+    elif a2po:
+        from posttrain import A2POConfig as Config
+        from posttrain import A2POTrainer as Trainer
+    elif lib == "trl" and online_dpo:
         from trl.experimental.online_dpo import OnlineDPOConfig as Config
         from trl.experimental.online_dpo import OnlineDPOTrainer as Trainer
     elif lib == "trl":
@@ -138,21 +192,31 @@ def run_child(lib: str, name: str, model_dir: str, out_path: str) -> None:
     else:
         from posttrain import RLOOConfig as Config
         from posttrain import RLOOTrainer as Trainer
-    script = Script(AutoTokenizer.from_pretrained(model_dir))
+    script = Script(AutoTokenizer.from_pretrained(model_dir), per_prompt=a2po)
     result: dict = {"lib": lib, "config": name}
     with tempfile.TemporaryDirectory() as tmp:
         try:
-            args = Config(
-                output_dir=tmp, **{**(ONLINE_DPO_BASE if online_dpo else RLOO_BASE), **CONFIGS[name]}
+            base = A2PO_BASE if a2po else ONLINE_DPO_BASE if online_dpo else RLOO_BASE
+            args = Config(output_dir=tmp, **{**base, **CONFIGS[name]})
+            rewards = (
+                [even_length_reward]
+                if a2po
+                else [spread_reward]
+                if online_dpo
+                else [token_sum_reward, length_reward]
             )
             trainer = Trainer(
                 model=model_dir,
-                reward_funcs=[spread_reward] if online_dpo else [token_sum_reward, length_reward],
+                reward_funcs=rewards,
                 args=args,
                 train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
-                processing_class=script.tok,  # the reference's online DPO needs it given
+                # the reference's online DPO needs the tokenizer given (it pads left itself); the others load it
+                **({"processing_class": script.tok} if online_dpo else {}),
             )
-            if lib == "trl" and online_dpo:
+            if lib == "trl" and a2po:  # both stages call generate on the policy or the reference
+                for model in (trainer.model, trainer.ref_model):
+                    model.generate = scripted_generate(script)
+            elif lib == "trl" and online_dpo:
                 trainer._generate = scripted_online_dpo(trainer._generate, script)
             elif lib == "trl":
                 trainer._generate_single_turn = lambda prompt_ids, images, fields: script.completions(
