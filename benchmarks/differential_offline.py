@@ -168,8 +168,10 @@ CONFIGS: dict[str, tuple[str, str, dict]] = {
     "gkd_forward_kl": ("gkd", "conversations", {"lmbda": 0.0, "beta": 0.0}),
     "gkd_reverse_kl": ("gkd", "conversations", {"lmbda": 0.0, "beta": 1.0}),
 }
-# The reference's KTO "kto" loss needs sequential sampling (its rule); its default.
-FAMILY_BASE = {"kto": {"per_device_train_batch_size": ROWS}, "gkd": {"max_new_tokens": 8}}
+# posttrain samples KTO's rows at random by default and pairs each row with the previous one of its
+# micro-batch for the KL estimate; sequential sampling (the reference's forced default) gives both
+# libraries the same pairs.
+FAMILY_BASE = {"kto": {"train_sampling_strategy": "sequential"}, "gkd": {"max_new_tokens": 8}}
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -221,7 +223,14 @@ def run_child(lib: str, name: str, work: str, out_path: str) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         try:
             args = config_class(output_dir=tmp, **{**BASE, **FAMILY_BASE.get(family, {}), **overrides})
-            extra = {"teacher_model": paths["teacher"]} if family == "gkd" else {}
+            extra = {}
+            if family == "gkd":  # the reference's GKD needs the tokenizer given
+                from transformers import AutoTokenizer
+
+                extra = {
+                    "teacher_model": paths["teacher"],
+                    "processing_class": AutoTokenizer.from_pretrained(paths["lm"]),
+                }
             trainer = trainer_class(model=paths[model_kind], args=args, train_dataset=data(kind), **extra)
             trainer.train()
         except Exception as exc:  # noqa: BLE001 - recorded as "not accepted"
