@@ -469,43 +469,34 @@ def fmt(x) -> str:
     return f"{x:.6g}" if isinstance(x, float) else str(x)
 
 
-def run_parent(names: list[str], keep: str | None, verbose: bool) -> int:
-    import torch
-    from transformers import AutoModelForCausalLM
+CHILD_ENV = {
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "TRL_EXPERIMENTAL_SILENCE": "1",
+}
 
-    work = keep or tempfile.mkdtemp(prefix="differential-")
-    model_dir = os.path.join(work, "model")
-    if not os.path.exists(os.path.join(model_dir, "config.json")):
-        build_model_dir(model_dir)
-    init_path = os.path.join(work, "init.pt")
-    m = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
-    torch.save({k: v.detach().float() for k, v in m.state_dict().items()}, init_path)
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "MKL_NUM_THREADS": "1",
-        "HF_HUB_OFFLINE": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "TRL_EXPERIMENTAL_SILENCE": "1",
-    }
+
+def drive(names, work: str, child_args, init_path, note=None, verbose: bool = False) -> int:
+    """Run each configuration in both libraries (one process each), compare, print a line per
+    configuration and the markdown table. Shared by the differential scripts.
+
+    Args:
+        names: the configurations, in order.
+        work: the folder the results go to.
+        child_args: ``child_args(lib, name, out_path)``, the child's command-line arguments.
+        init_path: ``init_path(name)``, the saved initial parameters the configuration starts from.
+        note: ``note(results)``, more to print on a configuration's line (or ``None``).
+    """
+    env = {**os.environ, **CHILD_ENV}
     rows = []
     t0 = time.time()
     for name in names:
         res = {}
         for lib in ("trl", "posttrain"):
             path = os.path.join(work, f"{name}.{lib}.json")
-            cmd = [
-                sys.executable,
-                os.path.abspath(__file__),
-                "--lib",
-                lib,
-                "--config",
-                name,
-                "--model_dir",
-                model_dir,
-                "--out",
-                path,
-            ]
+            cmd = [sys.executable, *child_args(lib, name, path)]
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
             if not os.path.exists(path):
                 res[lib] = {"error": f"exit {proc.returncode}: {proc.stderr[-1500:]}"}
@@ -514,15 +505,14 @@ def run_parent(names: list[str], keep: str | None, verbose: bool) -> int:
                 res[lib] = json.load(f)
             if os.path.exists(path + ".pt"):
                 res[lib]["_pt"] = path + ".pt"
-            res[lib]["_init"] = init_path
+            res[lib]["_init"] = init_path(name)
         errs = {lib: r["error"] for lib, r in res.items() if "error" in r}
         if errs:
-            rows.append((name, "NOT COMPARED", "; ".join(f"{k}: {v[:160]}" for k, v in errs.items()), "", ""))
+            rows.append((name, "NOT COMPARED", "; ".join(f"{k}: {v[:200]}" for k, v in errs.items()), ""))
             print(f"[{name}] not compared: {errs}", flush=True)
             if verbose:
                 for r in res.values():
-                    if "traceback" in r:
-                        print(r["traceback"])
+                    print(r.get("traceback", ""))
             continue
         c = compare(res["trl"], res["posttrain"])
         w = c["worst"][1]
@@ -531,22 +521,10 @@ def run_parent(names: list[str], keep: str | None, verbose: bool) -> int:
         else:
             worst = f"{w[0]} (step {w[3]}): trl {fmt(w[1])} / posttrain {fmt(w[2])}"
         status = "agree" if c["agree"] else "DIFFER"
-        rows.append(
-            (
-                name,
-                status,
-                worst,
-                f"{c['param_maxdiff']:.2e} (update {c['param_maxupdate']:.2e})",
-                c["only_trl"],
-                c["only_posttrain"],
-            )
-        )
-        print(
-            f"[{name}] {status}; worst {worst}; params {c['param_maxdiff']:.2e} "
-            f"(largest update {c['param_maxupdate']:.2e}); rollout_func calls trl {res['trl']['rollout_calls']} "
-            f"posttrain {res['posttrain']['rollout_calls']}",
-            flush=True,
-        )
+        params = f"{c['param_maxdiff']:.2e} (update {c['param_maxupdate']:.2e})"
+        rows.append((name, status, worst, params))
+        extra = f"; {note(res)}" if note is not None else ""
+        print(f"[{name}] {status}; worst {worst}; params {params}{extra}", flush=True)
         if c["only_trl"] or c["only_posttrain"]:
             print(f"    only trl: {sorted(c['only_trl'])}; only posttrain: {sorted(c['only_posttrain'])}")
         if verbose or not c["agree"]:
@@ -558,6 +536,40 @@ def run_parent(names: list[str], keep: str | None, verbose: bool) -> int:
     for r in rows:
         print(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]} |")
     return 0
+
+
+def run_parent(names: list[str], keep: str | None, verbose: bool) -> int:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    work = keep or tempfile.mkdtemp(prefix="differential-")
+    model_dir = os.path.join(work, "model")
+    if not os.path.exists(os.path.join(model_dir, "config.json")):
+        build_model_dir(model_dir)
+    init_path = os.path.join(work, "init.pt")
+    m = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    torch.save({k: v.detach().float() for k, v in m.state_dict().items()}, init_path)
+    script = os.path.abspath(__file__)
+    return drive(
+        names,
+        work,
+        lambda lib, name, out: [
+            script,
+            "--lib",
+            lib,
+            "--config",
+            name,
+            "--model_dir",
+            model_dir,
+            "--out",
+            out,
+        ],
+        lambda name: init_path,
+        lambda res: (
+            f"rollout_func calls trl {res['trl']['rollout_calls']} posttrain {res['posttrain']['rollout_calls']}"
+        ),
+        verbose,
+    )
 
 
 def main() -> int:

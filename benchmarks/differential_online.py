@@ -25,15 +25,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from differential import BASE, PROMPTS, build_model_dir, compare, fmt, rollout_plan  # noqa: E402
+from differential import BASE, PROMPTS, build_model_dir, drive, rollout_plan  # noqa: E402
 
 RLOO_BASE = dict(BASE)
 
@@ -264,52 +262,25 @@ def run_parent(names: list[str], keep: str | None, verbose: bool) -> int:
     init_path = os.path.join(work, "init.pt")
     m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     torch.save({k: v.detach().float() for k, v in m.state_dict().items()}, init_path)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-           "TOKENIZERS_PARALLELISM": "false", "TRL_EXPERIMENTAL_SILENCE": "1"}  # fmt: skip
-    rows, t0 = [], time.time()
-    for name in names:
-        res = {}
-        for lib in ("trl", "posttrain"):
-            path = os.path.join(work, f"{name}.{lib}.json")
-            cmd = [sys.executable, os.path.abspath(__file__), "--lib", lib, "--config", name,
-                   "--model_dir", model_dir, "--out", path]  # fmt: skip
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-            if not os.path.exists(path):
-                res[lib] = {"error": f"exit {proc.returncode}: {proc.stderr[-1500:]}"}
-                continue
-            with open(path) as f:
-                res[lib] = json.load(f)
-            if os.path.exists(path + ".pt"):
-                res[lib]["_pt"] = path + ".pt"
-            res[lib]["_init"] = init_path
-        errs = {lib: r["error"] for lib, r in res.items() if "error" in r}
-        if errs:
-            rows.append((name, "NOT COMPARED", "; ".join(f"{k}: {v[:200]}" for k, v in errs.items()), ""))
-            print(f"[{name}] not compared: {errs}", flush=True)
-            if verbose:
-                for r in res.values():
-                    print(r.get("traceback", ""))
-            continue
-        c = compare(res["trl"], res["posttrain"])
-        w = c["worst"][1]
-        worst = "all equal" if w is None or c["worst"][0] == 0.0 else (
-            f"{w[0]} (step {w[3]}): trl {fmt(w[1])} / posttrain {fmt(w[2])}"
-        )  # fmt: skip
-        status = "agree" if c["agree"] else "DIFFER"
-        rows.append((name, status, worst, f"{c['param_maxdiff']:.2e} (update {c['param_maxupdate']:.2e})"))
-        print(f"[{name}] {status}; worst {worst}; params {c['param_maxdiff']:.2e}; generation calls "
-              f"trl {res['trl']['calls']} posttrain {res['posttrain']['calls']}", flush=True)  # fmt: skip
-        if c["only_trl"] or c["only_posttrain"]:
-            print(f"    only trl: {sorted(c['only_trl'])}; only posttrain: {sorted(c['only_posttrain'])}")
-        if verbose or not c["agree"]:
-            for k, a, b, r, step in c["bad"][:12]:
-                print(f"    step {step}: {k}: trl {fmt(a)} posttrain {fmt(b)} (rel {r:.2e})")
-    print(f"\n{len(names)} configurations in {time.time() - t0:.0f}s; work folder {work}\n")
-    print("| config | result | worst metric (step): trl / posttrain | max param diff |")
-    print("|---|---|---|---|")
-    for r in rows:
-        print(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]} |")
-    return 0
+    script = os.path.abspath(__file__)
+    return drive(
+        names,
+        work,
+        lambda lib, name, out: [
+            script,
+            "--lib",
+            lib,
+            "--config",
+            name,
+            "--model_dir",
+            model_dir,
+            "--out",
+            out,
+        ],
+        lambda name: init_path,
+        lambda res: f"generation calls trl {res['trl']['calls']} posttrain {res['posttrain']['calls']}",
+        verbose,
+    )
 
 
 def main() -> int:
