@@ -267,6 +267,41 @@ def build_model_dir(path: str) -> None:
     tok.save_pretrained(path)
 
 
+def record_failure(out_path: str, result: dict, exc: BaseException) -> None:
+    """A child's result when its library refused or failed the configuration."""
+    import traceback
+
+    result["error"] = f"{type(exc).__name__}: {exc}"
+    result["traceback"] = traceback.format_exc()[-3000:]
+    with open(out_path, "w") as f:
+        json.dump(result, f)
+
+
+def record_run(out_path: str, result: dict, trainer) -> None:
+    """A child's result after training: the log history, and the parameters beside it (``.pt``)."""
+    import torch
+
+    result["log_history"] = trainer.state.log_history
+    model = trainer.model.get_base_model() if hasattr(trainer.model, "get_base_model") else trainer.model
+    torch.save({k: v.detach().float().cpu() for k, v in model.state_dict().items()}, out_path + ".pt")
+    with open(out_path, "w") as f:
+        json.dump(result, f, default=float)
+
+
+def prepare_tiny(work: str) -> tuple[str, str]:
+    """The tiny model's folder under ``work`` (built once) and its saved initial parameters."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model_dir = os.path.join(work, "model")
+    if not os.path.exists(os.path.join(model_dir, "config.json")):
+        build_model_dir(model_dir)
+    init_path = os.path.join(work, "init.pt")
+    m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    torch.save({k: v.detach().float() for k, v in m.state_dict().items()}, init_path)
+    return model_dir, init_path
+
+
 def rollout_plan(prompt: str, index: int, call: int, vocab: int, specials: set[int], eos: int):
     """Fixed completion and sampler-log-prob perturbation for (prompt, index in group, call)."""
     import numpy as np
@@ -392,19 +427,10 @@ def run_child(lib: str, name: str, model_dir: str, out_path: str) -> None:
                 trainer._last_loaded_step = -1
             trainer.train()
         except Exception as exc:  # noqa: BLE001 - recorded as "not accepted"
-            import traceback
-
-            result["error"] = f"{type(exc).__name__}: {exc}"
-            result["traceback"] = traceback.format_exc()[-3000:]
-            with open(out_path, "w") as f:
-                json.dump(result, f)
+            record_failure(out_path, result, exc)
             return
-        result["log_history"] = trainer.state.log_history
         result["rollout_calls"] = rollouts.received
-        params = {k: v.detach().float().cpu() for k, v in trainer.model.state_dict().items()}
-        torch.save(params, out_path + ".pt")
-    with open(out_path, "w") as f:
-        json.dump(result, f, default=float)
+        record_run(out_path, result, trainer)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -539,16 +565,8 @@ def drive(names, work: str, child_args, init_path, note=None, verbose: bool = Fa
 
 
 def run_parent(names: list[str], keep: str | None, verbose: bool) -> int:
-    import torch
-    from transformers import AutoModelForCausalLM
-
     work = keep or tempfile.mkdtemp(prefix="differential-")
-    model_dir = os.path.join(work, "model")
-    if not os.path.exists(os.path.join(model_dir, "config.json")):
-        build_model_dir(model_dir)
-    init_path = os.path.join(work, "init.pt")
-    m = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
-    torch.save({k: v.detach().float() for k, v in m.state_dict().items()}, init_path)
+    model_dir, init_path = prepare_tiny(work)
     script = os.path.abspath(__file__)
     return drive(
         names,

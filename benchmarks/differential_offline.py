@@ -21,7 +21,6 @@ Nothing here is copied from the reference; it only calls both libraries' public 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -29,7 +28,7 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from differential import build_model_dir, drive  # noqa: E402
+from differential import build_model_dir, drive, record_failure, record_run  # noqa: E402
 
 ROWS = 8
 BASE = {
@@ -232,19 +231,9 @@ def run_child(lib: str, name: str, work: str, out_path: str) -> None:
             trainer = trainer_class(model=paths[model_kind], args=args, train_dataset=data(kind), **extra)
             trainer.train()
         except Exception as exc:  # noqa: BLE001 - recorded as "not accepted"
-            import traceback
-
-            result["error"] = f"{type(exc).__name__}: {exc}"
-            result["traceback"] = traceback.format_exc()[-3000:]
-            with open(out_path, "w") as f:
-                json.dump(result, f)
+            record_failure(out_path, result, exc)
             return
-        result["log_history"] = trainer.state.log_history
-        model = trainer.model.get_base_model() if hasattr(trainer.model, "get_base_model") else trainer.model
-        params = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
-        torch.save(params, out_path + ".pt")
-    with open(out_path, "w") as f:
-        json.dump(result, f, default=float)
+        record_run(out_path, result, trainer)
 
 
 def run_parent(names: list[str], keep: str | None, verbose: bool) -> int:

@@ -23,7 +23,6 @@ one generation method of each.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -31,7 +30,7 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from differential import BASE, PROMPTS, build_model_dir, drive, rollout_plan  # noqa: E402
+from differential import BASE, PROMPTS, drive, prepare_tiny, record_failure, record_run, rollout_plan  # noqa: E402
 
 RLOO_BASE = dict(BASE)
 
@@ -236,32 +235,15 @@ def run_child(lib: str, name: str, model_dir: str, out_path: str) -> None:
                 trainer.generator = trainer.sampler.generator = Scripted()
             trainer.train()
         except Exception as exc:  # noqa: BLE001 - recorded as "not accepted"
-            import traceback
-
-            result["error"] = f"{type(exc).__name__}: {exc}"
-            result["traceback"] = traceback.format_exc()[-3000:]
-            with open(out_path, "w") as f:
-                json.dump(result, f)
+            record_failure(out_path, result, exc)
             return
-        result["log_history"] = trainer.state.log_history
         result["calls"] = script.calls
-        params = {k: v.detach().float().cpu() for k, v in trainer.model.state_dict().items()}
-        torch.save(params, out_path + ".pt")
-    with open(out_path, "w") as f:
-        json.dump(result, f, default=float)
+        record_run(out_path, result, trainer)
 
 
 def run_parent(names: list[str], keep: str | None, verbose: bool) -> int:
-    import torch
-    from transformers import AutoModelForCausalLM
-
     work = keep or tempfile.mkdtemp(prefix="differential-online-")
-    model_dir = os.path.join(work, "model")
-    if not os.path.exists(os.path.join(model_dir, "config.json")):
-        build_model_dir(model_dir)
-    init_path = os.path.join(work, "init.pt")
-    m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    torch.save({k: v.detach().float() for k, v in m.state_dict().items()}, init_path)
+    model_dir, init_path = prepare_tiny(work)
     script = os.path.abspath(__file__)
     return drive(
         names,
