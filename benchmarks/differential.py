@@ -564,30 +564,22 @@ def drive(names, work: str, child_args, init_path, note=None, verbose: bool = Fa
     return 0
 
 
-def run_parent(names: list[str], keep: str | None, verbose: bool) -> int:
-    work = keep or tempfile.mkdtemp(prefix="differential-")
+def drive_tiny(names, keep: str | None, verbose: bool, script: str, prefix: str, note) -> int:
+    """``drive`` for scripts whose children take ``--model_dir``: the tiny model, built once."""
+    work = keep or tempfile.mkdtemp(prefix=prefix)
     model_dir, init_path = prepare_tiny(work)
-    script = os.path.abspath(__file__)
-    return drive(
-        names,
-        work,
-        lambda lib, name, out: [
-            script,
-            "--lib",
-            lib,
-            "--config",
-            name,
-            "--model_dir",
-            model_dir,
-            "--out",
-            out,
-        ],
-        lambda name: init_path,
-        lambda res: (
-            f"rollout_func calls trl {res['trl']['rollout_calls']} posttrain {res['posttrain']['rollout_calls']}"
-        ),
-        verbose,
-    )
+
+    def child_args(lib: str, name: str, out: str) -> list[str]:
+        return [script, "--lib", lib, "--config", name, "--model_dir", model_dir, "--out", out]
+
+    return drive(names, work, child_args, lambda name: init_path, note, verbose)
+
+
+def run_parent(names: list[str], keep: str | None, verbose: bool) -> int:
+    def note(res: dict) -> str:
+        return f"rollout_func calls trl {res['trl']['rollout_calls']} posttrain {res['posttrain']['rollout_calls']}"
+
+    return drive_tiny(names, keep, verbose, os.path.abspath(__file__), "differential-", note)
 
 
 def main() -> int:

@@ -30,7 +30,7 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from differential import BASE, PROMPTS, drive, prepare_tiny, record_failure, record_run, rollout_plan  # noqa: E402
+from differential import BASE, PROMPTS, drive_tiny, record_failure, record_run, rollout_plan  # noqa: E402
 
 RLOO_BASE = dict(BASE)
 
@@ -242,27 +242,10 @@ def run_child(lib: str, name: str, model_dir: str, out_path: str) -> None:
 
 
 def run_parent(names: list[str], keep: str | None, verbose: bool) -> int:
-    work = keep or tempfile.mkdtemp(prefix="differential-online-")
-    model_dir, init_path = prepare_tiny(work)
-    script = os.path.abspath(__file__)
-    return drive(
-        names,
-        work,
-        lambda lib, name, out: [
-            script,
-            "--lib",
-            lib,
-            "--config",
-            name,
-            "--model_dir",
-            model_dir,
-            "--out",
-            out,
-        ],
-        lambda name: init_path,
-        lambda res: f"generation calls trl {res['trl']['calls']} posttrain {res['posttrain']['calls']}",
-        verbose,
-    )
+    def note(res: dict) -> str:
+        return f"generation calls trl {res['trl']['calls']} posttrain {res['posttrain']['calls']}"
+
+    return drive_tiny(names, keep, verbose, os.path.abspath(__file__), "differential-online-", note)
 
 
 def main() -> int:
