@@ -171,3 +171,31 @@ def test_missing_bitsandbytes_gives_the_install_command(tmp_path, tiny_model_dir
             peft_config=_lora(),
             quantization_config=BitsAndBytesConfig(load_in_4bit=True),
         )
+
+
+def test_the_hub_kernel_notices_of_bitsandbytes_are_dropped_and_others_pass():
+    """The two import-time lines about bitsandbytes' hub kernel (AVX512-BF16 hosts) never reach a
+    user's output; any other notice from the same loggers still does."""
+    import logging
+
+    import posttrain  # noqa: F401  (installs the filter)
+
+    def passes(logger_name: str, message: str) -> bool:
+        logger = logging.getLogger(logger_name)
+        record = logger.makeRecord(logger_name, logging.WARNING, __file__, 1, message, (), None)
+        return logger.filter(record)
+
+    kernels = "kernels._internals.hf_hub"
+    bnb = "bitsandbytes.backends.cpu.ops"
+    assert not passes(bnb, "Failed to load CPU gemm_4bit_forward from kernels-community: %s.")
+    assert not passes(
+        kernels,
+        "Skipping publisher trust check for 'kernels-community/quantization-bitsandbytes' "
+        "because Hugging Face Hub is in offline mode.",
+    )
+    assert passes(
+        kernels,
+        "Skipping publisher trust check for 'someone/flash-attn' because Hugging Face Hub is in "
+        "offline mode.",
+    )
+    assert passes(bnb, "Some other bitsandbytes warning")

@@ -14,21 +14,32 @@ __version__ = "0.1.0"
 
 
 class _HubKernelNotice(logging.Filter):
-    """Drops bitsandbytes' import-time notice that its optional hub kernel is missing.
+    """Drops the import-time notices about bitsandbytes' optional hub kernel.
 
-    On a CPU with AVX512-BF16, bitsandbytes logs "Failed to load CPU gemm_4bit_forward from
-    kernels-community ..." when it is imported, and transformers imports it (through peft)
-    whenever both are installed, so the line reached every posttrain command's output, error
-    paragraphs included. The kernel would be downloaded from the hub, and it serves only the
-    repacked 4-bit layout that posttrain switches off for training
-    (``posttrain.models.peft.keep_4bit_layers_differentiable``): nothing to act on.
+    On a CPU with AVX512-BF16, bitsandbytes asks the ``kernels`` package for a hub kernel when
+    it is imported, and transformers imports it (through peft) whenever both are installed, so
+    two lines reached every posttrain command's output, error paragraphs included: bitsandbytes'
+    "Failed to load CPU gemm_4bit_forward from kernels-community ..." and, offline with
+    ``kernels`` installed (transformers 5.25 requires it), kernels' "Skipping publisher trust
+    check for 'kernels-community/quantization-bitsandbytes' ...". The kernel would be downloaded
+    from the hub, and it serves only the repacked 4-bit layout that posttrain switches off for
+    training (``posttrain.models.peft.keep_4bit_layers_differentiable``): nothing to act on.
+    Notices about any other kernel pass.
     """
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith("Failed to load CPU gemm_4bit_forward")
+        message = str(record.msg)
+        if message.startswith("Failed to load CPU gemm_4bit_forward"):
+            return False
+        return not (
+            message.startswith("Skipping publisher trust check")
+            and "kernels-community/quantization-bitsandbytes" in message
+        )
 
 
-logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_HubKernelNotice())
+_NOTICE_FILTER = _HubKernelNotice()
+for _logger_name in ("bitsandbytes.backends.cpu.ops", "kernels._internals.hf_hub"):
+    logging.getLogger(_logger_name).addFilter(_NOTICE_FILTER)
 
 _LAZY = {
     "A2POConfig": "posttrain.a2po.config",
