@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -21,7 +22,7 @@ from vision_models import (
 )
 
 from posttrain import GRPOTrainer
-from posttrain.core.batch import Rollout
+from posttrain.core.batch import Rollout, VisionInputs
 from posttrain.data import vision
 from posttrain.ops.logprobs import completion_logps
 from posttrain.ops.padding import left_pad
@@ -510,3 +511,119 @@ def test_images_with_continuous_batching_are_not_built_yet(tmp_path):
             model=model, reward_funcs=even_token_reward, args=args, train_dataset=image_dataset(4),
             processing_class=processor,
         )  # fmt: skip
+
+
+# ---- rollout_func with images ------------------------------------------------------------------
+
+
+def _image_rollout_func(model, processor, seen, expand=True):
+    """A rollout_func that takes each prompt's image from its image block, encodes the prompt with it
+    (``expand=False``: with the tokenizer alone, one placeholder token per image), and returns fixed
+    completions with the model's own log-probs given the image."""
+    tok = processor.tokenizer
+    frozen = copy.deepcopy(model).eval()
+
+    def rollout_func(prompts, trainer):
+        out = {"prompt_ids": [], "completion_ids": [], "logprobs": []}
+        for p in prompts:
+            seen.append(p)
+            images = [b["image"] for m in p for b in m["content"] if b["type"] == "image"]  # blocks only
+            text = tok.apply_chat_template(p, tokenize=False, add_generation_prompt=True)
+            enc = (
+                processor(text=[text], images=images, return_tensors="pt")
+                if expand
+                else tok([text], return_tensors="pt")
+            )
+            p_ids = enc["input_ids"][0].tolist()
+            kwargs = {n: v for n, v in enc.items() if n not in ("input_ids", "attention_mask")}
+            for k in range(4):
+                ids = [20 + k, 30 + 3 * k, 41, tok.eos_token_id]
+                if "mm_token_type_ids" in enc:  # 0 over the completion
+                    kwargs["mm_token_type_ids"] = torch.cat(
+                        [enc["mm_token_type_ids"], torch.zeros(1, 4, dtype=torch.long)], 1
+                    )
+                with torch.no_grad():
+                    logits = frozen(input_ids=torch.tensor([p_ids + ids]), **kwargs).logits[
+                        0, len(p_ids) - 1 : -1
+                    ]
+                logps = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(ids)[:, None])[:, 0]
+                out["prompt_ids"].append(p_ids)
+                out["completion_ids"].append(ids)
+                out["logprobs"].append(logps.tolist())
+        return out
+
+    return rollout_func  # fmt: skip
+
+
+def _plain_string_dataset(n: int = 4):
+    """``n`` rows with a system and a user message of plain strings, and an image column."""
+    from datasets import Dataset
+
+    prompts = [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"What is {i} plus one?"}]
+               for i in range(n)]  # fmt: skip
+    return Dataset.from_dict({"prompt": prompts, "image": [random_image(i) for i in range(n)]})
+
+
+@pytest.mark.parametrize("rows", ["blocks", "strings"])
+def test_rollout_func_gets_the_images_and_they_reach_the_forward(tmp_path, rows):
+    """As in the reference, rollout_func gets each prompt with every content a list of blocks and its
+    images in their image blocks, and the completions are scored with the images (posttrain handed
+    the bare placeholders, or plain strings, and scored without the images). With the sampler's
+    log-probs those of the same weights given the images, the trainer's equal them up to float noise."""
+    model, processor = build_qwen2_vl()
+    seen: list = []
+    calls = [0]
+    model.model.visual.register_forward_hook(lambda *a: calls.__setitem__(0, calls[0] + 1))
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=even_token_reward,
+        args=_vision_args(tmp_path, max_steps=1),
+        train_dataset=image_dataset(4) if rows == "blocks" else _plain_string_dataset(4),
+        processing_class=processor,
+        rollout_func=_image_rollout_func(model, processor, seen),
+    )
+    trainer.train()
+    (prompt,) = seen  # one prompt per step: each once
+    assert all(isinstance(m["content"], list) for m in prompt)
+    user = [m for m in prompt if m["role"] == "user"][0]
+    assert user["content"][0]["type"] == "image" and user["content"][0]["image"].size == (50, 40)
+    assert calls[0] > 0  # the policy's vision tower ran
+    (log,) = [h for h in trainer.state.log_history if "loss" in h and "train_runtime" not in h]
+    assert log["sampling/sampling_logp_difference/max"] < 1e-4
+
+
+def test_rollout_func_token_aligned_inputs_follow_its_own_prompt_tokens():
+    """A rollout_func's prompt may hold text of its own after the image: Qwen2-VL's mm_token_type_ids
+    (its 3-D rotary positions) must sit on the rollout's image tokens, not the trainer's encoding's."""
+    _, processor = build_qwen2_vl()
+    tok, image = processor.tokenizer, random_image(0)
+    encoded, inputs = vision.encode_with_images(processor, tok, [image_prompt(0)], [[image]])
+    own = [
+        {
+            "role": "user",
+            "content": [*image_prompt(0)[0]["content"], {"type": "text", "text": " In one word."}],
+        }
+    ]
+    text = tok.apply_chat_template(own, tokenize=False, add_generation_prompt=True)
+    expected = processor(text=[text], images=[image], return_tensors="pt")
+    ids = expected["input_ids"][0].tolist()
+    row = vision.follow_prompt(
+        inputs.rows[0], encoded[0], ids, tok.convert_tokens_to_ids("<|image_pad|>"), "row 0"
+    )
+    kwargs = VisionInputs([row]).model_kwargs(len(ids), 0, "cpu")
+    assert torch.equal(kwargs["mm_token_type_ids"], expected["mm_token_type_ids"])
+    assert torch.equal(kwargs["pixel_values"], expected["pixel_values"])
+
+
+def test_rollout_func_prompt_ids_without_the_expanded_image_tokens_are_refused(tmp_path):
+    model, processor = build_qwen2_vl()
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=even_token_reward,
+        args=_vision_args(tmp_path, max_steps=1),
+        train_dataset=image_dataset(4),
+        processing_class=processor,
+        rollout_func=_image_rollout_func(model, processor, [], expand=False),
+    )
+    with pytest.raises(ValueError, match=r"row 0 of this batch hold 1 image tokens, but its images take \d+"):
+        trainer.train()

@@ -123,6 +123,17 @@ def with_images(prompt: Any, images: Sequence[Any]) -> Any:
     ]
 
 
+def as_blocks(prompt: Any) -> Any:
+    """A conversational prompt with each plain-string content as one ``{"type": "text"}`` block, as
+    the reference hands a row with images to ``rollout_func``; a plain-text prompt as it is."""
+    if isinstance(prompt, str):
+        return prompt
+    return [
+        {**m, "content": [{"type": "text", "text": m["content"]}]} if isinstance(m.get("content"), str) else m
+        for m in prompt
+    ]
+
+
 def image_token_of(processing_class: Any) -> str | None:
     """The processor's image placeholder in plain text (``image_token``), or ``None``."""
     token = getattr(processing_class, "image_token", None)
@@ -174,6 +185,37 @@ def encode_with_images(
         ids.append(row_ids)
         rows.append(row)
     return ids, VisionInputs(rows)
+
+
+def follow_prompt(
+    row: Mapping[str, torch.Tensor],
+    encoded: Sequence[int],
+    ids: Sequence[int],
+    image_token_id: int | None,
+    where: str,
+) -> dict[str, torch.Tensor]:
+    """A row's image inputs, encoded by the processor with the tokens ``encoded``, for the same
+    images under the prompt tokens ``ids`` that a ``rollout_func`` returned.
+
+    The image tensors stay; the ``TOKEN_ALIGNED_INPUTS`` are rebuilt over ``ids`` (each token's
+    value as over ``encoded``: e.g. 1 on Qwen-VL's image tokens, 0 on text), so they sit on the
+    rollout's own image tokens whatever text surrounds them.
+
+    Raises:
+        ValueError: ``ids`` hold another number of image tokens than the images take.
+    """
+    if image_token_id is not None and list(ids).count(image_token_id) != list(encoded).count(image_token_id):
+        raise ValueError(
+            f"rollout_func's prompt_ids for {where} hold {list(ids).count(image_token_id)} image tokens, but its "
+            f"images take {list(encoded).count(image_token_id)}: encode the prompt with its images through the "
+            "model's processor (processor(text=..., images=...)), which expands each image placeholder."
+        )
+    out = {k: v for k, v in row.items() if k not in TOKEN_ALIGNED_INPUTS}
+    for name in TOKEN_ALIGNED_INPUTS:
+        if name in row:
+            values = dict(zip(encoded, row[name].tolist(), strict=True))
+            out[name] = torch.tensor([values.get(t, 0) for t in ids], dtype=row[name].dtype)
+    return out
 
 
 def encode_text(

@@ -6,7 +6,9 @@ order): ``prompt_ids``, ``completion_ids`` and ``logprobs`` (the sampler's log-p
 completion tokens), optionally ``logprob_token_ids`` (the token each log-prob is of), and any
 other field, which is handed to the reward functions. This module checks that contract and
 turns the result into a ``Rollout`` whose ``sampler_logps`` feed the importance-sampling
-correction.
+correction. A prompt with images comes with every content a list of blocks and each image in its
+image block, as the reference hands it; the sampler adds the rows' image inputs to the rollout
+(``OnlineSampler.rollout_func_vision``).
 """
 
 from __future__ import annotations

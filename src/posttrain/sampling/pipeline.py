@@ -115,11 +115,19 @@ class OnlineSampler:
             formats.check_prompt(p, f"{i} of this batch")
         extra: dict[str, Any] = {}
         if self.rollout_func is not None:
-            s = self.settings
+            s, images = self.settings, [vision.row_images(row) for row in batch]
+            # a row with images goes to rollout_func as the reference hands it: every content a list of
+            # blocks, each image in its image block
+            given = [
+                vision.with_images(vision.as_blocks(p), row_images) if row_images else p
+                for p, row_images in zip(prompts, images, strict=True)
+            ]
             result = call_rollout_func(
-                self.rollout_func, prompts, group, self.trainer, s.eos_token_ids, s.pad_token_id, self.device
+                self.rollout_func, given, group, self.trainer, s.eos_token_ids, s.pad_token_id, self.device
             )
             rollout, extra = result.rollout, result.extra
+            if any(images):
+                rollout.vision = self.rollout_func_vision(rollout, prompts, images)
         else:
             rollout = self.generate(prompts, [vision.row_images(row) for row in batch])
         completions, completion_ids = self._decode(rollout, prompts)
@@ -156,6 +164,41 @@ class OnlineSampler:
         rollout.vision = inputs
         return rollout
 
+    def _require_processor(self) -> None:
+        """Refuse rows with images when the processing class has no image processor."""
+        if self.processor is None:
+            raise ValueError(
+                "The batch has images (an 'image' or 'images' column) but the processing class has no image "
+                "processor; pass the model's processor (AutoProcessor.from_pretrained(...)) as processing_class."
+            )
+
+    def rollout_func_vision(
+        self, rollout: Rollout, prompts: list[Any], images: list[list[Any]]
+    ) -> vision.VisionInputs:
+        """The image inputs of a ``rollout_func``'s rows for the forward passes that score them: the
+        processor encodes each row's prompt with its images (``vision.encode_with_images``), and the
+        token-aligned inputs follow the rollout's own prompt tokens (``vision.follow_prompt``).
+
+        Raises:
+            ValueError: there is no processor; a row's images do not match its placeholders; or
+                its prompt tokens hold another number of image tokens than its images take.
+        """
+        self._require_processor()
+        encoded, inputs = vision.encode_with_images(
+            self.processor, self.tokenizer, prompts, images, self.settings.chat_template_kwargs
+        )
+        token = vision.image_token_of(self.processor)
+        token_id = self.tokenizer.convert_tokens_to_ids(token) if token is not None else None
+        rows = []
+        for i, (row, ids, mask) in enumerate(
+            zip(inputs.rows, rollout.prompt_ids.tolist(), rollout.prompt_mask.tolist(), strict=True)
+        ):
+            own = [t for t, m in zip(ids, mask, strict=True) if m]
+            rows.append(
+                vision.follow_prompt(row, encoded[i], own, token_id, f"row {i} of this batch") if row else row
+            )
+        return vision.VisionInputs(rows)
+
     def encode_with_images(
         self, prompts: list[Any], images: list[list[Any]]
     ) -> tuple[torch.Tensor, torch.Tensor, vision.VisionInputs]:
@@ -168,11 +211,7 @@ class OnlineSampler:
             ValueError: there is no processor; or a row's images do not match its placeholders.
             NotImplementedError: the generator does not take image inputs.
         """
-        if self.processor is None:
-            raise ValueError(
-                "The batch has images (an 'image' or 'images' column) but the processing class has no image "
-                "processor; pass the model's processor (AutoProcessor.from_pretrained(...)) as processing_class."
-            )
+        self._require_processor()
         check_takes_images(self.generator)
         s = self.settings
         ids, inputs = vision.encode_with_images(
