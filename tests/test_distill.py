@@ -245,20 +245,35 @@ def test_dataset_completions_are_tokenised_like_samples(tmp_path) -> None:
         {"prompt": [{"role": "user", "content": "What is 1 plus one?"}], "completion": [{"role": "assistant", "content": "2"}]},
         {"prompt": "Question 3:", "completion": " four five six seven eight nine ten"},
     ]  # fmt: skip
-    r = dataset_rollout(rows, tok, [tok.eos_token_id], max_completion_length=6, max_length=None)
+    r = dataset_rollout(rows, tok, [tok.eos_token_id], max_length=None)
     first = r.completion_ids[0, : int(r.completion_mask[0].sum())].tolist()
     assert first == tok("2<|im_end|>\n", add_special_tokens=False)["input_ids"]  # the template's tail too
-    at_eos = dataset_rollout(
-        rows, tok, [tok.eos_token_id], max_completion_length=6, max_length=None, through_end=False
-    )
+    at_eos = dataset_rollout(rows, tok, [tok.eos_token_id], max_length=None, through_end=False)
     assert at_eos.completion_ids[0, : int(at_eos.completion_mask[0].sum())].tolist() == first[:-1]  # GOLD's
-    assert r.is_terminated.tolist() == [True, False]  # the long one is cut at 6 tokens
-    assert int(r.completion_mask[1].sum()) == 6
+    long_prompt = len(tok("Question 3:", add_special_tokens=False)["input_ids"])
+    long_completion = tok(" four five six seven eight nine ten", add_special_tokens=False)["input_ids"]
+    assert r.is_terminated.tolist() == [True, True]  # no completion budget: whole rows
+    assert int(r.completion_mask[1].sum()) == len(long_completion) + 1  # and its EOS
     text = tok.apply_chat_template(rows[0]["prompt"], add_generation_prompt=True, tokenize=False)
     prompt = tok(text, add_special_tokens=False)["input_ids"]
     assert r.prompt_ids[0, -len(prompt) :].tolist() == list(prompt)
-    cut = dataset_rollout(rows, tok, [tok.eos_token_id], max_completion_length=6, max_length=8)
-    assert int(cut.prompt_mask[1].sum()) + int(cut.completion_mask[1].sum()) == 8  # the prompt keeps its end
+    whole = len(long_completion) + 1  # and its EOS
+    # GKD / GOLD (the reference's ChatML collator): the row keeps its last max_length tokens, so the
+    # prompt loses its start and the completion stays whole
+    cut = dataset_rollout(rows, tok, [tok.eos_token_id], max_length=whole + 1)
+    assert int(cut.prompt_mask[1].sum()) == 1 and int(cut.completion_mask[1].sum()) == whole
+    assert bool(cut.is_terminated[1])
+    # a completion that alone fills max_length keeps its last tokens after the prompt's last one
+    tight = dataset_rollout(rows, tok, [tok.eos_token_id], max_length=4)
+    assert int(tight.prompt_mask[1].sum()) == 1 and int(tight.completion_mask[1].sum()) == 3
+    assert tight.completion_ids[1, :3].tolist() == (long_completion + [tok.eos_token_id])[-3:]
+    # IW-OPD's max_prompt_length keeps the prompt's last tokens; the completion fills max_length, cut at its end
+    budget = dataset_rollout(rows, tok, [tok.eos_token_id], max_length=5, max_prompt_length=2)
+    assert int(budget.prompt_mask[1].sum()) == 2 and int(budget.completion_mask[1].sum()) == 3
+    assert budget.completion_ids[1, :3].tolist() == long_completion[:3] and not bool(budget.is_terminated[1])
+    # there, a prompt that alone fills max_length keeps its end and leaves one completion token
+    full = dataset_rollout(rows, tok, [tok.eos_token_id], max_length=long_prompt, max_prompt_length=64)
+    assert int(full.prompt_mask[1].sum()) == long_prompt - 1 and int(full.completion_mask[1].sum()) == 1
 
 
 # ---- bad input ---------------------------------------------------------------------------------------
@@ -519,7 +534,7 @@ def test_a_dataset_completion_is_tokenised_as_sft_tokenises_it() -> None:
         {"prompt": [{"role": "user", "content": "What is 2 + 3?"}], "completion": [{"role": "assistant", "content": "5"}]},
         {"prompt": [{"role": "user", "content": "Say hi."}], "completion": [{"role": "assistant", "content": "hi there"}]},
     ]  # fmt: skip
-    rollout = distill_data.dataset_rollout(rows, tok, [tok.eos_token_id], 64, None)
+    rollout = distill_data.dataset_rollout(rows, tok, [tok.eos_token_id], None)
     newline = tok("\n", add_special_tokens=False)["input_ids"]
     for i, row in enumerate(rows):
         out = sft.tokenize_row(

@@ -177,6 +177,25 @@ def test_same_tokenizer_is_the_jsd_at_the_temperature(tmp_path) -> None:
     assert loss.item() == pytest.approx((_textbook(zs, zt, 0.3).sum() / keep.sum()).item(), rel=1e-5)
 
 
+def test_dataset_completions_keep_the_template_tail_with_one_tokenizer_only(tmp_path, toks) -> None:
+    """One tokenizer: a dataset completion trains through ChatML's newline after <|im_end|>, as the
+    reference's and GKD's do (it used to end at the EOS); across tokenizers (ULD) it ends at the EOS."""
+    tok = build_tiny_tokenizer()
+    newline = tok("\n", add_special_tokens=False)["input_ids"]
+    same = GOLDTrainer(
+        build_tiny_model(tok, seed=1), build_tiny_model(tok, seed=2),
+        GOLDConfig(output_dir=str(tmp_path / "same"), **CPU_TEST_ARGS, max_completion_length=8, lmbda=0.0),
+        train_dataset=chats(), processing_class=tok,
+    )  # fmt: skip
+    uld = gold(tmp_path / "uld", toks, use_uld_loss=True)
+    for trainer, tail in ((same, newline), (uld, [toks[0].eos_token_id])):
+        scored = first_batch(trainer)
+        r = scored.rollout
+        for i in range(r.completion_ids.shape[0]):
+            ids = r.completion_ids[i][r.completion_mask[i].bool()].tolist()
+            assert ids[-len(tail) :] == tail
+
+
 def test_different_vocabularies_need_a_cross_tokenizer_loss(tmp_path, toks) -> None:
     with pytest.raises(
         ValueError, match=r"vocabulary has 290 tokens and the student's 320.*use_uld_loss=True"

@@ -109,7 +109,8 @@ def test_loss_is_the_weighted_sampled_token_policy_gradient(tmp_path) -> None:
 
 
 def test_reduced_jsd_over_the_sampled_token_and_the_tail(tmp_path) -> None:
-    trainer = iwopd_trainer(tmp_path, distillation_objective="jsd", beta=0.5, loss_top_k=1)
+    """The reverse KL (beta=1, the default) over the sampled token and the tail."""
+    trainer = iwopd_trainer(tmp_path, distillation_objective="jsd", beta=1.0, loss_top_k=1)
     (scored,) = trainer._generate_and_score([{"prompt": "Question 1"}] * 4, "train", num_chunks=1)
     loss = trainer.compute_loss(trainer.model, scored).item()
     r = scored.rollout
@@ -119,8 +120,55 @@ def test_reduced_jsd_over_the_sampled_token_and_the_tail(tmp_path) -> None:
         s = torch.log_softmax(_full_logits(trainer.model, r), -1).gather(-1, y).squeeze(-1)[mask]
         t = torch.log_softmax(_full_logits(trainer.teacher_model, r), -1).gather(-1, y).squeeze(-1)[mask]
     two = lambda lp: torch.stack([lp, torch.log1p(-lp.exp())], -1)  # noqa: E731  (the token, the rest)
-    want = _textbook(two(s), two(t), 0.5).mean()
+    want = _textbook(two(s), two(t), 1.0).mean()
     assert loss == pytest.approx(want.item(), rel=1e-4)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5])
+def test_reduced_jsd_adds_the_teachers_top_token_below_beta_1(tmp_path, beta) -> None:
+    """The reference's support with loss_top_k=1: the teacher's argmax for the forward KL (beta=0);
+    for the JSD its argmax and the sampled token (once where they are the same); each with the tail."""
+    trainer = iwopd_trainer(tmp_path, distillation_objective="jsd", beta=beta, loss_top_k=1)
+    (scored,) = trainer._generate_and_score([{"prompt": "Question 1"}] * 4, "train", num_chunks=1)
+    loss = trainer.compute_loss(trainer.model, scored).item()
+    r = scored.rollout
+    mask = r.completion_mask.bool()
+    y = r.completion_ids[mask]
+    with torch.no_grad():
+        s_all = torch.log_softmax(_full_logits(trainer.model, r), -1)[mask]
+        t_all = torch.log_softmax(_full_logits(trainer.teacher_model, r), -1)[mask]
+    top = t_all.argmax(-1)
+    assert (top != y).any()  # the two supports differ somewhere
+
+    def reduced(lp: torch.Tensor, i: int) -> torch.Tensor:
+        ids = [int(top[i])] if beta == 0.0 or top[i] == y[i] else [int(top[i]), int(y[i])]
+        kept = lp[i, ids]
+        return torch.cat([kept, torch.log1p(-kept.exp().sum()).unsqueeze(0)])
+
+    want = torch.stack(
+        [_textbook(reduced(s_all, i)[None], reduced(t_all, i)[None], beta)[0] for i in range(len(y))]
+    ).mean()
+    assert loss == pytest.approx(want.item(), rel=1e-4)
+
+
+def test_mean_advantage_is_the_weighted_advantage(tmp_path) -> None:
+    """``iw_opd/mean_advantage`` is the token mean of ``w_t a_t`` (the reference's), ``mean_abs_advantage``
+    that of ``|a_t|``."""
+    trainer = iwopd_trainer(tmp_path, iw_opd_gamma=2.0)
+    (scored,) = trainer._generate_and_score([{"prompt": "Question 1"}] * 4, "train", num_chunks=1)
+    trainer.compute_loss(trainer.model, scored)
+    r = scored.rollout
+    mask = r.completion_mask.bool()
+    y = r.completion_ids.unsqueeze(-1)
+    with torch.no_grad():
+        s = torch.log_softmax(_full_logits(trainer.model, r), -1).gather(-1, y).squeeze(-1)
+        t = torch.log_softmax(_full_logits(trainer.teacher_model, r), -1).gather(-1, y).squeeze(-1)
+    a = (t - s) * mask
+    prefix = torch.cumsum(a.abs(), -1) - a.abs()
+    w = 1 + 2.0 * (1 - prefix / (a.abs().sum(-1, keepdim=True) + 1e-8))
+    values = trainer._metrics.pop_means("train")
+    assert values["iw_opd/mean_advantage"] == pytest.approx((w * a)[mask].mean().item(), rel=1e-4)
+    assert values["iw_opd/mean_abs_advantage"] == pytest.approx(a.abs()[mask].mean().item(), rel=1e-4)
 
 
 def test_prompt_only_messages_train_without_nan(tmp_path) -> None:

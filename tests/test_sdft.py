@@ -188,8 +188,9 @@ def _scored(trainer: SDFTTrainer):
     return scored
 
 
-def _textbook_loss(trainer: SDFTTrainer, scored, mode: str) -> float:
-    """The per-sample token means of D from the two sides' full logits, averaged over samples."""
+def _textbook_loss(trainer: SDFTTrainer, scored, mode: str, token_mean: bool = False) -> float:
+    """The per-sample token means of D from the two sides' full logits, averaged over samples
+    (``token_mean``: D's mean over every loss token instead, the logged metric)."""
     r = scored.rollout
     teacher_rows = Rollout(
         scored.teacher_prompt_ids,
@@ -214,6 +215,8 @@ def _textbook_loss(trainer: SDFTTrainer, scored, mode: str) -> float:
     else:
         y = r.completion_ids.unsqueeze(-1)
         d = (s.gather(-1, y) - t.gather(-1, y)).squeeze(-1) * s.gather(-1, y).squeeze(-1)
+    if token_mean:
+        return ((d * mask).sum() / mask.sum()).item()
     per_sample = (d * mask).sum(-1) / mask.sum(-1).clamp(min=1)
     return per_sample.mean().item()
 
@@ -238,6 +241,23 @@ def test_loss_is_the_mean_of_sample_means_of_the_divergence(tmp_path, overrides)
     want = _textbook_loss(trainer, scored, trainer.args.distillation_mode)
     assert loss == pytest.approx(want, rel=1e-4, abs=1e-7)
     assert abs(want) > 1e-6
+
+
+@pytest.mark.parametrize("mode", ["full_logits", "topk_logits"])
+def test_logged_distillation_loss_is_the_token_mean_of_the_divergence(tmp_path, mode) -> None:
+    """The reference logs D's mean over every loss token (the loss is the mean of the samples'
+    means): they differ when the completions' lengths do (benchmarks/differential_self.py)."""
+    trainer = sdft_trainer(tmp_path, distillation_mode=mode, num_loss_tokens_to_skip=1)
+    with torch.no_grad():
+        for p in trainer.teacher_model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    scored = _scored(trainer)
+    loss = trainer.compute_loss(trainer.model, scored).item()
+    logged = trainer._metrics.pop_means("train")
+    want = _textbook_loss(trainer, scored, mode, token_mean=True)
+    assert logged["sdft/distillation_loss"] == pytest.approx(want, rel=1e-4, abs=1e-7)
+    assert logged["self_distillation/distillation_loss"] == logged["sdft/distillation_loss"]
+    assert abs(want - loss) > 1e-4 * abs(want)  # the two reductions differ on these rows
 
 
 def test_base_teacher_stays_and_ema_teacher_follows(tmp_path) -> None:

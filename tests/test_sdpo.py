@@ -124,6 +124,22 @@ def test_a_successful_completion_learns_from_a_successful_sibling() -> None:
     assert off.stats["reprompt_sample_fraction"] == 1.0
 
 
+def test_reprompt_fractions_are_the_references() -> None:
+    """As the reference's (and the paper's code): ``success_sample_fraction`` is the share of rows
+    shown a successful sibling's answer, not of rows that succeeded; ``feedback_available_fraction``
+    counts the rows with feedback whether or not it is in use (benchmarks/differential_self.py)."""
+    rewards = torch.tensor([1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0])
+    texts = list("ABCDEFGH")
+    feedback = ["fb", None, "  ", "fb", None, None, None, "fb"]
+    plan = plan_reprompts(rewards, texts, feedback, RepromptSettings(group=4))
+    # group 0: every row has a successful sibling; group 1: rows 4-6 learn from row 7, row 7 from none
+    assert plan.stats["success_sample_fraction"] == 7 / 8
+    assert plan.stats["feedback_available_fraction"] == 3 / 8  # a blank one is none
+    assert plan.stats["feedback_used_fraction"] == 0.0
+    off = plan_reprompts(rewards, texts, feedback, RepromptSettings(group=4, use_successful_as_teacher=False))
+    assert off.stats["success_sample_fraction"] == 0.0 and off.stats["success_group_fraction"] == 1.0
+
+
 def test_reprompts_by_hand() -> None:
     rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 0.0, float("nan")])
     texts = ["<think>hm</think>A", "B", "C", "D", "E", "F"]
@@ -137,8 +153,8 @@ def test_reprompts_by_hand() -> None:
     assert plan.stats == pytest.approx(
         {
             "success_group_fraction": 0.5,
-            "success_sample_fraction": 1 / 6,
-            "feedback_available_fraction": 0.0,
+            "success_sample_fraction": 2 / 6,  # rows 1 and 2 are shown row 0's answer
+            "feedback_available_fraction": 4 / 6,  # present, though not in use
             "feedback_used_fraction": 0.0,
             "reprompt_sample_fraction": 2 / 6,
         }
@@ -216,6 +232,37 @@ def test_loss_mixes_the_policy_term_and_the_distillation_term(tmp_path, weight) 
     distillation = per_sample.mean()
     policy = -(scored.advantages.unsqueeze(1) * mask).sum() / mask.sum()  # dapo, on-policy: ratio 1
     assert loss == pytest.approx(((1 - weight) * policy + weight * distillation).item(), rel=1e-4, abs=1e-7)
+
+
+def test_logged_distillation_loss_is_the_token_mean_over_reprompted_rows(tmp_path) -> None:
+    """The reference logs D's mean over the reprompted rows' tokens; the loss is the mean over every
+    row of each row's token mean, 0 without a reprompt (benchmarks/differential_self.py)."""
+    trainer = sdpo_trainer(tmp_path)
+    with torch.no_grad():
+        for p in trainer.teacher_model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    rows = [{"prompt": [{"role": "user", "content": "What is 1 plus one?"}]}] * 4
+    (scored,) = trainer._generate_and_score(rows, "train", num_chunks=1)
+    assert 0 < int(scored.teacher_rows.sum()) < 4
+    trainer._metrics.pop_means("train")
+    loss = trainer.compute_loss(trainer.model, scored).item()
+    logged = trainer._metrics.pop_means("train")["sdpo/distillation_loss"]
+    r = scored.rollout
+    teacher_rows = Rollout(
+        scored.teacher_prompt_ids,
+        scored.teacher_prompt_mask,
+        r.completion_ids,
+        r.completion_mask,
+        r.is_terminated,
+    )
+    y = r.completion_ids.unsqueeze(-1)
+    with torch.no_grad():
+        s = torch.log_softmax(_full_logits(trainer.model, r), -1).gather(-1, y).squeeze(-1)
+        t = torch.log_softmax(_full_logits(trainer.teacher_model, teacher_rows), -1).gather(-1, y).squeeze(-1)
+    keep = r.completion_mask.bool() & scored.teacher_rows.unsqueeze(1)
+    want = (((s - t) * s) * keep).sum() / keep.sum()
+    assert logged == pytest.approx(want.item(), rel=1e-4, abs=1e-7)
+    assert abs(logged - loss) > 1e-4 * abs(logged)
 
 
 def test_training_logs_the_reference_metrics_and_warns_on_flat_rewards(tmp_path) -> None:

@@ -76,11 +76,11 @@ def dataset_rollout(
     rows: Sequence[Row],
     tokenizer: Any,
     eos_token_ids: list[int],
-    max_completion_length: int,
     max_length: int | None,
     chat_template_kwargs: dict[str, Any] | None = None,
     device: torch.device | str = "cpu",
     through_end: bool = True,
+    max_prompt_length: int | None = None,
 ) -> Rollout:
     """The rows' own completions as a ``Rollout``, tokenised as the sampler tokenises prompts.
 
@@ -89,9 +89,17 @@ def dataset_rollout(
     reference and posttrain's SFT train on them; ``False`` ends each row at its first EOS (GOLD,
     whose cross-tokenizer alignment ends both sides at their EOS).
 
-    A completion longer than ``max_completion_length`` is cut at the end (and then counts as
-    truncated, without EOS); a prompt that would make the row longer than ``max_length`` keeps
-    its last tokens.
+    A dataset completion is bounded by ``max_length`` only, as the reference bounds it, not by
+    ``max_completion_length``, which budgets sampled completions. Which tokens a row longer than
+    ``max_length`` keeps follows the reference's collators:
+
+    * without ``max_prompt_length`` (GKD, GOLD: the reference's ChatML collator) the row keeps
+      its last ``max_length`` tokens: the prompt loses its start first; a completion that alone
+      fills ``max_length`` keeps its last ``max_length - 1`` tokens after the prompt's last one;
+    * with ``max_prompt_length`` (IW-OPD) the prompt keeps its last ``max_prompt_length`` tokens
+      and the completion fills the rest of ``max_length``, losing its end (it then counts as
+      truncated, without EOS); a prompt that alone fills ``max_length`` keeps its last
+      ``max_length - 1`` tokens.
 
     Raises:
         ValueError: a row without a completion.
@@ -115,10 +123,7 @@ def dataset_rollout(
         )
         ids, mask = out["input_ids"], out["loss_mask"]
         start = mask.index(1) if 1 in mask else len(ids)
-        completion = ids[start:][:max_completion_length]
-        prompt = ids[:start]
-        if max_length is not None and len(prompt) + len(completion) > max_length:
-            prompt = prompt[len(prompt) + len(completion) - max_length :]
+        prompt, completion = _bounded(ids[:start], ids[start:], max_length, max_prompt_length)
         prompts.append(prompt)
         completions.append(completion)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_token_ids[0]
@@ -127,6 +132,23 @@ def dataset_rollout(
     return build_rollout(
         prompt_ids.to(device), prompt_mask.to(device), samples, eos_token_ids, pad, through_end=through_end
     )
+
+
+def _bounded(
+    prompt: list[int], completion: list[int], max_length: int | None, max_prompt_length: int | None
+) -> tuple[list[int], list[int]]:
+    """A dataset row's prompt and completion within ``max_length`` (``dataset_rollout``'s rules)."""
+    if max_prompt_length is not None:  # IW-OPD: the prompt in its budget, the completion cut at the end
+        prompt = prompt[-max_prompt_length:]
+        if max_length is not None:
+            prompt = prompt[max(0, len(prompt) - (max_length - 1)) :]
+            completion = completion[: max_length - len(prompt)]
+        return prompt, completion
+    if max_length is None or len(prompt) + len(completion) <= max_length:
+        return prompt, completion
+    if len(completion) >= max_length:  # the row's last tokens, one of the prompt's kept
+        return prompt[-1:], completion[len(completion) - (max_length - 1) :]
+    return prompt[len(prompt) + len(completion) - max_length :], completion
 
 
 PRIVILEGED_COLUMN = "privileged_context"

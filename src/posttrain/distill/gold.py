@@ -57,522 +57,49 @@ chosen per micro-batch.
 
 from __future__ import annotations
 
-import codecs
 import functools
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 from accelerate.utils import gather
 from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel, TrainerCallback
 
-from posttrain.core.config import Rule, UnbuiltOption, choice_rules, is_num, optional, positive_int
 from posttrain.data import chat
-from posttrain.distill.config import DistillationConfig
 from posttrain.distill.trainer import GKDTrainer
 from posttrain.models import loading
 from posttrain.ops import chunked
 from posttrain.ops.cross_tokenizer import (
-    common_map_from_projection,
     hybrid_terms,
-    load_projection_matrix,
-    matched_tokens,
-    merge_group_distributions,
-    tempered_log_softmax,
-    token_bytes,
     uld_distance,
 )
 from posttrain.ops.divergence import HeadInputs, target_logps
-from posttrain.ops.logprobs import completion_head_inputs
 from posttrain.ops.token_alignment import align_spans, byte_offsets
-from posttrain.sampling.config import ONLINE_UNBUILT
 from posttrain.sampling.rollout import ScoredRollout
 
 if TYPE_CHECKING:
     from peft import PeftModel
 
+from posttrain.distill.gold_alignment import (
+    Span,
+    TeacherRow,
+    _head_inputs,
+    _merged_pair,
+    _merged_side,
+    _p_kl_rows,
+    _pad_rows,
+    _Pair,
+    _positional_groups,
+    _SampleSides,
+    _valid,
+    completion_text,
+)
+from posttrain.distill.gold_config import XTOKEN_LOSS_TYPES, GOLDConfig
+
 __all__ = ["XTOKEN_LOSS_TYPES", "GOLDConfig", "GOLDTrainer", "TeacherRow", "completion_text"]
-
-Span = tuple[int, int]
-
-#: X-Token's losses: ``xtoken_loss_type`` -> what it compares.
-XTOKEN_LOSS_TYPES = {
-    "p_kl": "forward KL of the teacher and the student projected through W, on the micro-batch's top-k teacher tokens",
-    "h_kl": "KL on the tokens whose top-1 projection weight is >= 0.6, sorted-L1 (ULD) on the rest",
-}
-#: H-KL's bar for a student token's top-1 teacher token to count as common (the paper's).
-H_KL_THRESHOLD = 0.6
-
-# ---- the config ------------------------------------------------------------------------------------
-
-# fmt: off
-_GOLD_RULES: tuple[Rule, ...] = (
-    Rule("lmbda", lambda v: is_num(v) and 0 <= v <= 1, "a number in [0, 1] (the share of steps trained on the student's own samples)", "set lmbda=0.5 (the default), 1.0 for fully on-policy or 0.0 for the dataset's completions only"),
-    Rule("max_length", optional(positive_int), "None or a positive integer (the most prompt + completion tokens)", "set max_length=1024 (the default), or None to keep whole rows"),
-    Rule("teacher_tokenizer_name_or_path", optional(lambda v: isinstance(v, str) and bool(v)), "None or a tokenizer id or path", "pass the teacher's tokenizer hub id or folder, or leave None to load it from the teacher"),
-    Rule("uld_crossentropy_weight", lambda v: is_num(v) and v >= 0, "a number >= 0 (the weight of the student's NLL)", "set uld_crossentropy_weight=0.0 (the default)"),
-    Rule("uld_distillation_weight", lambda v: is_num(v) and v >= 0, "a number >= 0 (the weight of the ULD term)", "set uld_distillation_weight=1.0 (the default)"),
-    Rule("uld_student_temperature", lambda v: is_num(v) and v > 0, "a number > 0", "set uld_student_temperature=1.0 (the default)"),
-    Rule("uld_teacher_temperature", lambda v: is_num(v) and v > 0, "a number > 0", "set uld_teacher_temperature=1.0 (the default)"),
-    Rule("uld_hybrid_matched_weight", optional(lambda v: is_num(v) and v >= 0), "None (1.0) or a number >= 0", "leave uld_hybrid_matched_weight=None, or set a weight >= 0"),
-    Rule("uld_hybrid_unmatched_weight", optional(lambda v: is_num(v) and v >= 0), "None (1.0) or a number >= 0", "leave uld_hybrid_unmatched_weight=None, or set a weight >= 0"),
-    Rule("xtoken_loss_type", lambda v: v is None or v in XTOKEN_LOSS_TYPES, "None, 'p_kl' or 'h_kl'", "leave xtoken_loss_type=None, or pick 'p_kl' or 'h_kl'"),
-    Rule("xtoken_projection_matrix_path", optional(lambda v: isinstance(v, str) and bool(v)), "None or the path of a saved projection matrix", "build one with `posttrain xtoken-projection` and pass its path"),
-    Rule("xtoken_temperature", lambda v: is_num(v) and v > 0, "a number > 0", "set xtoken_temperature=1.0 (the default)"),
-    Rule("xtoken_vocab_topk", positive_int, "a positive integer (P-KL's teacher tokens per micro-batch)", "set xtoken_vocab_topk=8192 (the default)"),
-    Rule("xtoken_kl_weight", lambda v: is_num(v) and v >= 0, "a number >= 0", "set xtoken_kl_weight=1.0 (the default)"),
-    Rule("xtoken_ce_scale", lambda v: is_num(v) and v >= 0, "a number >= 0", "set xtoken_ce_scale=0.1 (the default)"),
-    Rule("vllm_sync_frequency", positive_int, "a positive integer", "set vllm_sync_frequency=1 (the default)"),
-    Rule("log_completions_steps", positive_int, "a positive integer", "set log_completions_steps=100 (the default)"),
-    Rule("callbacks", lambda v: isinstance(v, (list, tuple)), "a list", "leave callbacks=[] and pass callbacks to the trainer"),
-) + choice_rules({"uld_token_merge_strategy": ("observed", "bayesian")}) + DistillationConfig._rules
-
-_GOLD_UNBUILT: dict[str, UnbuiltOption] = {
-    **ONLINE_UNBUILT,
-    "log_completions_steps": UnbuiltOption(100, "logging completions at their own period", "Leave log_completions_steps=100: completions are logged at every logging step (logging_steps).", 10),
-}
-# fmt: on
-
-
-@dataclass
-class GOLDConfig(DistillationConfig):
-    r"""Configuration of ``GOLDTrainer``: on-policy distillation across model families (GOLD, X-Token).
-
-    The reference's public API (``trl.experimental.gold.GOLDConfig``) with X-Token's fields. Every
-    ``transformers.TrainingArguments`` field is accepted too.
-
-    GOLD's fields:
-        temperature (`float`, defaults to `0.9`): Sampling temperature; the same-tokenizer JSD is
-            taken of `logits / temperature` too (ULD and X-Token have their own temperatures).
-        top_p (`float`, defaults to `0.95`), top_k (`int`, defaults to `0`): Sampling filters.
-        lmbda (`float`, defaults to `0.5`): Probability that a step trains on the student's own
-            samples; otherwise on the teacher's (`seq_kd=True`) or the dataset's completions.
-        beta (`float`, defaults to `0.5`): The same-tokenizer generalised JSD's interpolation
-            (0 forward KL, 1 reverse KL).
-        max_completion_length (`int`, defaults to `128`): Most completion tokens; below
-            `max_length`.
-        max_length (`int | None`, defaults to `1024`): Most prompt + completion tokens of a
-            dataset row (the teacher's prompt is cut to it too).
-        teacher_model_name_or_path, teacher_model_revision, teacher_model_init_kwargs: as
-            ``DistillationConfig``.
-        teacher_tokenizer_name_or_path (`str | None`, defaults to `None`): The teacher's tokenizer
-            (cross-tokenizer losses); `None` loads it from the teacher's path.
-        disable_dropout (`bool`, defaults to `True`), seq_kd (`bool`, defaults to `False`),
-            num_generations (`int`, defaults to `1`), generation_batch_size (`int | None`).
-        use_uld_loss (`bool`, defaults to `False`): Universal Logit Distillation across tokenizers.
-        uld_token_merge_strategy (`str`, defaults to `"observed"`): Which rows a span's merged
-            distribution starts from: `"observed"` the rows at its tokens, `"bayesian"` the row
-            before (the one predicting its first token).
-        use_extended_uld (`bool`, defaults to `True`): Align the completions by text spans and
-            merge the distributions within a span; `False` pairs the i-th tokens of the two
-            completions (the original ULD paper's positional truncation).
-        uld_use_hybrid_loss (`bool`, defaults to `False`): KL on the tokens whose text both
-            vocabularies hold (matched), ULD on the rest; needs `use_uld_loss`.
-        uld_hybrid_matched_weight, uld_hybrid_unmatched_weight (`float | None`, default `None`:
-            1.0): The hybrid's two weights.
-        uld_crossentropy_weight (`float`, defaults to `0.0`), uld_distillation_weight (`float`,
-            defaults to `1.0`): `loss = w_d ULD + w_ce NLL`.
-        uld_student_temperature, uld_teacher_temperature (`float`, defaults to `1.0`): Each side's
-            logits are divided by its temperature before the ULD comparison.
-        uld_skip_student_eos, uld_skip_teacher_eos (`bool`, defaults to `True`): Leave each side's
-            EOS out of the alignment (also used by X-Token).
-        vllm_server_port (`int`, defaults to `8001`), vllm_gpu_memory_utilization (`float`,
-            defaults to `0.9`; on vLLM's CPU build a share of main memory: 0.3 there),
-            vllm_sync_frequency (`int`, defaults to `1`): vLLM for the student's samples (as
-            ``GRPOConfig``; docs/vllm.md); the engine gets the student's weights every
-            `vllm_sync_frequency` optimizer steps.
-        log_completions (`bool`, defaults to `False`), num_completions_to_print (`int | None`).
-        log_completions_steps (`int`, defaults to `100`): Not built: completions are logged at
-            every logging step; another value raises `NotImplementedError`.
-        wandb_log_unique_prompts (`bool`, defaults to `True`): The reference's name for
-            `log_unique_prompts` (each distinct prompt once in the completions table); either
-            turns it on.
-        callbacks (`list`, defaults to `[]`): The reference's config field; must stay empty: pass
-            callbacks to the trainer (`GOLDTrainer(callbacks=...)`).
-        learning_rate (`float`, defaults to `1e-7`): The reference's default, kept as the contract
-            though it is far below the usual distillation rates (the seed's examples set their own).
-
-    X-Token's fields:
-        xtoken_loss_type (`str | None`, defaults to `None`): `"p_kl"` or `"h_kl"`
-            (``XTOKEN_LOSS_TYPES``); needs `xtoken_projection_matrix_path`. The paper's recipe is
-            off-policy (`lmbda=0.0`).
-        xtoken_projection_matrix_path (`str | None`): A projection matrix `[Vs, Vt]` saved by
-            `posttrain xtoken-projection` (``save_projection_matrix``).
-        xtoken_temperature (`float`, defaults to `1.0`): Both sides' temperature in the KD term,
-            which is multiplied by its square.
-        xtoken_dynamic_scaling (`bool`, defaults to `True`): Eq. 7, `sg(L_CE / L_KD) L_KD + L_CE`,
-            per micro-batch; `False`: `xtoken_kl_weight L_KD + xtoken_ce_scale L_CE`.
-        xtoken_vocab_topk (`int`, defaults to `8192`): P-KL's teacher tokens (the micro-batch's
-            top-k by teacher mass).
-        xtoken_kl_weight (`float`, defaults to `1.0`), xtoken_ce_scale (`float`, defaults to
-            `0.1`): The weights without dynamic scaling.
-
-    Other shared online fields are as ``DistillationConfig``; GKD's `max_new_tokens` is not a
-    GOLD field (`max_completion_length` is).
-    """
-
-    temperature: float = field(default=0.9, metadata={"help": "Sampling temperature (and the JSD's)."})
-    top_p: float = field(default=0.95, metadata={"help": "Nucleus sampling mass."})
-    top_k: int = field(default=0, metadata={"help": "Keep only the top_k tokens when sampling; 0: all."})
-    lmbda: float = field(
-        default=0.5, metadata={"help": "Probability that a step trains on the student's own samples."}
-    )
-    beta: float = field(
-        default=0.5, metadata={"help": "Generalised JSD interpolation: 0 forward KL, 1 reverse KL."}
-    )
-    max_completion_length: int | None = field(default=128, metadata={"help": "Most completion tokens."})
-    max_length: int | None = field(default=1024, metadata={"help": "Most prompt + completion tokens."})
-    teacher_tokenizer_name_or_path: str | None = field(
-        default=None, metadata={"help": "The teacher's tokenizer; None: the teacher's path."}
-    )
-    disable_dropout: bool = field(default=True, metadata={"help": "Disable dropout in the student."})
-    seq_kd: bool = field(
-        default=False, metadata={"help": "Off the student's steps, train on the teacher's samples."}
-    )
-    use_uld_loss: bool = field(default=False, metadata={"help": "Universal Logit Distillation."})
-    uld_token_merge_strategy: str = field(default="observed", metadata={"help": "'observed' or 'bayesian'."})
-    use_extended_uld: bool = field(
-        default=True, metadata={"help": "Align by text spans (False: position by position)."}
-    )
-    uld_use_hybrid_loss: bool = field(
-        default=False, metadata={"help": "KL on matched tokens, ULD on the rest."}
-    )
-    uld_hybrid_matched_weight: float | None = field(
-        default=None, metadata={"help": "The matched part's weight."}
-    )
-    uld_hybrid_unmatched_weight: float | None = field(
-        default=None, metadata={"help": "The unmatched part's weight."}
-    )
-    uld_crossentropy_weight: float = field(default=0.0, metadata={"help": "Weight of the student's NLL."})
-    uld_distillation_weight: float = field(default=1.0, metadata={"help": "Weight of the ULD term."})
-    uld_student_temperature: float = field(default=1.0, metadata={"help": "The student's ULD temperature."})
-    uld_teacher_temperature: float = field(default=1.0, metadata={"help": "The teacher's ULD temperature."})
-    uld_skip_student_eos: bool = field(default=True, metadata={"help": "Leave the student's EOS unaligned."})
-    uld_skip_teacher_eos: bool = field(default=True, metadata={"help": "Leave the teacher's EOS unaligned."})
-    vllm_server_port: int = field(default=8001, metadata={"help": "Port of the vLLM server."})
-    vllm_gpu_memory_utilization: float = field(default=0.9, metadata={"help": "vLLM's GPU memory share."})
-    vllm_sync_frequency: int = field(default=1, metadata={"help": "Steps between vLLM weight syncs."})
-    log_completions_steps: int = field(default=100, metadata={"help": "Not built (logging_steps applies)."})
-    wandb_log_unique_prompts: bool = field(
-        default=True, metadata={"help": "Log each distinct prompt once (log_unique_prompts)."}
-    )
-    callbacks: list[str] = field(
-        default_factory=list, metadata={"help": "Must stay empty: pass them to the trainer."}
-    )
-    learning_rate: float = field(default=1e-7, metadata={"help": "Initial learning rate (the reference's)."})
-    xtoken_loss_type: str | None = field(default=None, metadata={"help": "X-Token: 'p_kl' or 'h_kl'."})
-    xtoken_projection_matrix_path: str | None = field(
-        default=None, metadata={"help": "The saved projection matrix [Vs, Vt]."}
-    )
-    xtoken_temperature: float = field(default=1.0, metadata={"help": "X-Token's KD temperature."})
-    xtoken_dynamic_scaling: bool = field(
-        default=True, metadata={"help": "Eq. 7: sg(L_CE / L_KD) L_KD + L_CE."}
-    )
-    xtoken_vocab_topk: int = field(default=8192, metadata={"help": "P-KL's teacher tokens per micro-batch."})
-    xtoken_kl_weight: float = field(default=1.0, metadata={"help": "KD weight without dynamic scaling."})
-    xtoken_ce_scale: float = field(default=0.1, metadata={"help": "CE weight without dynamic scaling."})
-
-    _rules: ClassVar[tuple[Rule, ...]] = _GOLD_RULES
-    _unbuilt: ClassVar[dict[str, UnbuiltOption]] = _GOLD_UNBUILT
-    _method: ClassVar[str] = "GOLD"
-    loss_uses_temperature: ClassVar[bool] = True
-
-    @property
-    def cross_tokenizer(self) -> bool:
-        """Whether the loss compares the models across tokenizers (ULD or X-Token)."""
-        return bool(self.use_uld_loss) or self.xtoken_loss_type is not None
-
-    def _normalise_family(self) -> None:
-        """``wandb_log_unique_prompts`` is the reference's name for ``log_unique_prompts``."""
-        super()._normalise_family()
-        self.log_unique_prompts = bool(self.log_unique_prompts or self.wandb_log_unique_prompts)
-
-    def _check_combinations(self) -> None:
-        """The combinations GOLD and X-Token cannot run, then the shared checks.
-
-        Raises:
-            ValueError: a combination that cannot work (the message says which and how to fix it).
-            NotImplementedError: the teacher sampling in its own tokens (``seq_kd``) across tokenizers.
-        """
-        if self.max_length is not None and self.max_completion_length >= self.max_length:
-            raise ValueError(
-                f"max_completion_length={self.max_completion_length} must be below max_length={self.max_length} "
-                "(the prompt needs room); raise max_length or lower max_completion_length."
-            )
-        if self.callbacks:
-            raise ValueError(
-                f"GOLDConfig(callbacks={self.callbacks!r}): the config's callbacks field is the reference's and must "
-                "stay empty; pass callbacks to the trainer instead: GOLDTrainer(..., callbacks=[...])."
-            )
-        if self.use_uld_loss and self.xtoken_loss_type is not None:
-            raise ValueError(
-                f"use_uld_loss=True and xtoken_loss_type={self.xtoken_loss_type!r} are two cross-tokenizer losses; "
-                "pick one (set use_uld_loss=False for X-Token, or xtoken_loss_type=None for ULD)."
-            )
-        if (self.xtoken_loss_type is None) != (self.xtoken_projection_matrix_path is None):
-            raise ValueError(
-                f"xtoken_loss_type={self.xtoken_loss_type!r} and xtoken_projection_matrix_path="
-                f"{self.xtoken_projection_matrix_path!r}: X-Token needs both (a loss type and the projection matrix "
-                "built by `posttrain xtoken-projection`), and neither is used without the other."
-            )
-        if self.uld_use_hybrid_loss and not self.use_uld_loss:
-            raise ValueError(
-                "uld_use_hybrid_loss=True is a variant of the ULD loss; set use_uld_loss=True as well (or leave "
-                "uld_use_hybrid_loss=False)."
-            )
-        if self.seq_kd and self.cross_tokenizer:
-            raise NotImplementedError(
-                "seq_kd=True with a cross-tokenizer loss (use_uld_loss / xtoken_loss_type) is not built in posttrain: "
-                "the teacher would sample in its own tokens. Use seq_kd=False (the dataset's completions off the "
-                "student's steps)."
-            )
-        super()._check_combinations()
-
-
-# ---- one row's two tokenisations ------------------------------------------------------------------
-
-
-@dataclass
-class TeacherRow:
-    """One completion as the teacher reads it, and its alignment with the student's tokens.
-
-    Token indices of the groups are *local*: index 0 is the last prompt token and ``j + 1`` the
-    completion's token ``j`` (the rows ``merge_group_distributions`` reads, each predicting the
-    next token).
-
-    Attributes:
-        prompt_ids: the teacher's prompt tokens (its chat template).
-        completion_ids: the teacher's tokens of the completion text (its EOS last if the
-            student's completion ended with one).
-        student_groups: [G, 2] long local ``(start, end)`` student token ranges.
-        teacher_groups: [G, 2] long local ranges on the teacher's side.
-        kept: how many of the G groups are valid on both sides (the spans the loss compares).
-    """
-
-    prompt_ids: list[int]
-    completion_ids: list[int]
-    student_groups: torch.Tensor
-    teacher_groups: torch.Tensor
-    kept: int
-
-
-def completion_text(
-    ids: Sequence[int], pieces: Sequence[bytes | None], special: set[int]
-) -> tuple[str, list[Span]]:
-    """The text of generated tokens and each token's UTF-8 byte span in it.
-
-    Args:
-        ids: the tokens, in order.
-        pieces: [V] each id's bytes (``token_bytes``); ``None`` or empty: no text.
-        special: ids without text (special tokens), given a zero-width span.
-
-    Returns:
-        ``(text, offsets)``: the bytes decoded as UTF-8 (invalid bytes replaced), and per token
-        ``(start, end)`` into ``text.encode()``. A token whose bytes end inside a character
-        reaches to the end of the text the next token's bytes complete, so the two overlap (one
-        unit for ``align_spans``), as a fast tokenizer's offsets of a split character do.
-    """
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    parts: list[str] = []
-    offsets: list[Span] = []
-    pending: list[int] = []  # tokens whose bytes have not produced a character yet
-    at = 0
-    for k, idx in enumerate(ids):
-        piece = None if idx in special or idx >= len(pieces) else pieces[idx]
-        if not piece:
-            offsets.append((at, at))
-            continue
-        out = decoder.decode(piece)
-        offsets.append((at, at))
-        pending.append(k)
-        if out:
-            end = at + len(out.encode("utf-8"))
-            for p in pending:
-                offsets[p] = (offsets[p][0], end)
-            parts.append(out)
-            at = end
-            pending = [k] if decoder.getstate()[0] else []  # its last bytes start the next character
-    tail = decoder.decode(b"", final=True)
-    if tail:
-        end = at + len(tail.encode("utf-8"))
-        for p in pending:
-            offsets[p] = (offsets[p][0], end)
-        parts.append(tail)
-    return "".join(parts), offsets
-
-
-def _positional_groups(n_student: int, n_teacher: int) -> list[tuple[Span, Span]]:
-    """The original ULD's pairing: the i-th token of each side, up to the shorter length."""
-    return [((i, i + 1), (i, i + 1)) for i in range(min(n_student, n_teacher))]
-
-
-def _valid(groups: torch.Tensor, token_ids: torch.Tensor, strategy: str, merge: str) -> torch.Tensor:
-    """[G] which groups ``merge_group_distributions`` can merge for a sequence (its index rules only).
-
-    The rules depend on the sequence's length and the groups, not on the values: a one-entry
-    vocabulary and token 0 everywhere ask them without building [T, V].
-    """
-    if groups.shape[0] == 0:
-        return torch.zeros(0, dtype=torch.bool)
-    dummy = torch.zeros(len(token_ids), 1)
-    zeros = torch.zeros(len(token_ids), dtype=torch.long)
-    return merge_group_distributions(dummy, zeros, groups.cpu(), strategy=strategy, merge=merge)[1].cpu()
-
-
-# ---- the per-sample losses ---------------------------------------------------------------------------
-
-
-def _logps(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, temperature: float):
-    """[n, V] tempered log-probs of one sample's rows: ``x`` hidden states (or logits when no weight)."""
-    logits = F.linear(x, weight, bias) if weight is not None else x
-    return tempered_log_softmax(logits, temperature)
-
-
-@dataclass(frozen=True)
-class _SampleSides:
-    """One sample's two sides: each model's rows ([n, H] or [n, V] logits), head and local tokens."""
-
-    student: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
-    teacher: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
-    student_tokens: torch.Tensor
-    teacher_tokens: torch.Tensor
-    row: TeacherRow
-
-
-def _merged_side(
-    side: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None],
-    tokens: torch.Tensor,
-    groups: torch.Tensor,
-    temperature: float,
-    how: tuple[str, str],
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One side's merged log-distribution per group and which groups are valid: ([G, V], [G])."""
-    strategy, merge = how
-    return merge_group_distributions(
-        _logps(*side, temperature), tokens, groups, strategy=strategy, merge=merge
-    )
-
-
-def _merged_pair(
-    sides: _SampleSides, s_x: torch.Tensor, temps: tuple[float, float], how: tuple[str, str]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The groups valid on both sides, merged: ``(student [G, Vs] with gradient, teacher [G, Vt])``.
-
-    Args:
-        sides: the sample.
-        s_x: the student's rows (the checkpointed input).
-        temps: the student's and the teacher's temperatures.
-        how: ``(strategy, merge)`` of ``merge_group_distributions``.
-    """
-    _, s_w, s_b = sides.student
-    s_merged, s_valid = _merged_side(
-        (s_x, s_w, s_b), sides.student_tokens, sides.row.student_groups, temps[0], how
-    )
-    with torch.no_grad():
-        t_merged, t_valid = _merged_side(
-            sides.teacher, sides.teacher_tokens, sides.row.teacher_groups, temps[1], how
-        )
-    keep = s_valid & t_valid.to(s_valid.device)
-    return s_merged[keep], t_merged[keep].to(s_merged.dtype)
-
-
-def _p_kl_rows(s_logps: torch.Tensor, t_top: torch.Tensor, projection_t: torch.Tensor) -> torch.Tensor:
-    """P-KL (X-Token Eq. 4) on given teacher tokens K: ``sum_K p_t (log p_t - log (p_s W)_K)`` per row.
-
-    ``xtoken_p_kl``'s formula with K chosen by the caller (the micro-batch's top-k, while the rows
-    arrive one sample at a time).
-
-    Args:
-        s_logps: [N, Vs] the student's log-probs (merged rows).
-        t_top: [N, k] the teacher's log-probs at K (detached).
-        projection_t: [k, Vs] sparse ``W[:, K]`` transposed.
-
-    Returns:
-        [N] the per-row KD term (may be negative: not renormalised over K).
-    """
-    with torch.autocast(s_logps.device.type, enabled=False):  # no low-precision sparse product
-        q = torch.sparse.mm(projection_t, s_logps.float().exp().t()).t()  # [N, k] = p_s W[:, K]
-        log_q = q.clamp_min(torch.finfo(q.dtype).tiny).log()
-        t = t_top.float()
-        return (t.exp() * (t - log_q)).sum(dim=-1)
-
-
-class _Pair:
-    """What the cross-tokenizer losses need of the two tokenizers, built once per trainer.
-
-    Attributes:
-        tokenizer: the teacher's tokenizer.
-        pieces: [Vs] the bytes of each student token id.
-        special: the student's special token ids (no text).
-        eos: the teacher's EOS id, or ``None``.
-        common: [Vs] the teacher token common with each student token (-1: none), for the hybrid
-            ULD (identical text) or H-KL (top-1 projection weight >= 0.6); ``None`` otherwise.
-        projection: [Vs, Vt] sparse X-Token matrix, or ``None``.
-    """
-
-    def __init__(self, student_tokenizer: Any, tokenizer: Any, sizes: tuple[int, int], args: Any) -> None:
-        vs, vt = sizes
-        for name, tok in (("student", student_tokenizer), ("teacher", tokenizer)):
-            if not getattr(tok, "is_fast", False):
-                raise ValueError(
-                    f"The {name}'s tokenizer ({type(tok).__name__}) is a slow tokenizer; aligning the two "
-                    "tokenisations needs byte offsets, which only fast tokenizers report. Load it with "
-                    "AutoTokenizer.from_pretrained(..., use_fast=True)."
-                )
-        if len(tokenizer) > vt:
-            raise ValueError(
-                f"The teacher's tokenizer has {len(tokenizer)} tokens but the teacher's model only {vt} logits; "
-                "pass the teacher's own tokenizer (teacher_processing_class or teacher_tokenizer_name_or_path)."
-            )
-        self.tokenizer = tokenizer
-        self.pieces = token_bytes(student_tokenizer, vs)
-        self.special = set(student_tokenizer.all_special_ids)
-        self.eos = tokenizer.eos_token_id
-        self.projection = None
-        self.common = None
-        if args.xtoken_loss_type is not None:
-            self.projection = load_projection_matrix(args.xtoken_projection_matrix_path, vs, vt)
-            if args.xtoken_loss_type == "h_kl":
-                self.common = common_map_from_projection(self.projection, H_KL_THRESHOLD)
-        elif args.uld_use_hybrid_loss:
-            self.common = matched_tokens(student_tokenizer, tokenizer, vs, vt)
-
-
-def _vocab_size(model: torch.nn.Module) -> int:
-    """The number of logits the model's LM head produces."""
-    return int(chunked.causal_lm(model).get_output_embeddings().weight.shape[0])
-
-
-def _head_inputs(model: torch.nn.Module, ids: tuple[torch.Tensor, ...], pad: int) -> tuple[HeadInputs, Any]:
-    """One model's side with one more position per row: [B, T + 1, ...], row ``j`` predicting token ``j``.
-
-    The extra (masked) column makes position ``T_i`` of each row the output at its last token, the
-    row that predicts past the completion (the loss's unshifted rows need it).
-    """
-    prompt_ids, prompt_mask, completion_ids, completion_mask = ids
-    column = completion_ids.new_full((completion_ids.shape[0], 1), pad)
-    return completion_head_inputs(
-        model,
-        prompt_ids,
-        prompt_mask,
-        torch.cat([completion_ids, column], dim=1),
-        torch.cat([completion_mask, torch.zeros_like(column, dtype=completion_mask.dtype)], dim=1),
-    )
-
-
-def _pad_rows(rows: list[list[int]], pad: int, left: bool, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """Token lists as ``(ids [N, W], mask [N, W])``, padded on the left or the right."""
-    width = max(max((len(r) for r in rows), default=0), 1)
-    ids = [([pad] * (width - len(r)) + r) if left else (r + [pad] * (width - len(r))) for r in rows]
-    mask = [
-        ([0] * (width - len(r)) + [1] * len(r)) if left else ([1] * len(r) + [0] * (width - len(r)))
-        for r in rows
-    ]
-    return torch.tensor(ids, device=device), torch.tensor(mask, device=device)
 
 
 class GOLDTrainer(GKDTrainer):
@@ -605,9 +132,14 @@ class GOLDTrainer(GKDTrainer):
     _tag_names = ["posttrain", "gold"]
     _config_class = GOLDConfig
     _suffix = "GOLD"
-    #: Dataset completions end at their EOS: the byte alignment ends both tokenisations there (the
-    #: template's tokens after it, which GKD and SFT train on, are not aligned across tokenizers yet).
-    _dataset_completion_through_end = False
+
+    @property
+    def _dataset_completion_through_end(self) -> bool:  # type: ignore[override]
+        """With one tokenizer a dataset completion keeps the chat template's tokens after its EOS,
+        as the reference and GKD train on them; the cross-tokenizer losses (ULD, X-Token) end it
+        at the EOS, where the byte alignment ends both tokenisations (the tokens after it are not
+        aligned across tokenizers yet)."""
+        return not self.args.cross_tokenizer
 
     def __init__(
         self,
@@ -674,7 +206,7 @@ class GOLDTrainer(GKDTrainer):
             source, revision = self._teacher_tokenizer_source(teacher_model)
             tokenizer = loading.load_tokenizer(source, revision, self.args.trust_remote_code)
         tokenizer = getattr(tokenizer, "tokenizer", tokenizer)  # a processor wraps its tokenizer
-        sizes = (_vocab_size(self.model), _vocab_size(self.teacher_model))
+        sizes = (chunked.vocab_size(self.model), chunked.vocab_size(self.teacher_model))
         self._check_teacher_template(tokenizer)
         pair = _Pair(self._tokenizer, tokenizer, sizes, self.args)
         device = self.accelerator.device  # the fixed tables once on the device, not per micro-batch

@@ -39,6 +39,7 @@ MODES = {
 }
 
 _TINY = 1e-30  # the tail of a top-k that holds (nearly) all the mass: log of this, not of 0
+_NO_MASS = -1e30  # the log-prob of a column that does not count: exp() is 0, differences stay finite
 
 
 def _with_tail(logps: torch.Tensor) -> torch.Tensor:
@@ -49,17 +50,26 @@ def _with_tail(logps: torch.Tensor) -> torch.Tensor:
 
 
 def topk_divergence(
-    student_logps: torch.Tensor, teacher_logps: torch.Tensor, alpha: float, add_tail: bool
+    student_logps: torch.Tensor,
+    teacher_logps: torch.Tensor,
+    alpha: float,
+    add_tail: bool,
+    valid: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The JSD_alpha of the two distributions reduced to the same k tokens: [n, k] x 2 -> [n].
 
     Args:
         student_logps, teacher_logps: each model's full-vocabulary log-probs of the same k token
-            ids per position (the student's top k).
+            ids per position (the student's top k, say).
         alpha: 0 forward KL, 1 reverse KL, in between the generalised JSD.
         add_tail: keep the rest of each distribution's mass as a (k+1)-th category; otherwise
             renormalise each over the k tokens.
+        valid: [n, k] which of the k columns count (``None``: all); a token listed twice (two
+            supports joined) counts once, its other column holding no mass.
     """
+    if valid is not None:
+        student_logps = student_logps.masked_fill(~valid, _NO_MASS)
+        teacher_logps = teacher_logps.masked_fill(~valid, _NO_MASS)
     if add_tail:
         s, t = _with_tail(student_logps), _with_tail(teacher_logps)
     else:

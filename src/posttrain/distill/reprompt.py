@@ -52,7 +52,10 @@ class Reprompts:
 
     Attributes:
         fills: per row, how its prompt text becomes the reprompt (``str -> str``), or ``None``.
-        stats: the reference's ``self_distillation/*`` fractions.
+        stats: the reference's ``self_distillation/*`` fractions: ``success_group_fraction``
+            (groups with a success), ``success_sample_fraction`` (rows shown a successful
+            sibling's answer), ``feedback_available_fraction`` (rows with feedback, used or not),
+            ``feedback_used_fraction`` and ``reprompt_sample_fraction``.
     """
 
     fills: list[Any]
@@ -77,7 +80,7 @@ def plan_reprompts(
     n = rewards.shape[0]
     success = (rewards >= s.success_reward_threshold).tolist()  # NaN compares False
     fills: list[Any] = []
-    counts = {"feedback_available": 0, "feedback_used": 0, "reprompted": 0}
+    counts = {"with_solution": 0, "feedback_available": 0, "feedback_used": 0, "reprompted": 0}
     for i in range(n):
         start = i // s.group * s.group
         own = not s.dont_reprompt_on_self_success  # may the row demonstrate to itself?
@@ -87,8 +90,9 @@ def plan_reprompts(
             demo = completions[sibling]
             demo = strip_thinking(demo) if s.remove_thinking_from_demonstration else demo
             solution = s.solution_template.format(successful_previous_attempt=demo)
+            counts["with_solution"] += 1
+        counts["feedback_available"] += bool(feedback[i] and feedback[i].strip())  # used or not
         raw = feedback[i] if s.include_environment_feedback else None
-        counts["feedback_available"] += bool(raw)
         use_feedback = bool(raw) and not (s.environment_feedback_only_without_solution and solution)
         text = s.feedback_template.format(feedback_raw=raw) if use_feedback else ""
         if not (solution or text):
@@ -101,7 +105,7 @@ def plan_reprompts(
     grouped = torch.tensor(success, dtype=torch.float32).view(groups, -1) if n else torch.zeros(1, 1)
     stats = {
         "success_group_fraction": grouped.amax(dim=1).mean().item(),
-        "success_sample_fraction": grouped.mean().item(),
+        "success_sample_fraction": counts["with_solution"] / max(n, 1),
         "feedback_available_fraction": counts["feedback_available"] / max(n, 1),
         "feedback_used_fraction": counts["feedback_used"] / max(n, 1),
         "reprompt_sample_fraction": counts["reprompted"] / max(n, 1),

@@ -90,8 +90,10 @@ class SelfTeacherTrainer(TeacherStudentTrainer):
 
     def _distillation_per_sample(
         self, student: HeadInputs, inputs: ScoredRollout, mask: torch.Tensor
-    ) -> torch.Tensor:
-        """Each sample's token mean of the divergence from its teacher ([n], with gradient).
+    ) -> tuple[torch.Tensor, float]:
+        """Each sample's token mean of the divergence from its teacher ([n], with gradient), and
+        the metric ``self_distillation/distillation_loss``: the token mean of the divergence over
+        every process's distilled tokens (the reference's; 0 when there are none).
 
         The teacher reads each completion after the row's teacher prompt; rows outside
         ``inputs.teacher_rows`` (SDPO's unreprompted samples) are not run and give 0.
@@ -105,7 +107,8 @@ class SelfTeacherTrainer(TeacherStudentTrainer):
         rows = inputs.teacher_rows
         keep = mask.bool() if rows is None else mask.bool() & rows.unsqueeze(1)
         if not keep.any():  # no teacher in this micro-batch: a zero that keeps the graph
-            return student.hidden.sum() * 0.0 + torch.zeros(mask.shape[0], device=mask.device)
+            metric = self._token_means({"d": torch.zeros(1, device=mask.device)}, 0)["d"]
+            return student.hidden.sum() * 0.0 + torch.zeros(mask.shape[0], device=mask.device), metric
         sub = r if rows is None else select_rows(r, rows)
         with torch.no_grad(), self._teacher() as teacher_model:
             prompt_ids = inputs.teacher_prompt_ids if rows is None else inputs.teacher_prompt_ids[rows]
@@ -118,7 +121,8 @@ class SelfTeacherTrainer(TeacherStudentTrainer):
             student.rows(keep), teacher.rows(sub_keep), r.completion_ids[keep], inputs, keep
         )
         values = torch.zeros_like(mask, dtype=per_token.dtype).masked_scatter(keep, per_token)  # [n, T]
-        return losses.per_sample_means(values, keep.to(mask.dtype))  # a row without a teacher: 0
+        metric = self._token_means({"d": per_token}, int(keep.sum()))["d"]
+        return losses.per_sample_means(values, keep.to(mask.dtype)), metric  # a row without a teacher: 0
 
     def _token_divergences(
         self,
@@ -245,8 +249,7 @@ class SDFTTrainer(SelfTeacherTrainer):
         """The mean over the micro-batch's samples of each sample's token mean of the divergence."""
         student, aux_loss, mode = self._student_side(model, inputs, return_outputs)
         mask = self._loss_mask(inputs.rollout).to(torch.float32)
-        per_sample = self._distillation_per_sample(student, inputs, mask)  # [n]
-        metric = self._token_means({"loss": per_sample}, per_sample.numel())["loss"]
+        per_sample, metric = self._distillation_per_sample(student, inputs, mask)  # [n]
         metrics = {"self_distillation/distillation_loss": metric, "sdft/distillation_loss": metric}
         return self._finish_loss(per_sample.sum() / inputs.norms.sequences, aux_loss, inputs, metrics, mode)
 
@@ -420,16 +423,16 @@ class SDPOTrainer(SelfTeacherTrainer):
         logps = target_logps(student, r.completion_ids, a.temperature)  # [n, T]
         old = inputs.old_logps if inputs.old_logps is not None else logps.detach()
         policy, _ = objectives.policy_loss(logps, old, inputs.advantages, mask, self._objective, inputs.norms)
-        per_sample = self._distillation_per_sample(student, inputs, mask)  # [n]
+        per_sample, metric = self._distillation_per_sample(student, inputs, mask)  # [n]
         distillation = per_sample.sum() / inputs.norms.sequences
         w = a.distillation_weight
         loss = (1.0 - w) * policy + w * distillation
         values = self._token_means(
-            {"d": per_sample, "p": policy.detach().reshape(1).expand(per_sample.numel())}, per_sample.numel()
+            {"p": policy.detach().reshape(1).expand(per_sample.numel())}, per_sample.numel()
         )
         metrics = {
-            "self_distillation/distillation_loss": values["d"],
-            "sdpo/distillation_loss": values["d"],
+            "self_distillation/distillation_loss": metric,
+            "sdpo/distillation_loss": metric,
             "self_distillation/policy_loss": values["p"] * inputs.norms.accumulation,
         }
         return self._finish_loss(loss, aux_loss, inputs, metrics, mode)

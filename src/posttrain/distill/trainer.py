@@ -78,8 +78,7 @@ class TeacherStudentTrainer(OnlineTrainer):
         Raises:
             ValueError: ``return_outputs`` is asked for (no logits are built).
         """
-        if return_outputs:
-            raise ValueError(f"{type(self).__name__}.compute_loss does not return model outputs.")
+        self._refuse_outputs(return_outputs)
         r = inputs.rollout
         side, aux_loss = completion_head_inputs(
             model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask
@@ -205,7 +204,7 @@ class DistillationTrainer(TeacherStudentTrainer):
         teacher = create_reference(source) if _needs_copy(source, self.model) else source
         teacher.eval()
         teacher.requires_grad_(False)
-        self._check_vocabularies(_vocab_size(self.model), _vocab_size(teacher))
+        self._check_vocabularies(chunked.vocab_size(self.model), chunked.vocab_size(teacher))
         return teacher.to(self.accelerator.device)
 
     def _check_vocabularies(self, student_vocab: int, teacher_vocab: int) -> None:
@@ -353,11 +352,6 @@ def _needs_copy(teacher: torch.nn.Module, student: torch.nn.Module) -> bool:
     return chunked.causal_lm(student) is teacher
 
 
-def _vocab_size(model: torch.nn.Module) -> int:
-    """The number of logits the model's LM head produces."""
-    return int(chunked.causal_lm(model).get_output_embeddings().weight.shape[0])
-
-
 class GKDTrainer(DistillationTrainer):
     """Generalized Knowledge Distillation (arXiv 2306.13649): on- and off-policy steps mixed by ``lmbda``.
 
@@ -488,6 +482,11 @@ class GKDTrainer(DistillationTrainer):
             part.extra["source"] = source
         return parts
 
+    def _dataset_prompt_budget(self) -> int | None:
+        """The most prompt tokens a dataset row keeps (None: bounded by ``max_length`` only, as GKD's
+        and GOLD's ChatML collator bounds it in the reference)."""
+        return None
+
     def _dataset_batch(self, batch: list[dict[str, Any]], mode: str, num_chunks: int) -> list[ScoredRollout]:
         """The rows' own completions, tokenised like sampled ones, through the shared scoring path."""
         a = self.args
@@ -495,11 +494,11 @@ class GKDTrainer(DistillationTrainer):
             batch,
             self._tokenizer,
             self._eos_token_ids,
-            a.max_completion_length,
             a.max_length,
             a.chat_template_kwargs,
             self.accelerator.device,
             through_end=self._dataset_completion_through_end,
+            max_prompt_length=self._dataset_prompt_budget(),
         )
         n = rollout.completion_ids.shape[0]
         completions = self._tokenizer.batch_decode(
@@ -578,6 +577,11 @@ class IWOPDTrainer(GKDTrainer):
                 "token and the tail). Use those, distillation_objective='iw_opd', or a teacher loaded in this process."
             )
 
+    def _dataset_prompt_budget(self) -> int | None:
+        """IW-OPD's ``max_prompt_length`` (the reference tokenises a dataset row's prompt within it and
+        lets the completion fill ``max_length``)."""
+        return self.args.max_prompt_length
+
     def _needs_old_logps(self, mode: str) -> bool:
         """The rollout policy's log-probs, where they differ from the current ones (an off-policy micro-batch)."""
         return OnlineTrainer._needs_old_logps(self, mode)
@@ -596,13 +600,12 @@ class IWOPDTrainer(GKDTrainer):
         temperature, tokens = self._loss_temperature, inputs.rollout.completion_ids[keep]
         name = "on_policy_loss" if inputs.extra.get("source", "student") == "student" else "off_policy_loss"
         if a.distillation_objective == "jsd":
-            if a.loss_top_k == 1 and a.reverse_kl_top_1_mode == "sampled":
-                ids = tokens.unsqueeze(-1)
-            else:
-                ids = top_ids(student, a.loss_top_k, temperature)
+            ids, valid = (
+                (tokens.unsqueeze(-1), None) if served else self._jsd_support(student, teacher, tokens)
+            )
             teacher_logps = teacher.unsqueeze(-1) if served else target_logps(teacher, ids, temperature)
             per_token = losses.topk_divergence(
-                target_logps(student, ids, temperature), teacher_logps, a.beta, a.loss_add_tail
+                target_logps(student, ids, temperature), teacher_logps, a.beta, a.loss_add_tail, valid
             )
             return per_token, {name: per_token.detach()}
         logps = target_logps(student, tokens, temperature)
@@ -615,11 +618,34 @@ class IWOPDTrainer(GKDTrainer):
         per_token = losses.iw_opd_token_losses(logps, advantages[keep], weights)
         values = {
             name: per_token.detach(),
-            "iw_opd/mean_advantage": advantages[keep],
+            "iw_opd/mean_advantage": weights * advantages[keep],  # the weighted advantage, as the reference's
             "iw_opd/mean_abs_advantage": advantages[keep].abs(),
             "iw_opd/mean_weight": weights,
         }
         return per_token, values
+
+    def _jsd_support(
+        self, student: HeadInputs, teacher: HeadInputs, tokens: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The reduced JSD's token ids per position ([n, m]) and which of them count ([n, m] bool, a
+        token both sides picked counting once; ``None``: all), as the reference picks them: the
+        teacher's top ``loss_top_k`` for the forward KL (``beta=0``), the student's for the reverse
+        KL (``beta=1``), both for the JSD in between; with ``loss_top_k=1`` and ``beta > 0`` the
+        reverse side's token is the sampled one (``reverse_kl_top_1_mode="sampled"``) or the
+        student's argmax."""
+        a, temperature = self.args, self._loss_temperature
+        if a.loss_top_k == 1 and a.beta > 0 and a.reverse_kl_top_1_mode == "sampled":
+            reverse = tokens.unsqueeze(-1)
+        else:
+            reverse = top_ids(student, a.loss_top_k, temperature)
+        if a.beta == 1.0:
+            return reverse, None
+        forward = top_ids(teacher, a.loss_top_k, temperature)
+        if a.beta == 0.0:
+            return forward, None
+        ids = torch.cat([forward, reverse], dim=-1)  # [n, 2k]
+        repeat = (ids.unsqueeze(-1) == ids.unsqueeze(-2)).tril(-1).any(-1)  # the id is in an earlier column
+        return ids, ~repeat
 
     def _reduce_metrics(self, values: dict[str, torch.Tensor]) -> dict[str, float]:
         """The token means, and the extreme position weights over every process."""

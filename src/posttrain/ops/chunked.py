@@ -437,6 +437,11 @@ def causal_lm(model: nn.Module) -> nn.Module:
             return model
 
 
+def vocab_size(model: nn.Module) -> int:
+    """The number of logits the model's LM head produces (wrappers looked through)."""
+    return int(causal_lm(model).get_output_embeddings().weight.shape[0])
+
+
 def _is_sharded(model: nn.Module, weight: torch.Tensor) -> bool:
     """Whether the head's weight is partitioned (FSDP, DeepSpeed ZeRO-3): not whole outside forward."""
     wrappers = []
