@@ -110,16 +110,18 @@ tok = build_tiny_tokenizer()
 args = make_config({out!r}, max_steps=30, save_strategy="steps", save_steps=1, save_total_limit=2)
 trainer = GRPOTrainer(model=build_tiny_model(tok), reward_funcs=reward, args=args,
                       train_dataset=standard_dataset(), processing_class=tok)
-import os
-resume = any(n.startswith("checkpoint-") for n in os.listdir({out!r})) if os.path.isdir({out!r}) else False
-trainer.train(resume_from_checkpoint=True if resume else None)
+import os, torch
+from transformers.trainer_utils import get_last_checkpoint
+trainer.train(resume_from_checkpoint=get_last_checkpoint({out!r}) if os.path.isdir({out!r}) else None)
+torch.save([p.detach() for p in trainer.model.parameters()], {out!r} + ".params.pt")
 print("FINISHED", trainer.state.global_step)
 """
 
 
 @pytest.mark.slow
 def test_sigkill_at_random_moments_always_resumes_to_the_end(tmp_path):
-    """SIGKILL a run that saves every step at random moments; resuming always finishes."""
+    """SIGKILL a run that saves every step at random moments; resuming with transformers'
+    ``get_last_checkpoint`` always finishes, with the parameters of a run never killed."""
     out = tmp_path / "run"
     script = tmp_path / "run.py"
     script.write_text(KILL_SCRIPT.format(tests=os.path.dirname(__file__), out=str(out)))
@@ -140,6 +142,15 @@ def test_sigkill_at_random_moments_always_resumes_to_the_end(tmp_path):
     )
     assert final.returncode == 0, final.stderr[-3000:]
     assert "FINISHED 30" in final.stdout
+    straight = tmp_path / "straight"
+    once = subprocess.run(
+        [sys.executable, "-c", KILL_SCRIPT.format(tests=os.path.dirname(__file__), out=str(straight))],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert "FINISHED 30" in once.stdout, once.stderr[-3000:]
+    killed = torch.load(str(out) + ".params.pt")
+    for a, b in zip(torch.load(str(straight) + ".params.pt"), killed, strict=True):
+        assert torch.equal(a, b)
 
 
 # ---- faults in reward functions ----------------------------------------------------------------

@@ -85,6 +85,13 @@ class BaseTrainer(Trainer):
             processing_class, source, args, loading.is_vision_model(model)
         )
         super().__init__(model=model, args=args, processing_class=processing_class, **trainer_kwargs)
+        #: The MoE router loss's weight in force (``router_aux_loss_coef``; 0 for a dense model),
+        #: added by ``_plus_aux_loss``. Reward models (one score per row) have none.
+        self.aux_loss_coef = (
+            model_options.set_router_aux_loss_coef(self.model, args.router_aux_loss_coef)
+            if self._model_kind == "causal_lm"
+            else 0.0
+        )
         self._trim_hooks: list[Any] = []
         if self.accelerator.device.type == "cpu":  # glibc's heap (ops/memory.py):
             memory.map_large_blocks()  # large activations stay out of it,
@@ -323,13 +330,63 @@ class BaseTrainer(Trainer):
     def _after_optimizer_step(self) -> None:
         """A family's once-per-optimizer-step updates (after the step's last micro-batch)."""
 
+    # ---- what every family's loss shares -----------------------------------------------------------
+
+    def _refuse_outputs(self, return_outputs: bool) -> None:
+        """``compute_loss(return_outputs=True)`` is refused: posttrain's losses build no logits.
+
+        Raises:
+            ValueError: ``return_outputs`` is true.
+        """
+        if return_outputs:
+            raise ValueError(
+                f"{type(self).__name__}.compute_loss does not return model outputs (no logits are built; it "
+                "returns the loss). Call the model itself for its outputs."
+            )
+
+    def _plus_aux_loss(
+        self, loss: torch.Tensor, aux_loss: torch.Tensor | None, accumulation: float | None = None
+    ) -> torch.Tensor:
+        """``loss`` plus the MoE router loss weighted by ``router_aux_loss_coef``, as its share of the
+        accumulated step (``accumulation`` micro-batches; the trainer's count when ``None``); a dense
+        model's loss unchanged."""
+        if not self.aux_loss_coef or aux_loss is None:
+            return loss
+        steps = accumulation if accumulation is not None else self.current_gradient_accumulation_steps
+        return loss + self.aux_loss_coef * aux_loss / steps
+
+    def _as_share_of_step(
+        self, loss: torch.Tensor, local: float | None = None, total: float | None = None
+    ) -> torch.Tensor:
+        """Scale a micro-batch's loss so that the step's gradient (DDP averages it over processes,
+        accumulation sums the micro-batches) is that of the mean over every item of the step.
+
+        Args:
+            loss: the micro-batch's mean over its ``local`` items, or (``local=None``) its sum
+                already divided by the step's item count.
+            local: the micro-batch's items (pairs, examples), when ``loss`` is their mean.
+            total: the step's items over every process and micro-batch.
+        """
+        share = 1.0 if local is None else local / max(float(total), 1.0)
+        return loss * share * self.accelerator.num_processes
+
     def _map_datasets(self, prepare: Callable[[Any], Any]) -> None:
         """Apply ``prepare`` to the train dataset and to the eval dataset (each one of a dict)."""
         self.train_dataset = prepare(self.train_dataset)
+        self._map_eval(prepare)
+
+    def _map_eval(self, prepare: Callable[[Any], Any]) -> None:
+        """Apply ``prepare`` to the eval dataset, or to each one of a dict of them."""
         if isinstance(self.eval_dataset, dict):
             self.eval_dataset = {k: prepare(v) for k, v in self.eval_dataset.items()}
         elif self.eval_dataset is not None:
             self.eval_dataset = prepare(self.eval_dataset)
+
+    def _eval_datasets(self) -> list[Any]:
+        """The eval datasets (the values of a dict of them), none when there is no eval dataset."""
+        if isinstance(self.eval_dataset, dict):
+            return list(self.eval_dataset.values())
+        return [] if self.eval_dataset is None else [self.eval_dataset]
 
     def _token_metrics(
         self, mode: str, stats: Any, mask: torch.Tensor, rows: Any, accuracy_mask: torch.Tensor | None = None
@@ -440,20 +497,37 @@ class BaseTrainer(Trainer):
         """Save what this process's family state needs beyond ``transformers.Trainer``'s.
 
         Called on every process after the checkpoint's files are written. Returns the small
-        values (JSON) that the main process writes into the completion mark.
+        values (JSON) that the main process writes into the completion mark. Here: a reference
+        model that moves during training (TR-DPO's ``sync_ref_model``); a family adds its own
+        state and calls this.
         """
+        reference = getattr(self, "ref_model", None)
+        if reference is not None and getattr(self.args, "sync_ref_model", False):
+            self._save_reference(folder, reference)
         return {}
 
     def _load_extra_state(self, folder: str, state: dict[str, Any] | None) -> None:
         """Restore what ``_save_extra_state`` saved (``state``: the completion mark's values)."""
+        reference = getattr(self, "ref_model", None)
+        if reference is not None:
+            self._load_reference(folder, reference)
 
     def train(
         self, resume_from_checkpoint: str | bool | None = None, trial: Any = None, **kwargs: Any
     ) -> Any:
         """Train; ``resume_from_checkpoint=True`` resumes from the newest *complete* checkpoint."""
+        if self.args.should_save:
+            left = checkpoints.remove_leftovers(self._get_output_dir(trial=trial))
+            if left:
+                warnings.warn(
+                    f"Removed {left} from {self.args.output_dir!r}: the staging folders of a save that a "
+                    "killed run did not finish (its whole checkpoints are kept).",
+                    stacklevel=2,
+                )
         if resume_from_checkpoint is True:  # None when only an interrupted first save is there
             resume_from_checkpoint = checkpoints.latest_complete_checkpoint(self.args.output_dir)
         if isinstance(resume_from_checkpoint, str):
+            checkpoints.check_resumable(resume_from_checkpoint, needs_optimizer=not self.args.save_only_model)
             done = checkpoints.finished_output(resume_from_checkpoint, self.args.max_steps)
             if done is not None:  # transformers would train one more step
                 self.state = done
@@ -470,35 +544,83 @@ class BaseTrainer(Trainer):
         if checkpointing_enabled(self.args):
             sac.use_selective_checkpointing(self.model, checkpointing_kwargs(self.args))
 
-    def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
-        """Save as transformers does, then the family's state, then posttrain's state last, as the
-        completion mark.
+    def _get_output_dir(self, trial: Any) -> str:
+        """The run's folder; while a checkpoint is being written, its staging folder."""
+        staging = getattr(self, "_staging_dir", None)
+        return staging if staging is not None else super()._get_output_dir(trial=trial)
 
-        Old checkpoints are rotated only after the new one is complete, so a kill while saving
-        always leaves a complete checkpoint behind.
+    def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
+        """Save as transformers does, into a hidden staging folder, then the family's state, then
+        posttrain's state (the completion mark); flush it all to disk and rename the folder to
+        ``checkpoint-N`` in one step (``core/checkpoints.py``).
+
+        Old checkpoints are rotated only after the new one is published, so a kill at any moment
+        leaves whole checkpoints only, the newest among them.
         """
         run_dir = self._get_output_dir(trial=trial)
-        folder = os.path.join(run_dir, f"checkpoint-{self.state.global_step}")
-        if self.args.should_save and os.path.isdir(folder) and not checkpoints.is_complete(folder):
-            shutil.rmtree(folder)  # left by a run killed while saving: no stale file may survive
+        name = f"checkpoint-{self.state.global_step}"
+        final = os.path.join(run_dir, name)
+        staging = checkpoints.staging_folder(run_dir, name)
+        if self.args.should_save:
+            shutil.rmtree(staging, ignore_errors=True)  # left by a run killed while saving this step
+            os.makedirs(staging)
         self.accelerator.wait_for_everyone()
         limit = self.args.save_total_limit
         self.args.save_total_limit = None
+        self._staging_dir = staging
         try:
             super()._save_checkpoint(model, trial)
         finally:
             self.args.save_total_limit = limit
+            self._staging_dir = None
+        folder = os.path.join(staging, name)
         os.makedirs(folder, exist_ok=True)
         values = self._save_extra_state(folder)
+        for callback in self.callback_handler.callbacks:  # callbacks with checkpoint state (BEMA)
+            save = getattr(callback, "save_checkpoint_state", None)
+            if callable(save):
+                save(folder, self.state)
         self.accelerator.wait_for_everyone()
         if self.args.should_save:
+            best = self.state.best_model_checkpoint
+            if best is not None and best.startswith(staging + os.sep):  # named while staged
+                self.state.best_model_checkpoint = os.path.join(run_dir, os.path.basename(best))
+                self.state.save_to_json(os.path.join(folder, checkpoints.TRAINER_STATE_FILE))
             checkpoints.write_state(folder, values)
+            checkpoints.publish(folder, final)
+            shutil.rmtree(staging, ignore_errors=True)
             rotate_checkpoints(
                 output_dir=run_dir,
                 save_total_limit=limit,
                 best_model_checkpoint=self.state.best_model_checkpoint,
                 use_mtime=True,
             )
+        self.accelerator.wait_for_everyone()
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Save the model (and processing class) so that ``from_pretrained`` loads it.
+
+        A call from outside training (the final save) writes into a staging folder first and
+        moves each file into ``output_dir`` whole (``checkpoints.publish_files``): a kill while
+        saving leaves each file either the previous save's or this one's. Checkpoints are staged
+        as whole folders by ``_save_checkpoint``.
+        """
+        if _internal_call:
+            super().save_model(output_dir, _internal_call=True)
+            return
+        target = output_dir if output_dir is not None else self.args.output_dir
+        staging = checkpoints.staging_folder(target, "save")
+        if self.args.should_save:
+            shutil.rmtree(staging, ignore_errors=True)
+            os.makedirs(staging)
+        self.accelerator.wait_for_everyone()
+        super().save_model(staging, _internal_call=True)
+        self.accelerator.wait_for_everyone()
+        if self.args.should_save:
+            checkpoints.publish_files(staging, target)
+        self.accelerator.wait_for_everyone()
+        if self.args.push_to_hub:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
     @property
     def _load_location(self) -> Any:
@@ -552,12 +674,13 @@ def check_offline_datasets(
         check_first(name, dataset)
 
 
-def refuse_logit_hooks(trainer: str, logged: str, **hooks: Any) -> None:
-    """Refuse the ``transformers.Trainer`` hooks that need full logits, which posttrain never builds.
+def refuse_logit_hooks(trainer: str, logged: str, *, needs: str | None = None, **hooks: Any) -> None:
+    """Refuse the ``transformers.Trainer`` hooks that need what posttrain's trainer never builds.
 
     Args:
         trainer: the trainer's name, for the message.
         logged: what the trainer logs instead (for train and eval).
+        needs: what the hooks need that the trainer does not build (default: the full logits).
         **hooks: the hooks by name (``compute_metrics=...``); ``None`` when not given.
 
     Raises:
@@ -565,10 +688,12 @@ def refuse_logit_hooks(trainer: str, logged: str, **hooks: Any) -> None:
     """
     given = [name for name, value in hooks.items() if value is not None]
     if given:
+        lack = needs or (
+            "the model's full [batch, length, vocabulary] logits, which posttrain's "
+            f"{trainer} never builds (it takes its log-probs from the hidden states in chunks)"
+        )
         raise NotImplementedError(
-            f"{', '.join(given)} need the model's full [batch, length, vocabulary] logits, which posttrain's "
-            f"{trainer} never builds (it takes its log-probs from the hidden states in chunks). Remove them; "
-            f"{logged} are logged for train and eval."
+            f"{', '.join(given)} need {lack}. Remove them; {logged} are logged for train and eval."
         )
 
 

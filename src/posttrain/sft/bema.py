@@ -192,13 +192,20 @@ class BEMACallback(TrainerCallback):
         if t > 0 and t % self.update_freq == 0:
             self.update(_unwrap(model), step)
 
-    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        """Write the buffers into the checkpoint folder, for resuming."""
+    def save_checkpoint_state(self, folder: str, state: Any) -> None:
+        """Write the buffers into a checkpoint folder being staged (posttrain's trainers call this
+        before the folder is published, so the checkpoint is whole with them or absent)."""
         if not getattr(state, "is_world_process_zero", True) or self.start_step is None:
             return
-        folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
         os.makedirs(folder, exist_ok=True)
         torch.save(self.state_dict(), os.path.join(folder, STATE_FILE))
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Write the buffers into the checkpoint folder, for resuming, under a trainer that did not
+        already write them while staging it (a plain ``transformers.Trainer``)."""
+        folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+        if not os.path.isfile(os.path.join(folder, STATE_FILE)):
+            self.save_checkpoint_state(folder, state)
 
     def on_train_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         """Save the BEMA weights to ``{output_dir}/bema``."""
