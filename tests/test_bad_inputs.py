@@ -238,3 +238,25 @@ def test_train_dataset_missing(tmp_path, tok):
             args=make_config(tmp_path),
             processing_class=tok,
         )
+
+
+@pytest.mark.parametrize("family", ["rloo", "online_dpo"])
+def test_no_prompt_column_names_the_trainer_that_needs_it(tmp_path, tok, family):
+    """RLOO's and online DPO's message used to say "GRPO needs one"."""
+    from posttrain import OnlineDPOConfig, OnlineDPOTrainer, RLOOConfig, RLOOTrainer
+
+    config, trainer, name = {
+        "rloo": (RLOOConfig, RLOOTrainer, "RLOOTrainer"),
+        "online_dpo": (OnlineDPOConfig, OnlineDPOTrainer, "OnlineDPOTrainer"),
+    }[family]
+    ds = Dataset.from_dict({"question": ["a", "b", "c", "d"]})
+    with pytest.raises(ValueError, match=f"no 'prompt' column.*{name} needs one: rename"):
+        trainer(
+            model=build_tiny_model(tok),
+            reward_funcs=lambda completion_ids, **kw: [0.0] * len(completion_ids),
+            args=config(
+                output_dir=str(tmp_path), use_cpu=True, report_to="none", per_device_train_batch_size=4
+            ),
+            train_dataset=ds,
+            processing_class=tok,
+        )

@@ -47,7 +47,12 @@ def _run(out, tok, max_steps, resume=None, **config):
 def test_resume_is_exact(tmp_path, case):
     tok = build_tiny_tokenizer()
     config = CASES[case]
+    start = [p.detach().clone() for p in build_tiny_model(tok, seed=1).parameters()]
     straight = _run(tmp_path / "straight", tok, 4, **config)
+    # a run that did nothing would resume "exactly" too: the parameters must have moved
+    assert any(
+        not torch.equal(a.detach(), b) for a, b in zip(straight.model.parameters(), start, strict=True)
+    )
     _run(tmp_path / "stopped", tok, 4, **config)
     # resume the second run from its step-1 checkpoint (inside a buffer when steps_per_generation=2)
     resumed = _run(tmp_path / "stopped", tok, 4, resume=str(tmp_path / "stopped" / "checkpoint-1"), **config)

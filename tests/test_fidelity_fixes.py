@@ -33,14 +33,21 @@ def test_vespo_weighs_against_the_sampler_and_applies_no_second_correction() -> 
     batch = ScoredRollout(rollout, torch.zeros(2, 1), adv, norms=Normalizers(tokens=6.0, sequences=2.0))
     settings = LossSettings(objective=objectives.ObjectiveSettings(loss_type="vespo"))
     result = grpo_loss(PolicyOutput(logps=logps, entropy=torch.zeros(2, 3)), batch, mask, settings, 0.0)
-    log_w = (logps.detach() - sampler).sum(dim=1)
+    # by hand, not through the function under test: W = prod_t pi(y_t) / mu(y_t) per sequence, and
+    # the paper's kernel phi(W) = W^k exp(lambda (1 - W)) with the pair of the advantage's sign
     s = settings.objective
-    phi = objectives.vespo_gamma_weight(
-        log_w, adv, s.vespo_k_pos, s.vespo_lambda_pos, s.vespo_k_neg, s.vespo_lambda_neg
+    phi = []
+    for row, a in enumerate(adv.tolist()):
+        w = math.exp(sum(logps[row, t].item() - sampler[row, t].item() for t in range(3)))
+        k, lam = (s.vespo_k_pos, s.vespo_lambda_pos) if a > 0 else (s.vespo_k_neg, s.vespo_lambda_neg)
+        phi.append(w**k * math.exp(lam * (1 - w)))
+    want = sum(-phi[r] * adv[r].item() * logps[r, t].item() for r in range(2) for t in range(3)) / 6.0
+    assert result.loss.item() == pytest.approx(want, rel=1e-6)
+    assert all(abs(p - 1.0) > 1e-3 for p in phi)  # the sampler moved it; against old it would be 1
+    # against the old policy (the bug) W = 1, phi = 1, and the loss would be the plain policy gradient
+    assert result.loss.item() != pytest.approx(
+        sum(-adv[r].item() * logps[r].sum().item() for r in range(2)) / 6.0
     )
-    want = (-(phi * adv).unsqueeze(1) * logps.detach()).sum() / 6.0
-    assert result.loss.item() == pytest.approx(want.item(), rel=1e-6)
-    assert not torch.allclose(phi, torch.ones(2))  # the sampler moved it; against old it would be 1
     assert "sampling/importance_sampling_ratio/max" in result.sampling  # measured, not applied
 
 

@@ -111,3 +111,39 @@ def test_no_method_over_60_lines(module):
         if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno - n.lineno + 1 > 60
     ]
     assert not long, f"{module}: {long}"
+
+
+def _family_trainers() -> list[type]:
+    import posttrain
+    from posttrain.core.trainer import BaseTrainer
+
+    for name in posttrain.__all__:  # the exports load lazily: import every trainer
+        if name.endswith("Trainer"):
+            getattr(posttrain, name)
+    found, todo = [], [BaseTrainer]
+    while todo:
+        for sub in todo.pop().__subclasses__():
+            if sub.__module__.startswith("posttrain.") and sub not in found:
+                found.append(sub)
+                todo.append(sub)
+    return found
+
+
+def test_families_override_only_the_declared_hooks():
+    """A family changes the core only through the hooks core/hooks.py and sampling/hooks.py declare."""
+    from posttrain.core.trainer import BaseTrainer
+    from posttrain.sampling.hooks import HOOK_NAMES
+    from posttrain.sampling.trainer import OnlineTrainer
+
+    core = {name for cls in (BaseTrainer, OnlineTrainer) for name in vars(cls)}
+    trainers = [t for t in _family_trainers() if t is not OnlineTrainer]
+    assert len(trainers) >= 15, [t.__name__ for t in trainers]
+    undeclared = {
+        f"{cls.__name__}.{name}"
+        for cls in trainers
+        for name in vars(cls)
+        if name.startswith("_") and not name.startswith("__") and name in core and name not in HOOK_NAMES
+    }
+    assert not undeclared, (
+        f"overridden but not declared in core/hooks.py or sampling/hooks.py: {sorted(undeclared)}"
+    )

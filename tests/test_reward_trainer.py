@@ -438,7 +438,8 @@ def test_bad_trainer_arguments(tmp_path, tok):
     with pytest.raises(ValueError, match="eos_token='<nope>' is not a token"):
         trainer_for(tmp_path, tok, eos_token="<nope>")
     with pytest.raises(
-        NotImplementedError, match="compute_metrics, preprocess_logits_for_metrics are not supported"
+        NotImplementedError,
+        match="compute_metrics, preprocess_logits_for_metrics need the rewards as evaluation predictions",
     ):
         RewardTrainer(
             reward_model(tok),

@@ -232,6 +232,11 @@ def test_tools_and_template_kwargs_per_row_win_over_defaults():
     [
         ([], "empty conversation"),
         ([{"content": "x"}], "message 0 of column 'messages' has role None"),
+        ([{"role": "user"}], "message 0 ('user') of column 'messages' has no 'content'"),
+        (  # Arrow fills a missing key with None: refused too, not rendered as "None"
+            [{"role": "user", "content": "a"}, {"role": "assistant", "content": None}],
+            "message 1 ('assistant') of column 'messages' has no 'content'",
+        ),
         (
             [{"role": "user", "content": "a"}, {"role": "system", "content": "b"}],
             "system message may only come first",

@@ -106,17 +106,17 @@ class A2POTrainer(OnlineTrainer):
         for name, data in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
             _check_map_style(name, data)
         super().__init__(
-            model,
-            args,
-            reward_funcs,
-            train_dataset,
-            eval_dataset,
-            processing_class,
-            reward_processing_classes,
-            callbacks,
-            optimizers,
-            quantization_config,
-            peft_config,
+            model=model,
+            args=args,
+            reward_funcs=reward_funcs,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            reward_processing_classes=reward_processing_classes,
+            callbacks=callbacks,
+            optimizers=optimizers,
+            quantization_config=quantization_config,
+            peft_config=peft_config,
         )
         self.value_store: ValueStore | None = None
         self._filtered = False
@@ -175,11 +175,7 @@ class A2POTrainer(OnlineTrainer):
             self._filter_train_dataset()
 
     def _all_rows(self, extra_dataset: Any) -> list[dict[str, Any]]:
-        datasets = [self.train_dataset]
-        if isinstance(self.eval_dataset, dict):
-            datasets += list(self.eval_dataset.values())
-        elif self.eval_dataset is not None:
-            datasets.append(self.eval_dataset)
+        datasets = [self.train_dataset, *self._eval_datasets()]
         if extra_dataset is not None:
             _check_map_style("eval_dataset", extra_dataset)
             datasets.append(extra_dataset)

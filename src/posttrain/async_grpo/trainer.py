@@ -115,17 +115,17 @@ class AsyncGRPOTrainer(OnlineTrainer):
                 "eval_dataset, or use_vllm=False."
             )
         super().__init__(
-            model,
-            args,
-            reward_funcs,
-            train_dataset,
-            eval_dataset,
-            processing_class,
-            reward_processing_classes,
-            callbacks,
-            optimizers,
-            quantization_config,
-            peft_config,
+            model=model,
+            args=args,
+            reward_funcs=reward_funcs,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            reward_processing_classes=reward_processing_classes,
+            callbacks=callbacks,
+            optimizers=optimizers,
+            quantization_config=quantization_config,
+            peft_config=peft_config,
         )
         self.epsilon_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
         self._truncation = Truncation(args.top_k, args.top_p, args.min_p)

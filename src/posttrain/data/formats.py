@@ -49,16 +49,17 @@ def check_prompt(prompt: Any, index: int | str) -> None:
     )
 
 
-def check_prompt_column(column_names: Sequence[str] | None, name: str) -> None:
+def check_prompt_column(column_names: Sequence[str] | None, name: str, trainer: str = "GRPOTrainer") -> None:
     """Raise when a dataset lacks the ``"prompt"`` column.
 
     Args:
         column_names: the dataset's columns (``None`` when unknown, e.g. some streams).
         name: which dataset this is ("train_dataset", "eval_dataset['x']"), for the message.
+        trainer: the trainer that reads it ("RLOOTrainer"), for the message.
     """
     if column_names is not None and PROMPT_COLUMN not in column_names:
         raise ValueError(
-            f"{name} has no 'prompt' column (its columns are {list(column_names)}). GRPO needs one: "
+            f"{name} has no 'prompt' column (its columns are {list(column_names)}). {trainer} needs one: "
             "rename the column holding the prompts, e.g. dataset.rename_column('question', 'prompt')."
         )
 

@@ -194,8 +194,8 @@ def check_messages(messages: Sequence[Message], column: str, index: int | None) 
     another tool message), and an assistant message after them.
 
     Raises:
-        ValueError: an empty conversation, a message without a role, or roles out of order; the
-            message names the row, the column and the message's position.
+        ValueError: an empty conversation, a message without a role or without content, or roles
+            out of order; the message names the row, the column and the message's position.
     """
     if not messages:
         raise ValueError(
@@ -209,6 +209,12 @@ def check_messages(messages: Sequence[Message], column: str, index: int | None) 
             raise ValueError(
                 f"{row_label(index)}: message {i} of column '{column}' has role {role!r}; expected one of "
                 f"{sorted(_ALLOWED_BEFORE)}. Give every message a 'role' (ShareGPT rows use 'from')."
+            )
+        if message.get("content") is None and not message.get("tool_calls"):
+            raise ValueError(
+                f"{row_label(index)}: message {i} ('{role}') of column '{column}' has no 'content' (the key is "
+                "missing or None; only an assistant message with 'tool_calls' may go without). Give it a 'content' "
+                "(text, or a list of content blocks), or drop the row."
             )
         _check_order(role, previous, column, index, i)
         previous = message

@@ -31,7 +31,6 @@ from posttrain.core.trainer import refuse_logit_hooks
 from posttrain.data import preference
 from posttrain.dpo import losses
 from posttrain.dpo.config import DPOConfig
-from posttrain.models import reference as model_options
 from posttrain.ops.logprobs import RowScores
 from posttrain.pairs.trainer import PairBatch, PairTrainer, StepCounts, check_pair_columns
 
@@ -101,7 +100,6 @@ class DPOTrainer(PairTrainer):
             optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
         )
         self._apply_pad_token(args.pad_token)
-        self._aux_loss_coef = model_options.set_router_aux_loss_coef(self.model, args.router_aux_loss_coef)
         self.loss_types, self.loss_weights = losses.check_loss_settings(
             args.loss_type,
             args.loss_weights,
@@ -120,10 +118,7 @@ class DPOTrainer(PairTrainer):
         self.ref_model = self._offline_reference(ref_model) if needed else None
         if args.precompute_ref_log_probs and not _has_ref_columns(self.train_dataset):
             self.train_dataset = self._precompute_reference(self.train_dataset)
-            if isinstance(self.eval_dataset, dict):
-                self.eval_dataset = {k: self._precompute_reference(v) for k, v in self.eval_dataset.items()}
-            elif self.eval_dataset is not None:
-                self.eval_dataset = self._precompute_reference(self.eval_dataset)
+            self._map_eval(self._precompute_reference)
             self.ref_model = None  # no longer needed: the columns hold its log-probs
 
     # ---- setup ---------------------------------------------------------------------------------
@@ -182,8 +177,7 @@ class DPOTrainer(PairTrainer):
         ``num_items_in_batch`` is the step's pairs over every process; DDP averages gradients
         over processes, so the share is multiplied by their number.
         """
-        if return_outputs:
-            raise ValueError("DPOTrainer.compute_loss does not return model outputs (no logits are built).")
+        self._refuse_outputs(return_outputs)
         train = model.training
         rows = inputs.pairs.stacked()
         scores = self._score(model, inputs, train=True)
@@ -212,11 +206,8 @@ class DPOTrainer(PairTrainer):
         )  # fmt: skip
         loss = out.loss
         if step is not None:
-            loss = loss * (n / max(step.pairs, 1.0)) * self.accelerator.num_processes
-        if self._aux_loss_coef and scores.stats.aux_loss is not None:
-            loss = (
-                loss + self._aux_loss_coef * scores.stats.aux_loss / self.current_gradient_accumulation_steps
-            )
+            loss = self._as_share_of_step(loss, n, step.pairs)
+        loss = self._plus_aux_loss(loss, scores.stats.aux_loss)
         if self._bco is not None and train:
             self._bco.update(torch.cat([out.chosen_rewards, out.rejected_rewards]))
         self._record("train" if train else "eval", scores, out, rows, n)
@@ -253,16 +244,14 @@ class DPOTrainer(PairTrainer):
         self._sync_reference(self.ref_model)
 
     def _save_extra_state(self, folder: str) -> dict[str, Any]:
-        """The synced reference (TR-DPO) and bco_pair's running reward mean."""
-        if self.ref_model is not None and self.args.sync_ref_model:
-            self._save_reference(folder, self.ref_model)
+        """The synced reference (TR-DPO, the core's) and bco_pair's running reward mean."""
+        values = super()._save_extra_state(folder)
         if self._bco is not None and self.args.should_save:
             torch.save(self._bco.state_dict(), os.path.join(folder, BCO_STATE))
-        return {}
+        return values
 
     def _load_extra_state(self, folder: str, state: dict[str, Any] | None) -> None:
-        if self.ref_model is not None:
-            self._load_reference(folder, self.ref_model)
+        super()._load_extra_state(folder, state)
         path = os.path.join(folder, BCO_STATE)
         if self._bco is not None and os.path.isfile(path):
             self._bco.load_state_dict(torch.load(path, map_location="cpu"))

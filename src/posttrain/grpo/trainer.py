@@ -114,20 +114,20 @@ class GRPOTrainer(OnlineTrainer):
         precision = getattr(args, "sampler_precision", "float32")
         reduced_precision.check_sampler_sources(precision, tools, rollout_func, environment_factory)
         super().__init__(
-            model,
-            args,
-            reward_funcs,
-            train_dataset,
-            eval_dataset,
-            processing_class,
-            reward_processing_classes,
-            callbacks,
-            optimizers,
-            quantization_config,
-            peft_config,
-            tools,
-            rollout_func,
-            environment_factory,
+            model=model,
+            args=args,
+            reward_funcs=reward_funcs,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            reward_processing_classes=reward_processing_classes,
+            callbacks=callbacks,
+            optimizers=optimizers,
+            quantization_config=quantization_config,
+            peft_config=peft_config,
+            tools=tools,
+            rollout_func=rollout_func,
+            environment_factory=environment_factory,
         )
         self.loss_settings = replace(loss_settings, aux_loss_coef=self.aux_loss_coef)
         #: what the decode steps sample with ("float32", or the reduced copy's "int8"/"fp16"/"bf16")

@@ -34,7 +34,6 @@ from posttrain.data import unpaired
 from posttrain.data.unpaired import UnpairedBatch
 from posttrain.kto import losses
 from posttrain.kto.config import KTOConfig
-from posttrain.models import reference as model_options
 from posttrain.ops.logprobs import RowScores, score_rows
 
 __all__ = ["KTOTrainer"]
@@ -107,7 +106,6 @@ class KTOTrainer(BaseTrainer):
             optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
         )
         self._apply_pad_token(args.pad_token)
-        self._aux_loss_coef = model_options.set_router_aux_loss_coef(self.model, args.router_aux_loss_coef)
         self.loss_spec = losses.LOSS_TYPES[args.loss_type]
         self._map_datasets(self._prepare)
         self._warn_on_imbalance()
@@ -138,13 +136,7 @@ class KTOTrainer(BaseTrainer):
         """Score the train and eval examples (and KL pairs) with the reference, once."""
         a = self.args
         self.train_dataset = self._precompute_reference(self.train_dataset, a.per_device_train_batch_size)
-        if isinstance(self.eval_dataset, dict):
-            self.eval_dataset = {
-                k: self._precompute_reference(v, a.per_device_eval_batch_size)
-                for k, v in self.eval_dataset.items()
-            }
-        elif self.eval_dataset is not None:
-            self.eval_dataset = self._precompute_reference(self.eval_dataset, a.per_device_eval_batch_size)
+        self._map_eval(lambda dataset: self._precompute_reference(dataset, a.per_device_eval_batch_size))
 
     @torch.no_grad()
     def _precompute_reference(self, dataset: Any, batch_size: int) -> Any:
@@ -254,8 +246,7 @@ class KTOTrainer(BaseTrainer):
         ``num_items_in_batch`` is the step's examples over every process; DDP averages gradients
         over processes, so the share is multiplied by their number.
         """
-        if return_outputs:
-            raise ValueError("KTOTrainer.compute_loss does not return model outputs (no logits are built).")
+        self._refuse_outputs(return_outputs)
         train = model.training
         scores = self._score(model, inputs.examples, train=True)
         ref, ref_kl = self._reference_for(inputs)
@@ -273,11 +264,8 @@ class KTOTrainer(BaseTrainer):
         loss = out.loss
         n = inputs.num_examples
         if num_items_in_batch is not None and train:
-            loss = loss * (n / max(float(num_items_in_batch), 1.0)) * self.accelerator.num_processes
-        if self._aux_loss_coef and scores.stats.aux_loss is not None:
-            loss = (
-                loss + self._aux_loss_coef * scores.stats.aux_loss / self.current_gradient_accumulation_steps
-            )
+            loss = self._as_share_of_step(loss, n, float(num_items_in_batch))
+        loss = self._plus_aux_loss(loss, scores.stats.aux_loss)
         self._record("train" if train else "eval", scores, out, inputs)
         return loss
 
@@ -320,16 +308,6 @@ class KTOTrainer(BaseTrainer):
     def _after_optimizer_step(self) -> None:
         """TR-DPO's reference sync, once per optimizer step."""
         self._sync_reference(self.ref_model)
-
-    def _save_extra_state(self, folder: str) -> dict[str, Any]:
-        """The synced reference (TR-DPO)."""
-        if self.ref_model is not None and self.args.sync_ref_model:
-            self._save_reference(folder, self.ref_model)
-        return {}
-
-    def _load_extra_state(self, folder: str, state: dict[str, Any] | None) -> None:
-        if self.ref_model is not None:
-            self._load_reference(folder, self.ref_model)
 
 
 def _check_datasets(train_dataset: Any, eval_dataset: Any) -> None:

@@ -105,17 +105,17 @@ class OnlineDPOTrainer(OnlineTrainer):
         self.judge = judge
         self._given_ref_model = ref_model
         super().__init__(
-            model,
-            args,
-            reward_funcs,
-            train_dataset,
-            eval_dataset,
-            processing_class,
-            reward_processing_classes,
-            callbacks,
-            optimizers,
-            quantization_config,
-            peft_config,
+            model=model,
+            args=args,
+            reward_funcs=reward_funcs,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            reward_processing_classes=reward_processing_classes,
+            callbacks=callbacks,
+            optimizers=optimizers,
+            quantization_config=quantization_config,
+            peft_config=peft_config,
         )
 
     @staticmethod

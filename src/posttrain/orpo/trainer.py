@@ -28,7 +28,6 @@ from transformers import PreTrainedModel, TrainerCallback
 
 from posttrain.core.batch import Sequences
 from posttrain.core.trainer import refuse_logit_hooks
-from posttrain.models import reference as model_options
 from posttrain.ops.logprobs import RowScores
 from posttrain.orpo import losses
 from posttrain.orpo.config import ORPOConfig, ReferenceFreeConfig
@@ -98,7 +97,6 @@ class ReferenceFreeTrainer(PairTrainer):
         )
         self._check_decoder_only()
         self._apply_pad_token(args.pad_token)
-        self._aux_loss_coef = model_options.set_router_aux_loss_coef(self.model, args.router_aux_loss_coef)
         self._prepare_pair_datasets()
 
     # ---- setup ---------------------------------------------------------------------------------
@@ -147,10 +145,7 @@ class ReferenceFreeTrainer(PairTrainer):
         tokens over every process, and DDP averages gradients over processes, so the share is
         multiplied by their number; without it (evaluation), over the micro-batch.
         """
-        if return_outputs:
-            raise ValueError(
-                f"{type(self).__name__}.compute_loss does not return model outputs (no logits are built)."
-            )
+        self._refuse_outputs(return_outputs)
         rows = inputs.pairs.stacked()
         with self._offloading():
             scores = self._score_pairs(model, inputs, with_metrics=True)
@@ -164,11 +159,8 @@ class ReferenceFreeTrainer(PairTrainer):
         out = self._pair_loss(logps, num_items_in_batch)
         loss = out.loss
         if num_items_in_batch is not None:
-            loss = loss * self.accelerator.num_processes
-        if self._aux_loss_coef and scores.stats.aux_loss is not None:
-            loss = (
-                loss + self._aux_loss_coef * scores.stats.aux_loss / self.current_gradient_accumulation_steps
-            )
+            loss = self._as_share_of_step(loss)  # divided by the step's pair count already
+        loss = self._plus_aux_loss(loss, scores.stats.aux_loss)
         self._record("train" if model.training else "eval", scores, out, rows, n)
         return loss
 

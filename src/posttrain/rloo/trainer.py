@@ -88,20 +88,20 @@ class RLOOTrainer(OnlineTrainer):
                 "differ from GRPOConfig's: num_generations=2, beta=0.05, normalize_advantages)."
             )
         super().__init__(
-            model,
-            args,
-            reward_funcs,
-            train_dataset,
-            eval_dataset,
-            processing_class,
-            reward_processing_classes,
-            callbacks,
-            optimizers,
-            quantization_config,
-            peft_config,
-            tools,
-            rollout_func,
-            environment_factory,
+            model=model,
+            args=args,
+            reward_funcs=reward_funcs,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            reward_processing_classes=reward_processing_classes,
+            callbacks=callbacks,
+            optimizers=optimizers,
+            quantization_config=quantization_config,
+            peft_config=peft_config,
+            tools=tools,
+            rollout_func=rollout_func,
+            environment_factory=environment_factory,
         )
         self.epsilon_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
 

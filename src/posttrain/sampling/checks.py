@@ -19,13 +19,19 @@ from posttrain.models import loading
 from posttrain.sampling.pipeline import EPISODE_COLUMN
 
 
+def trainer_name(args: Any) -> str:
+    """The trainer a config belongs to, for messages ("RLOOConfig" -> "RLOOTrainer")."""
+    name = type(args).__name__
+    return f"{name.removesuffix('Config')}Trainer" if name.endswith("Config") else "GRPOTrainer"
+
+
 def check_datasets(train_dataset: Any, eval_dataset: Any, args: Any, prompt_optional: bool = False) -> None:
     """Check the train dataset and every eval dataset (a dict of them is checked one by one).
 
     ``prompt_optional``: environments may write the prompt (``reset``), so the column may be absent.
     """
     if train_dataset is None:
-        raise ValueError("GRPOTrainer needs a train_dataset with a 'prompt' column.")
+        raise ValueError(f"{trainer_name(args)} needs a train_dataset with a 'prompt' column.")
     check_dataset(
         train_dataset,
         "train_dataset",
@@ -52,7 +58,7 @@ def check_dataset(
     columns = getattr(dataset, "column_names", None)
     has_prompts = columns is None or formats.PROMPT_COLUMN in columns
     if not prompt_optional:
-        formats.check_prompt_column(columns, name)
+        formats.check_prompt_column(columns, name, trainer_name(args))
     per_process = (
         args.per_device_train_batch_size * args.steps_per_generation
         if train

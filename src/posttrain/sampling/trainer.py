@@ -27,7 +27,6 @@ from posttrain.data.sampling import online_dataloader
 from posttrain.data.vision import image_processor_of
 from posttrain.generation.base import Generator
 from posttrain.models import peft as peft_utils
-from posttrain.models import reference as model_options
 from posttrain.models.loading import image_placeholder_ids, is_vision_model
 from posttrain.observe.completions import COMPLETIONS_FILE, IMAGES_FOLDER, CompletionLog
 from posttrain.ops.logprobs import completion_logps
@@ -108,8 +107,6 @@ class OnlineTrainer(BaseTrainer):
         )
         self._completion_logs = self._setup_completion_logs()
         self.ref_model = self._setup_reference()
-        # MoE load balancing: the coefficient in force (0 for a dense model), applied by each family's loss
-        self.aux_loss_coef = model_options.set_router_aux_loss_coef(self.model, args.router_aux_loss_coef)
         self._buffer: list[ScoredRollout] = []
         self._micro_step = 0
 
@@ -493,8 +490,7 @@ class OnlineTrainer(BaseTrainer):
         Raises:
             ValueError: ``return_outputs`` is asked for (no logits are built).
         """
-        if return_outputs:
-            raise ValueError(f"{type(self).__name__}.compute_loss does not return model outputs.")
+        self._refuse_outputs(return_outputs)
         r = inputs.rollout
         out = completion_logps(
             model,
@@ -517,7 +513,7 @@ class OnlineTrainer(BaseTrainer):
             return loss
         aux = out.aux_loss.detach().float().reshape(1).to(self.accelerator.device)
         metrics["aux_loss"] = gather(aux).mean().item()
-        return loss + self.aux_loss_coef * out.aux_loss / inputs.norms.accumulation
+        return self._plus_aux_loss(loss, out.aux_loss, inputs.norms.accumulation)
 
     def prediction_step(
         self,
@@ -555,17 +551,14 @@ class OnlineTrainer(BaseTrainer):
         synced reference."""
         buffer = {"micro_step": self._micro_step, "buffer": self._buffer}
         torch.save(buffer, os.path.join(folder, BUFFER_STATE.format(self.accelerator.process_index)))
-        if self.ref_model is not None and self.args.sync_ref_model:
-            self._save_reference(folder, self.ref_model)
-        return {}
+        return super()._save_extra_state(folder)  # and the synced reference
 
     def _load_extra_state(self, folder: str, state: dict[str, Any] | None) -> None:
         buffer_path = os.path.join(folder, BUFFER_STATE.format(self.accelerator.process_index))
         if os.path.isfile(buffer_path):  # our own file: rollouts are dataclasses of tensors
             saved = torch.load(buffer_path, map_location=self._load_location, weights_only=False)
             self._micro_step, self._buffer = saved["micro_step"], saved["buffer"]
-        if self.ref_model is not None:
-            self._load_reference(folder, self.ref_model)
+        super()._load_extra_state(folder, state)
 
 
 def _stitch(parts: list[torch.Tensor], width: int) -> torch.Tensor:

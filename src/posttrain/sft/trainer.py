@@ -26,7 +26,6 @@ from posttrain.core.batch import Sequences
 from posttrain.core.trainer import BaseTrainer, refuse_logit_hooks
 from posttrain.data import packing, sft
 from posttrain.models import loading
-from posttrain.models import reference as model_options
 from posttrain.ops.logprobs import sequence_token_stats
 from posttrain.sft import losses
 from posttrain.sft import templates as chat_templates
@@ -119,13 +118,9 @@ class SFTTrainer(BaseTrainer):
             loading.apply_chat_template_path(args.chat_template_path, self._tokenizer, self.model)
         if needs_markers:
             chat_templates.ensure_generation_markers(self._tokenizer)
-        self._aux_loss_coef = model_options.set_router_aux_loss_coef(self.model, args.router_aux_loss_coef)
         self.loss_fn = losses.resolve_loss_type(args.loss_type)
         self.train_dataset = self._prepare(self.train_dataset, args.packing)
-        if isinstance(self.eval_dataset, dict):
-            self.eval_dataset = {k: self._prepare(v, args.eval_packing) for k, v in self.eval_dataset.items()}
-        elif self.eval_dataset is not None:
-            self.eval_dataset = self._prepare(self.eval_dataset, args.eval_packing)
+        self._map_eval(lambda dataset: self._prepare(dataset, args.eval_packing))
 
     # ---- data ------------------------------------------------------------------------------------
 
@@ -226,8 +221,7 @@ class SFTTrainer(BaseTrainer):
 
         DDP averages gradients over processes, so the share is multiplied by their number.
         """
-        if return_outputs:
-            raise ValueError("SFTTrainer.compute_loss does not return model outputs (no logits are built).")
+        self._refuse_outputs(return_outputs)
         mode = "train" if model.training else "eval"
         with self._offloading():
             stats = sequence_token_stats(
@@ -242,13 +236,10 @@ class SFTTrainer(BaseTrainer):
         mask = inputs.loss_mask[:, 1:].to(stats.logps.dtype)  # [N, L - 1]: targets 1..L-1
         local = mask.sum()
         count = num_items_in_batch if num_items_in_batch is not None else local
-        scale = self.accelerator.num_processes if num_items_in_batch is not None and mode == "train" else 1
-        loss = (
-            self.loss_fn(stats.logps, mask, torch.clamp(torch.as_tensor(count, device=mask.device), min=1))
-            * scale
-        )
-        if self._aux_loss_coef and stats.aux_loss is not None:
-            loss = loss + self._aux_loss_coef * stats.aux_loss / self.current_gradient_accumulation_steps
+        loss = self.loss_fn(stats.logps, mask, torch.clamp(torch.as_tensor(count, device=mask.device), min=1))
+        if num_items_in_batch is not None and mode == "train":
+            loss = self._as_share_of_step(loss)  # divided by the step's target count already
+        loss = self._plus_aux_loss(loss, stats.aux_loss)
         self._record(mode, stats, mask, inputs)
         return loss
 
