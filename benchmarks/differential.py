@@ -369,6 +369,22 @@ class Rollouts:
         return out
 
 
+def switch_on_vllm_flag(trainer) -> None:
+    """Put the reference's GRPOTrainer on its vLLM path after construction, with a no-op weight sync.
+
+    The reference uses rollout_func's log-probs only when ``use_vllm`` is on; vLLM is not installed
+    here, and the rollout_func generates either way.
+    """
+
+    class _NoSync:
+        def sync_weights(self):
+            pass
+
+    trainer.use_vllm = True
+    trainer.vllm_generation = _NoSync()
+    trainer._last_loaded_step = -1
+
+
 def token_sum_reward(completion_ids, **kwargs):
     return [float(sum(ids) % 5) for ids in completion_ids]
 
@@ -416,15 +432,7 @@ def run_child(lib: str, name: str, model_dir: str, out_path: str) -> None:
                 rollout_func=rollouts,
             )
             if lib == "trl" and name != "trl_without_vllm_flag":
-                # The reference uses rollout_func's log-probs only on its vLLM path; vLLM is not installed, so
-                # switch the flag on after construction with a no-op weight sync (rollout_func generates anyway).
-                class _NoSync:
-                    def sync_weights(self):
-                        pass
-
-                trainer.use_vllm = True
-                trainer.vllm_generation = _NoSync()
-                trainer._last_loaded_step = -1
+                switch_on_vllm_flag(trainer)
             trainer.train()
         except Exception as exc:  # noqa: BLE001 - recorded as "not accepted"
             record_failure(out_path, result, exc)
@@ -504,7 +512,7 @@ CHILD_ENV = {
 }
 
 
-def drive(names, work: str, child_args, init_path, note=None, verbose: bool = False) -> int:
+def drive(names, work: str, child_args, init_path, note=None, verbose: bool = False, column=None) -> int:
     """Run each configuration in both libraries (one process each), compare, print a line per
     configuration and the markdown table. Shared by the differential scripts.
 
@@ -514,6 +522,8 @@ def drive(names, work: str, child_args, init_path, note=None, verbose: bool = Fa
         child_args: ``child_args(lib, name, out_path)``, the child's command-line arguments.
         init_path: ``init_path(name)``, the saved initial parameters the configuration starts from.
         note: ``note(results)``, more to print on a configuration's line (or ``None``).
+        column: ``(header, cell)``, one more table column: ``cell(results)`` gives a compared
+            configuration's entry (or ``None``: no such column).
     """
     env = {**os.environ, **CHILD_ENV}
     rows = []
@@ -534,7 +544,7 @@ def drive(names, work: str, child_args, init_path, note=None, verbose: bool = Fa
             res[lib]["_init"] = init_path(name)
         errs = {lib: r["error"] for lib, r in res.items() if "error" in r}
         if errs:
-            rows.append((name, "NOT COMPARED", "; ".join(f"{k}: {v[:200]}" for k, v in errs.items()), ""))
+            rows.append((name, "NOT COMPARED", "; ".join(f"{k}: {v[:200]}" for k, v in errs.items()), "", ""))
             print(f"[{name}] not compared: {errs}", flush=True)
             if verbose:
                 for r in res.values():
@@ -548,7 +558,7 @@ def drive(names, work: str, child_args, init_path, note=None, verbose: bool = Fa
             worst = f"{w[0]} (step {w[3]}): trl {fmt(w[1])} / posttrain {fmt(w[2])}"
         status = "agree" if c["agree"] else "DIFFER"
         params = f"{c['param_maxdiff']:.2e} (update {c['param_maxupdate']:.2e})"
-        rows.append((name, status, worst, params))
+        rows.append((name, status, worst, params, column[1](res) if column is not None else ""))
         extra = f"; {note(res)}" if note is not None else ""
         print(f"[{name}] {status}; worst {worst}; params {params}{extra}", flush=True)
         if c["only_trl"] or c["only_posttrain"]:
@@ -557,10 +567,16 @@ def drive(names, work: str, child_args, init_path, note=None, verbose: bool = Fa
             for k, a, b, r, step in c["bad"][:12]:
                 print(f"    step {step}: {k}: trl {fmt(a)} posttrain {fmt(b)} (rel {r:.2e})")
     print(f"\n{len(names)} configurations in {time.time() - t0:.0f}s; work folder {work}\n")
-    print("| config | result | worst metric (step): trl / posttrain | max param diff |")
-    print("|---|---|---|---|")
+    head, line = (
+        "| config | result | worst metric (step): trl / posttrain | max param diff |",
+        "|---|---|---|---|",
+    )
+    if column is not None:
+        head, line = f"{head} {column[0]} |", f"{line}---|"
+    print(head)
+    print(line)
     for r in rows:
-        print(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]} |")
+        print(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]} |" + (f" {r[4]} |" if column is not None else ""))
     return 0
 
 
@@ -582,24 +598,35 @@ def run_parent(names: list[str], keep: str | None, verbose: bool) -> int:
     return drive_tiny(names, keep, verbose, os.path.abspath(__file__), "differential-", note)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def command_line(doc: str, configs: dict, run_child, run_parent, child_folder: str = "model_dir") -> int:
+    """The differential scripts' command line: a child run (``--lib --config --out`` and
+    ``--model_dir`` or ``--work``, as ``child_folder`` says) or the parent over ``--only``
+    configurations (names, or family prefixes such as ``dpo``: every ``dpo_*``)."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
     parser.add_argument("--lib", choices=["trl", "posttrain"])
-    parser.add_argument("--config", choices=list(CONFIGS))
+    parser.add_argument("--config", choices=list(configs))
     parser.add_argument("--model_dir")
     parser.add_argument("--out")
-    parser.add_argument("--only", nargs="*", help="configurations to run (default: all)")
-    parser.add_argument("--work", help="folder to keep the model and results in (default: a temporary one)")
+    parser.add_argument("--only", nargs="*", help="configurations or family prefixes to run (default: all)")
+    parser.add_argument("--work", help="folder to keep the models and results in (default: a temporary one)")
     parser.add_argument("--verbose", action="store_true")
     opts = parser.parse_args()
     if opts.lib:
-        run_child(opts.lib, opts.config, opts.model_dir, opts.out)
+        run_child(opts.lib, opts.config, getattr(opts, child_folder), opts.out)
         return 0
-    names = opts.only or list(CONFIGS)
-    unknown = [n for n in names if n not in CONFIGS]
-    if unknown:
-        parser.error(f"unknown configs {unknown}; choose from {list(CONFIGS)}")
+    names = list(configs)
+    if opts.only:
+        names = [n for n in configs if n in opts.only or any(n.startswith(f"{p}_") for p in opts.only)]
+        unknown = [
+            o for o in opts.only if o not in configs and not any(n.startswith(f"{o}_") for n in configs)
+        ]
+        if unknown:
+            parser.error(f"unknown configs {unknown}; choose from {list(configs)}")
     return run_parent(names, opts.work, opts.verbose)
+
+
+def main() -> int:
+    return command_line(__doc__, CONFIGS, run_child, run_parent)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ Nothing here is copied from the reference; it only calls both libraries' public 
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import tempfile
@@ -28,7 +27,7 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from differential import build_model_dir, drive, record_failure, record_run  # noqa: E402
+from differential import build_model_dir, command_line, drive, record_failure, record_run  # noqa: E402
 
 ROWS = 8
 BASE = {
@@ -259,28 +258,7 @@ def run_parent(names: list[str], keep: str | None, verbose: bool) -> int:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--lib", choices=["trl", "posttrain"])
-    parser.add_argument("--config", choices=list(CONFIGS))
-    parser.add_argument("--out")
-    parser.add_argument(
-        "--only", nargs="*", help="configurations (or family prefixes: dpo, cpo) to run; default all"
-    )
-    parser.add_argument("--work", help="folder to keep the models and results in (default: a temporary one)")
-    parser.add_argument("--verbose", action="store_true")
-    opts = parser.parse_args()
-    if opts.lib:
-        run_child(opts.lib, opts.config, opts.work, opts.out)
-        return 0
-    names = list(CONFIGS)
-    if opts.only:
-        names = [n for n in CONFIGS if n in opts.only or any(n.startswith(f"{p}_") for p in opts.only)]
-        unknown = [
-            o for o in opts.only if o not in CONFIGS and not any(n.startswith(f"{o}_") for n in CONFIGS)
-        ]
-        if unknown:
-            parser.error(f"unknown configs {unknown}; choose from {list(CONFIGS)}")
-    return run_parent(names, opts.work, opts.verbose)
+    return command_line(__doc__, CONFIGS, run_child, run_parent, "work")
 
 
 if __name__ == "__main__":

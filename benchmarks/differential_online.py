@@ -22,7 +22,6 @@ one generation method of each.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import tempfile
@@ -30,7 +29,7 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from differential import BASE, PROMPTS, drive_tiny, record_failure, record_run, rollout_plan  # noqa: E402
+from differential import BASE, PROMPTS, command_line, drive_tiny, record_failure, record_run, rollout_plan  # noqa: E402
 
 RLOO_BASE = dict(BASE)
 
@@ -164,6 +163,22 @@ def scripted_online_dpo(generate, script):
     return scripted
 
 
+def script_posttrain(trainer, script) -> None:
+    """Replace posttrain's generator (``trainer.generator``, the sampler's too) by one whose
+    ``generate`` returns the script's completions as ``Samples``."""
+    from posttrain.generation.base import Samples
+
+    class Scripted:
+        def generate(self, prompt_ids, prompt_mask, **kwargs):
+            prompts = [
+                [t for t, m in zip(row, mask, strict=True) if m]
+                for row, mask in zip(prompt_ids.tolist(), prompt_mask.tolist(), strict=True)
+            ]
+            return Samples.from_lists(script.completions(prompts), script.tok.pad_token_id, prompt_ids.device)
+
+    trainer.generator = trainer.sampler.generator = Scripted()
+
+
 def run_child(lib: str, name: str, model_dir: str, out_path: str) -> None:
     import torch
     from datasets import Dataset
@@ -220,19 +235,7 @@ def run_child(lib: str, name: str, model_dir: str, out_path: str) -> None:
                     prompt_ids
                 )
             else:
-                from posttrain.generation.base import Samples
-
-                class Scripted:
-                    def generate(self, prompt_ids, prompt_mask, **kwargs):
-                        prompts = [
-                            [t for t, m in zip(row, mask, strict=True) if m]
-                            for row, mask in zip(prompt_ids.tolist(), prompt_mask.tolist(), strict=True)
-                        ]
-                        return Samples.from_lists(
-                            script.completions(prompts), script.tok.pad_token_id, prompt_ids.device
-                        )
-
-                trainer.generator = trainer.sampler.generator = Scripted()
+                script_posttrain(trainer, script)
             trainer.train()
         except Exception as exc:  # noqa: BLE001 - recorded as "not accepted"
             record_failure(out_path, result, exc)
@@ -249,23 +252,7 @@ def run_parent(names: list[str], keep: str | None, verbose: bool) -> int:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--lib", choices=["trl", "posttrain"])
-    parser.add_argument("--config", choices=list(CONFIGS))
-    parser.add_argument("--model_dir")
-    parser.add_argument("--out")
-    parser.add_argument("--only", nargs="*", help="configurations to run (default: all)")
-    parser.add_argument("--work", help="folder to keep the model and results in (default: a temporary one)")
-    parser.add_argument("--verbose", action="store_true")
-    opts = parser.parse_args()
-    if opts.lib:
-        run_child(opts.lib, opts.config, opts.model_dir, opts.out)
-        return 0
-    names = opts.only or list(CONFIGS)
-    unknown = [n for n in names if n not in CONFIGS]
-    if unknown:
-        parser.error(f"unknown configs {unknown}; choose from {list(CONFIGS)}")
-    return run_parent(names, opts.work, opts.verbose)
+    return command_line(__doc__, CONFIGS, run_child, run_parent)
 
 
 if __name__ == "__main__":
