@@ -5,6 +5,7 @@ Usage (after ``bash benchmarks/setup.sh``)::
     benchmarks/.venv/bin/python benchmarks/compare.py --rounds 2 --steps 4
     benchmarks/.venv/bin/python benchmarks/compare.py --lengths 64 256 1024 --rounds 1 --steps 2
     benchmarks/.venv/bin/python benchmarks/compare.py --trainer rloo --rounds 2 --steps 4
+    benchmarks/.venv/bin/python benchmarks/compare.py --bf16 0 1 --rounds 2 --steps 4  # bf16 beside float32
     python benchmarks/compare.py --device cuda --bf16 1 --model /tmp/smollm2 --lengths 64 256
 
 ``--model`` takes any SmolLM2-135M folder (on a machine without the embedded package, one built
@@ -116,7 +117,13 @@ def main() -> None:
     parser.add_argument("--gradient_checkpointing", type=int, default=1)
     parser.add_argument("--libraries", nargs="+", default=["posttrain", "trl"])
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--bf16", type=int, default=0)
+    parser.add_argument(
+        "--bf16",
+        type=int,
+        nargs="+",
+        default=[0],
+        help="0, 1, or both (0 1): each library runs at each value, alternating within a round",
+    )
     parser.add_argument("--trainer", choices=["grpo", "rloo"], default="grpo")
     parser.add_argument("--model", default=None, help="model folder (default: the embedded SmolLM2)")
     parser.add_argument(
@@ -129,10 +136,10 @@ def main() -> None:
     table = []
     machine = host()  # the CPU the ratios belong to
     for length in opts.lengths:
-        runs: dict[str, list[dict]] = {lib: [] for lib in opts.libraries}
+        runs: dict[tuple[str, int], list[dict]] = {(lib, b): [] for b in opts.bf16 for lib in opts.libraries}
         for _ in range(opts.rounds):
-            for lib in opts.libraries:
-                runs[lib].append(
+            for lib, bf16 in runs:
+                runs[(lib, bf16)].append(
                     run(
                         lib,
                         model,
@@ -140,39 +147,48 @@ def main() -> None:
                         length,
                         opts.gradient_checkpointing,
                         opts.device,
-                        opts.bf16,
+                        bf16,
                         opts.trainer,
                         opts.sampler_precision,
                     )
                 )
-        summary = {lib: summarise(r) for lib, r in runs.items()}
-        row = {
-            "host": machine,
-            "trainer": opts.trainer,
-            "completion_length": length,
-            "device": opts.device,
-            "bf16": bool(opts.bf16),
-            "sampler_precision": opts.sampler_precision,
-            **{lib: s for lib, s in summary.items()},
-        }
-        if {"posttrain", "trl"} <= set(summary):
-            p, t = summary["posttrain"], summary["trl"]
-            shared = [k for k in p if k in t and k != "steps_measured"]  # TRL has no sampler figures
-            row["ratio"] = {key: p[key] / t[key] for key in shared}
-        table.append(row)
-        print(json.dumps(row), flush=True)
+        for bf16 in opts.bf16:
+            summary = {lib: summarise(runs[(lib, bf16)]) for lib in opts.libraries}
+            row = {
+                "host": machine,
+                "trainer": opts.trainer,
+                "completion_length": length,
+                "device": opts.device,
+                "bf16": bool(bf16),
+                "sampler_precision": opts.sampler_precision,
+                **{lib: s for lib, s in summary.items()},
+            }
+            if {"posttrain", "trl"} <= set(summary):
+                p, t = summary["posttrain"], summary["trl"]
+                shared = [k for k in p if k in t and k != "steps_measured"]  # TRL has no sampler figures
+                row["ratio"] = {key: p[key] / t[key] for key in shared}
+            table.append(row)
+            print(json.dumps(row), flush=True)
+        if {0, 1} <= set(opts.bf16):  # bf16 against float32, each library, and against the peer's float32
+            step = {key: summarise(r)["step_time_s"] for key, r in runs.items()}
+            cross = {
+                f"{lib} bf16 / {other} float32": step[(lib, 1)] / step[(other, 0)]
+                for lib in opts.libraries
+                for other in opts.libraries
+            }
+            print(json.dumps({"completion_length": length, "step_time_ratio": cross}), flush=True)
     print()
     print(f"Host: {machine['cpu']}, {machine['cores']} cores, PyTorch CPU capability {machine['isa']}")
     print()
-    print("| length | metric | posttrain | TRL | posttrain / TRL |")
-    print("|---|---|---|---|---|")
+    print("| length | bf16 | metric | posttrain | TRL | posttrain / TRL |")
+    print("|---|---|---|---|---|---|")
     for row in table:
         if "ratio" not in row:
             continue
         keys = ("step_time_s", "generated_tokens_per_s", "trained_tokens_per_s", "peak_rss_mb")
         for key in keys + (("peak_gpu_mb",) if "peak_gpu_mb" in row["ratio"] else ()):
             print(
-                f"| {row['completion_length']} | {key} | {row['posttrain'][key]:.2f} | {row['trl'][key]:.2f} "
+                f"| {row['completion_length']} | {int(row['bf16'])} | {key} | {row['posttrain'][key]:.2f} | {row['trl'][key]:.2f} "
                 f"| {row['ratio'][key]:.2f} |"
             )
 

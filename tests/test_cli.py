@@ -434,7 +434,8 @@ def test_env_prints_versions_and_hardware(capsys):
     assert f"- torch: {torch.__version__}" in out
     assert f"- transformers: {transformers.__version__}" in out
     for key in ("Python", "posttrain", "datasets", "accelerate", "peft", "vllm", "deepspeed", "math-verify",
-                "gguf", "Platform", "CPU count", "CUDA available", "GPUs", "bf16 supported"):  # fmt: skip
+                "gguf", "Platform", "CPU count", "CPU vector instructions", "CPU bf16 instructions",
+                "CUDA available", "GPUs", "bf16 supported"):  # fmt: skip
         assert f"- {key}: " in out
 
 

@@ -10,6 +10,8 @@ or a rotation moves the logits by about the largest one, which each bound still 
 
 from __future__ import annotations
 
+import warnings
+
 import helpers
 import pytest
 import torch
@@ -263,3 +265,37 @@ def test_grpo_default_samples_float32_without_sampler_logps(tmp_path, tok):
     assert trainer.sampler_precision == "float32" and trainer.generator.reduced is None
     trainer.train()
     assert not any("sampling/sampling_logp_difference/mean" in e for e in trainer.state.log_history)
+
+
+# ---- bf16 training: the decode steps sample from a bf16 copy where the CPU has bf16 -----------------
+
+
+@pytest.mark.parametrize("host_has_bf16", [True, False])
+def test_bf16_training_samples_from_a_bf16_copy_where_the_cpu_has_bf16(
+    tmp_path, tok, monkeypatch, host_has_bf16
+):
+    """Under ``bf16=True`` the forward is wrapped in autocast; the fused step used to refuse it and
+    generation fell back to ``generate`` (4.6x slower on an AVX512-BF16 host). Now the decode steps
+    run a bf16 copy through the fused step, their log-probs feed the IS correction, and on a CPU
+    without bf16 instructions nothing changes (the policy itself samples, no sampler log-probs).
+    Where the host has no bf16 products, oneDNN's packing is absent and the copy multiplies with
+    ``F.linear`` in bf16 (slow but the same arithmetic), so both cases run on every host."""
+    monkeypatch.setattr(reduced_precision, "native_bf16", lambda: host_has_bf16)
+    args = helpers.make_config(tmp_path, bf16=True, max_completion_length=8)
+    trainer = helpers.make_trainer(tok, first_token_reward, args, model=build_tiny_model(tok))
+    generator = trainer.generator
+    assert generator.autocast_dtype is torch.bfloat16
+    assert trainer.sampler_precision == ("bf16" if host_has_bf16 else "float32")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # the trainer's own choice: no sampler warning
+        warnings.filterwarnings("ignore", message=".*(autocast|bf16|mixed precision).*")
+        trainer.train()
+    logged = [e for e in trainer.state.log_history if "sampling/sampling_logp_difference/mean" in e]
+    if host_has_bf16:
+        assert generator.last_path.startswith("lean") and generator.last_fused_blocker is None
+        assert generator.reduced.refreshes == 2 and generator.last_reduced_blocker is None
+        assert len(logged) == 2
+        # the bf16 copy against the autocast forward: both in bf16 products, so close, not equal
+        assert all(0.0 < e["sampling/sampling_logp_difference/mean"] < 0.1 for e in logged)
+    else:
+        assert generator.reduced is None and logged == []

@@ -78,6 +78,7 @@ def _hardware() -> list[tuple[str, str]]:
         import torch
     except Exception as exc:  # a broken torch install is what a bug report needs to show
         return [*rows, ("CUDA available", f"unknown (torch cannot be imported: {one_paragraph(exc)})")]
+    rows += _cpu_precision()
     if not torch.cuda.is_available():
         built = f"torch built with CUDA {torch.version.cuda}" if torch.version.cuda else "CPU-only torch"
         return [*rows, ("CUDA available", f"no ({built})"), ("GPUs", "none"), ("bf16 supported", "no GPU")]
@@ -91,6 +92,20 @@ def _hardware() -> list[tuple[str, str]]:
         ("GPUs", gpus),
         ("bf16 supported", bf16),
     ]
+
+
+def _cpu_precision() -> list[tuple[str, str]]:
+    """The CPU's vector instructions and what ``bf16=True`` does with them (docs/performance.md)."""
+    import torch
+
+    from posttrain.generation.reduced_precision import native_bf16
+
+    capability = torch.backends.cpu.get_cpu_capability()
+    if native_bf16():
+        bf16 = "yes (bf16=True samples from a bf16 copy through the fused decode step)"
+    else:
+        bf16 = "no (bf16=True runs CPU autocast, emulated: slower than float32)"
+    return [("CPU vector instructions", capability), ("CPU bf16 instructions", bf16)]
 
 
 def env(argv: list[str]) -> None:

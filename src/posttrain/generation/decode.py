@@ -477,6 +477,30 @@ def lean_generate_with_logps(
     return out, logps
 
 
+def _prompt_inputs(
+    model: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: DynamicCache
+) -> dict[str, Any]:
+    """The first forward's keywords: the prompt tokens not in the cache, the last position's logits only."""
+    inputs: dict[str, Any] = {
+        "input_ids": input_ids,
+        "position_ids": position_ids,
+        cache_argument(model): cache,
+        "use_cache": True,
+        "return_dict": True,
+    }
+    if _forward_accepts(model, "logits_to_keep"):
+        inputs["logits_to_keep"] = 1
+    if _forward_accepts(model, "output_router_logits"):
+        inputs["output_router_logits"] = False  # MoE: no load-balancing loss while sampling
+    return inputs
+
+
+def _sampled_logps(logits: torch.Tensor, tokens: torch.Tensor, temperature: float | None) -> torch.Tensor:
+    """``log_softmax(logits / temperature)`` at each row's sampled token: [N]."""
+    scaled = logits if temperature is None else logits / temperature
+    return scaled.gather(1, tokens[:, None]).squeeze(1) - torch.logsumexp(scaled, dim=-1)
+
+
 def _lean_loop(
     model: torch.nn.Module,
     prompt_ids: torch.Tensor,
@@ -496,17 +520,7 @@ def _lean_loop(
     out = prompt_ids.new_full((rows, width + steps), settings.pad_token_id or 0)
     out[:, :width] = prompt_ids
     start = 0 if prefix_cache is None else cache.get_seq_length()
-    inputs: dict[str, Any] = {
-        "input_ids": prompt_ids[:, start:],
-        "position_ids": positions[:, start:],
-        cache_argument(model): cache,
-        "use_cache": True,
-        "return_dict": True,
-    }
-    if _forward_accepts(model, "logits_to_keep"):
-        inputs["logits_to_keep"] = 1
-    if _forward_accepts(model, "output_router_logits"):
-        inputs["output_router_logits"] = False  # MoE: no load-balancing loss while sampling
+    inputs = _prompt_inputs(model, prompt_ids[:, start:], positions[:, start:], cache)
     eos = torch.tensor(settings.eos_token_ids, dtype=prompt_ids.dtype, device=prompt_ids.device)
     unfinished = torch.ones(rows, dtype=torch.bool, device=prompt_ids.device)
     processor: ScoreProcessor | None = None
@@ -524,10 +538,8 @@ def _lean_loop(
             processor = ScoreProcessor(settings, prompt_ids, prompt_mask, logits.shape[-1])
         scores = processor(logits, step)
         tokens = sample_tokens(scores) if settings.do_sample else scores.argmax(dim=-1)
-        if logps is not None:
-            scaled = logits if temperature is None else logits / temperature
-            picked = scaled.gather(1, tokens[:, None]).squeeze(1) - torch.logsumexp(scaled, dim=-1)
-            logps[:, step] = picked.masked_fill(~unfinished, 0.0)  # rows that ended before: padding
+        if logps is not None:  # rows that ended before: padding
+            logps[:, step] = _sampled_logps(logits, tokens, temperature).masked_fill(~unfinished, 0.0)
         if len(eos):
             tokens = tokens.masked_fill(~unfinished, settings.pad_token_id)
             unfinished &= ~torch.isin(tokens, eos)

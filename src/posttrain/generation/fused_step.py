@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -119,39 +120,25 @@ def fused_decoder_blocker(
             so a PEFT model falls back).
         backend: ``"onednn"``, ``"plain"``, or a reduced copy (``reduced_precision.REDUCED_BACKENDS``);
             None picks ``default_backend``.
-        autocast_dtype: the plain backend's autocast dtype when the model's forward is wrapped in
-            mixed precision (accelerate's ``bf16``/``fp16``); the wrapper is then accepted.
+        autocast_dtype: the dtype of the mixed-precision autocast the model's forward is wrapped
+            in (accelerate's ``bf16``/``fp16``); the wrapper is then accepted by the plain backend
+            (whose steps run under the same autocast) and by the reduced copies (which never call
+            the forward: their products are in their own precision).
     """
     backend = backend or default_backend(model)
-    if backend is None:
-        return "no oneDNN linear product in this torch build"
-    if backend == "onednn" and not onednn_linear_available():
-        return "no oneDNN linear product in this torch build"
-    if backend in REDUCED_BACKENDS and (reason := backend_blocker(backend)) is not None:
+    reason = _backend_blocker(backend) or _wrapping_blocker(model, backend, autocast_dtype)
+    if reason is not None:
         return reason
-    cpu_float32 = backend != "plain"  # onednn and the reduced copies start from float32 CPU weights
-    config = getattr(model, "config", None)
-    if getattr(config, "model_type", None) not in FUSED_MODEL_TYPES:
-        return f"model type {getattr(config, 'model_type', None)!r}"
-    if core_model(model) is not model:
-        return "a wrapped model (PEFT)"
-    if "forward" in model.__dict__ and not (backend == "plain" and autocast_dtype is not None):
-        return "the model's forward is wrapped (mixed-precision autocast, hooks)"
-    if torch.is_autocast_enabled("cpu"):
-        return "CPU autocast"
-    if not _only_full_attention_layers(model):
-        return "sliding-window attention"
     backbone = getattr(model, "model", None)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if backbone is None or head is None or getattr(head, "bias", None) is not None:
         return "the LM head is not a plain linear layer"
     device = head.weight.device
+    cpu_float32 = backend != "plain"  # onednn and the reduced copies start from float32 CPU weights
     if cpu_float32:
-        linear_ok = is_packable_linear
-        what = "float32 linear layer on the CPU"
+        linear_ok, what = is_packable_linear, "float32 linear layer on the CPU"
     else:
-        linear_ok = lambda m: _is_plain_linear(m, device)  # noqa: E731
-        what = "linear layer"
+        linear_ok, what = (lambda m: _is_plain_linear(m, device)), "linear layer"
     if not linear_ok(head):
         return f"the LM head is not a plain {what}"
     embed = getattr(backbone, "embed_tokens", None)
@@ -161,23 +148,55 @@ def fused_decoder_blocker(
         return "the input embedding is not a plain float32 embedding on the CPU"
     if not _rms_norm_module(getattr(backbone, "norm", None)) or getattr(backbone, "rotary_emb", None) is None:
         return "no final RMSNorm or rotary embedding"
-    for layer in backbone.layers:
-        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        projections = [getattr(attn, f"{n}_proj", None) for n in "qkvo"]
-        projections += [getattr(mlp, f"{n}_proj", None) for n in ("gate", "up", "down")]
-        if not all(linear_ok(p) for p in projections):
-            return f"a projection is not a plain {what} (LoRA, quantised, offloaded)"
-        if any(p.bias is not None for p in projections[4:]) or projections[3].bias is not None:
-            return "biases on the output or MLP projections"
-        norms = [getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None)]
-        if hasattr(attn, "q_norm") or hasattr(attn, "k_norm"):
-            norms += [getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)]
-        if not all(_rms_norm_module(n) for n in norms):
-            return "a norm is not an RMSNorm"
-        if "forward" in layer.__dict__ or "forward" in attn.__dict__ or "forward" in mlp.__dict__:
-            return "a layer's forward is replaced (hooks or offloading)"
-        if getattr(attn, "scaling", None) is None or getattr(mlp, "act_fn", None) is None:
-            return "an attention layer without scaling or an MLP without act_fn"
+    return next(
+        (r for layer in backbone.layers if (r := _layer_blocker(layer, linear_ok, what)) is not None), None
+    )
+
+
+def _backend_blocker(backend: str | None) -> str | None:
+    """Why this torch build cannot run ``backend``'s products, or None."""
+    if backend is None or (backend == "onednn" and not onednn_linear_available()):
+        return "no oneDNN linear product in this torch build"
+    if backend in REDUCED_BACKENDS:
+        return backend_blocker(backend)
+    return None
+
+
+def _wrapping_blocker(model: nn.Module, backend: str, autocast_dtype: torch.dtype | None) -> str | None:
+    """Why the model as a whole (its family, wrappers, autocast, attention kind) rules the step out."""
+    config = getattr(model, "config", None)
+    if getattr(config, "model_type", None) not in FUSED_MODEL_TYPES:
+        return f"model type {getattr(config, 'model_type', None)!r}"
+    if core_model(model) is not model:
+        return "a wrapped model (PEFT)"
+    known_wrapper = autocast_dtype is not None and (backend == "plain" or backend in REDUCED_BACKENDS)
+    if "forward" in model.__dict__ and not known_wrapper:
+        return "the model's forward is wrapped (mixed-precision autocast, hooks)"
+    if torch.is_autocast_enabled("cpu"):
+        return "CPU autocast"
+    if not _only_full_attention_layers(model):
+        return "sliding-window attention"
+    return None
+
+
+def _layer_blocker(layer: nn.Module, linear_ok: Callable[[nn.Module], bool], what: str) -> str | None:
+    """Why one decoder layer is not the plain attention + gated MLP the fused step computes, or None."""
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    projections = [getattr(attn, f"{n}_proj", None) for n in "qkvo"]
+    projections += [getattr(mlp, f"{n}_proj", None) for n in ("gate", "up", "down")]
+    if not all(linear_ok(p) for p in projections):
+        return f"a projection is not a plain {what} (LoRA, quantised, offloaded)"
+    if any(p.bias is not None for p in projections[4:]) or projections[3].bias is not None:
+        return "biases on the output or MLP projections"
+    norms = [getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None)]
+    if hasattr(attn, "q_norm") or hasattr(attn, "k_norm"):
+        norms += [getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)]
+    if not all(_rms_norm_module(n) for n in norms):
+        return "a norm is not an RMSNorm"
+    if "forward" in layer.__dict__ or "forward" in attn.__dict__ or "forward" in mlp.__dict__:
+        return "a layer's forward is replaced (hooks or offloading)"
+    if getattr(attn, "scaling", None) is None or getattr(mlp, "act_fn", None) is None:
+        return "an attention layer without scaling or an MLP without act_fn"
     return None
 
 
@@ -226,8 +245,9 @@ class FusedDecoder:
         rows: rows per decode step (the packing's batch-size hint).
         backend: ``"onednn"``, ``"plain"``, or a reduced copy (``"int8"``, ``"fp16"``, ``"bf16"``:
             see ``reduced_precision``); None picks ``default_backend``.
-        autocast_dtype: run every step under autocast to this dtype (plain backend; the model's
-            forward is wrapped in mixed precision).
+        autocast_dtype: the model's forward is wrapped in a mixed-precision autocast to this
+            dtype: the plain backend runs every step under the same autocast; the reduced copies
+            accept the wrapper and compute in their own precision.
     """
 
     def __init__(
@@ -249,48 +269,49 @@ class FusedDecoder:
         self.rotary = backbone.rotary_emb
         self.final_norm = backbone.norm
         self.head = self._weight(model.get_output_embeddings().weight, rows)
-        self.layers: list[_Layer] = []
-        for layer in backbone.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            q, k, v = attn.q_proj, attn.k_proj, attn.v_proj
-            biases = [None if p.bias is None else p.bias.detach() for p in (q, k, v)]
-            if backend != "plain":  # packed copies: [q; k; v] and [gate; up] as one product each
-                qkv = (self._weight(torch.cat([q.weight, k.weight, v.weight]), rows),)
-                qkv_bias: tuple[torch.Tensor | None, ...] = (None,)
-                if any(b is not None for b in biases):
-                    qkv_bias = (
-                        torch.cat(
-                            [
-                                b if b is not None else p.weight.new_zeros(p.out_features)
-                                for b, p in zip(biases, (q, k, v), strict=True)
-                            ]
-                        ),
-                    )
-                gate_up = (self._weight(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), rows),)
-            else:
-                qkv = (q.weight.detach(), k.weight.detach(), v.weight.detach())
-                qkv_bias = tuple(biases)
-                gate_up = (mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach())
-            self.layers.append(
-                _Layer(
-                    norm_in=layer.input_layernorm,
-                    qkv=qkv,
-                    qkv_bias=qkv_bias,
-                    q_norm=getattr(attn, "q_norm", None),
-                    k_norm=getattr(attn, "k_norm", None),
-                    o=self._weight(attn.o_proj.weight, rows),
-                    norm_post=layer.post_attention_layernorm,
-                    gate_up=gate_up,
-                    down=self._weight(mlp.down_proj.weight, rows),
-                    act=mlp.act_fn,
-                    scaling=float(attn.scaling),
-                )
-            )
+        self.layers = [self._layer(layer, rows) for layer in backbone.layers]
         first = backbone.layers[0].self_attn
         self.head_dim = first.head_dim
         self.q_width = first.q_proj.out_features
         self.kv_width = first.k_proj.out_features
         self.intermediate = backbone.layers[0].mlp.gate_proj.out_features
+
+    def _layer(self, layer: nn.Module, rows: int) -> _Layer:
+        """One decoder layer's weights for this backend: packed ``[q; k; v]`` and ``[gate; up]``
+        products for the CPU copies, the model's own tensors for the plain backend."""
+        attn, mlp = layer.self_attn, layer.mlp
+        q, k, v = attn.q_proj, attn.k_proj, attn.v_proj
+        biases = [None if p.bias is None else p.bias.detach() for p in (q, k, v)]
+        if self.backend != "plain":  # packed copies: [q; k; v] and [gate; up] as one product each
+            qkv = (self._weight(torch.cat([q.weight, k.weight, v.weight]), rows),)
+            qkv_bias: tuple[torch.Tensor | None, ...] = (None,)
+            if any(b is not None for b in biases):
+                qkv_bias = (
+                    torch.cat(
+                        [
+                            b if b is not None else p.weight.new_zeros(p.out_features)
+                            for b, p in zip(biases, (q, k, v), strict=True)
+                        ]
+                    ),
+                )
+            gate_up = (self._weight(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), rows),)
+        else:
+            qkv = (q.weight.detach(), k.weight.detach(), v.weight.detach())
+            qkv_bias = tuple(biases)
+            gate_up = (mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach())
+        return _Layer(
+            norm_in=layer.input_layernorm,
+            qkv=qkv,
+            qkv_bias=qkv_bias,
+            q_norm=getattr(attn, "q_norm", None),
+            k_norm=getattr(attn, "k_norm", None),
+            o=self._weight(attn.o_proj.weight, rows),
+            norm_post=layer.post_attention_layernorm,
+            gate_up=gate_up,
+            down=self._weight(mlp.down_proj.weight, rows),
+            act=mlp.act_fn,
+            scaling=float(attn.scaling),
+        )
 
     def _weight(self, weight: torch.Tensor, rows: int) -> torch.Tensor:
         if self.backend == "onednn":
@@ -310,7 +331,7 @@ class FusedDecoder:
         return F.linear(x, weight, bias)
 
     def _autocast(self, device: torch.device) -> contextlib.AbstractContextManager:
-        if self.autocast_dtype is None:
+        if self.autocast_dtype is None or self.backend != "plain":
             return contextlib.nullcontext()
         # no weight-cast cache: a CUDA graph may capture the step (the cache is not graph-safe)
         return torch.autocast(device.type, dtype=self.autocast_dtype, cache_enabled=False)

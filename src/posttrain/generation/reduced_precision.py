@@ -232,12 +232,14 @@ class ReducedCopy:
         self._stale = True
 
     @torch.no_grad()
-    def decoder(self, model: nn.Module, rows: int) -> FusedDecoder:
+    def decoder(self, model: nn.Module, rows: int, autocast_dtype: torch.dtype | None = None) -> FusedDecoder:
         """The reduced decode step of ``model``'s current weights for ``rows`` rows.
 
         Args:
-            model: the policy (``fused_step.fused_decoder_blocker(model, backend)`` must be None).
+            model: the policy (``reduced_sampler_blocker(model, backend, autocast_dtype)`` must be None).
             rows: rows per decode step (oneDNN's packing hint, bf16 only).
+            autocast_dtype: the mixed-precision autocast the policy's forward is wrapped in (the
+                trainer's ``bf16``/``fp16``), or None.
         """
         from posttrain.generation.fused_step import FusedDecoder
 
@@ -246,19 +248,23 @@ class ReducedCopy:
         if self._decoder is None or self._stale or key != self._key:
             self._decoder = None  # free the old copy before building the new one
             start = time.perf_counter()
-            self._decoder = FusedDecoder(model, max(rows, 1), self.backend)
+            self._decoder = FusedDecoder(model, max(rows, 1), self.backend, autocast_dtype)
             self.last_refresh_seconds = time.perf_counter() - start
             self.refreshes += 1
             self._key, self._stale = key, False
         return self._decoder
 
 
-def reduced_sampler_blocker(model: nn.Module, backend: str) -> str | None:
+def reduced_sampler_blocker(
+    model: nn.Module, backend: str, autocast_dtype: torch.dtype | None = None
+) -> str | None:
     """Why a reduced-precision sampler cannot run ``model``'s decode steps, or None.
 
     Args:
         model: the policy, unwrapped (a PEFT model is not looked through).
         backend: ``"int8"``, ``"fp16"`` or ``"bf16"``.
+        autocast_dtype: the mixed-precision autocast the policy's forward is wrapped in (the
+            trainer's ``bf16``/``fp16``): accepted, since the copy never calls the forward.
     """
     from posttrain.generation.fused_step import fused_decoder_blocker
 
@@ -266,7 +272,7 @@ def reduced_sampler_blocker(model: nn.Module, backend: str) -> str | None:
     weight = getattr(head, "weight", None)
     if weight is None or weight.device.type != "cpu":
         return "the policy is not on the CPU (the reduced-precision sampler is a CPU path)"
-    return backend_blocker(backend) or fused_decoder_blocker(model, backend)
+    return backend_blocker(backend) or fused_decoder_blocker(model, backend, autocast_dtype)
 
 
 def check_sampler_sources(precision: str, tools: Any, rollout_func: Any, environment_factory: Any) -> None:
@@ -295,12 +301,34 @@ def check_sampler_sources(precision: str, tools: Any, rollout_func: Any, environ
         )
 
 
+def trainer_precision_sampler(generator: Any, model: nn.Module) -> str:
+    """The sampler that ``sampler_precision="float32"`` (the default) means for this trainer.
+
+    With ``bf16=True`` the trainer's forward computes in bfloat16 (accelerate's autocast), so the
+    decode steps need not multiply in float32: on a CPU with bf16 instructions they run the fused
+    step on a bfloat16 copy of the weights (``"bf16"``): the products autocast would run, without
+    casting every float32 weight again at every token, and with the sampler's own log-probs
+    feeding the importance-sampling correction. Anywhere else (no bf16 instructions, a GPU, a
+    model the fused step does not run, float32 training) ``"float32"``: the policy itself.
+
+    Args:
+        generator: the trainer's ``TransformersGenerator`` (its ``autocast_dtype`` tells the
+            trainer's mixed precision).
+        model: the policy, unwrapped.
+    """
+    autocast = getattr(generator, "autocast_dtype", None)
+    if autocast is not torch.bfloat16 or not native_bf16():
+        return "float32"
+    return "bf16" if reduced_sampler_blocker(model, "bf16", autocast) is None else "float32"
+
+
 def configure_sampler(generator: Any, model: nn.Module, precision: str) -> str:
     """Set ``generator`` to sample at ``precision`` from ``model``; return the precision in force.
 
     An explicit ``"int8"``, ``"fp16"`` or ``"bf16"`` that cannot run ``model`` raises; ``"auto"``
-    falls back to float32 with a warning. A generator other than ``TransformersGenerator`` (a
-    scripted one in tests) is left alone.
+    falls back to float32 with a warning; ``"float32"`` under ``bf16=True`` on a CPU with bf16
+    instructions samples from a bf16 copy (``trainer_precision_sampler``). A generator other than
+    ``TransformersGenerator`` (a scripted one in tests) is left alone.
 
     Args:
         generator: the trainer's generation backend.
@@ -309,10 +337,15 @@ def configure_sampler(generator: Any, model: nn.Module, precision: str) -> str:
     """
     from posttrain.generation.transformers_backend import TransformersGenerator
 
-    resolved = resolve_precision(precision)
-    if resolved == "float32" or not isinstance(generator, TransformersGenerator):
+    if not isinstance(generator, TransformersGenerator):
         return "float32"
-    reason = reduced_sampler_blocker(model, resolved)
+    resolved = resolve_precision(precision)
+    if resolved == "float32":
+        resolved = trainer_precision_sampler(generator, model)
+        if resolved != "float32":
+            generator.set_sampler_precision(resolved, asked=False)
+        return resolved
+    reason = reduced_sampler_blocker(model, resolved, generator.autocast_dtype)
     if reason is not None and precision != "auto":
         raise ValueError(
             f"sampler_precision={precision!r} cannot sample from this policy: {reason}. The "

@@ -490,19 +490,22 @@ class TransformersGenerator:
             model.train(was_training)
         return Samples(completion_ids=out[:, prompt_ids.shape[1] :], logps=logps)
 
-    def set_sampler_precision(self, precision: str) -> None:
+    def set_sampler_precision(self, precision: str, asked: bool = True) -> None:
         """Sample from the policy (``"float32"``) or a reduced-precision copy of it from the next call.
 
         Args:
             precision: a value of ``reduced_precision.SAMPLER_PRECISIONS`` (``"auto"`` is resolved
                 for this CPU).
+            asked: the user asked for this precision (``sampler_precision``); False when the trainer
+                chose it (bf16 training samples from a bf16 copy): a call the copy cannot serve
+                then samples from the policy without a warning, as it would without the copy.
         """
         from posttrain.generation.reduced_precision import ReducedCopy, resolve_precision
 
         precision = resolve_precision(precision)
         self.sampler_precision = precision
         self.reduced = ReducedCopy(precision) if precision != "float32" else None
-        self._warned_reduced = False
+        self._warned_reduced = not asked
 
     def weights_changed(self) -> None:
         """The policy's weights changed (an optimizer step): rebuild the reduced copy before sampling."""
@@ -550,11 +553,13 @@ class TransformersGenerator:
 
         self.last_cuda_graph_blocker = "no fused decode step"
         if self.reduced is not None:
-            self.last_reduced_blocker = reduced_sampler_blocker(model, self.reduced.backend)
+            self.last_reduced_blocker = reduced_sampler_blocker(
+                model, self.reduced.backend, self.autocast_dtype
+            )
             if self.last_reduced_blocker is None:  # the copy is built once per weights, for any length
                 self.last_fused_blocker = None
                 self.last_cuda_graph_blocker = "the reduced-precision sampler runs on the CPU"
-                return self.reduced.decoder(model, rows)
+                return self.reduced.decoder(model, rows, self.autocast_dtype)
         backend = default_backend(model)
         if not self.fused_step:
             self.last_fused_blocker = "fused_step=False"
@@ -588,11 +593,7 @@ class TransformersGenerator:
             The sequences [N, P + T] and, from the reduced-precision sampler, the log-probs [N, T]
             of the sampled tokens (None otherwise).
         """
-        from posttrain.generation.decode import (  # decode imports this module
-            lean_generate,
-            lean_generate_with_logps,
-            lean_settings,
-        )
+        from posttrain.generation.decode import lean_settings  # decode imports this module
 
         kwargs: dict[str, Any] = {}
         self.last_path, self.last_blocker = "plain", "share_prefix=False"
@@ -605,53 +606,85 @@ class TransformersGenerator:
         settings, self.last_lean_blocker = lean_settings(model, config) if self.lean else (None, "lean=False")
         original_prompt = prompt_ids
         if self.share_prefix:
-            groups = group_prompts(prompt_ids, prompt_mask)
-            self.last_blocker = shared_prefix_blocker(model, config, groups)
-            if self.last_blocker is None:
-                self.last_path = "shared_prefix"
-                kwargs[cache_argument(model)] = prefill_shared_prefix(model, groups)
-                config = _without_cache_implementation(config)
-            elif self.last_blocker == EVERY_PROMPT_DISTINCT and settings is not None:
-                # distinct prompts that open alike (a system message, worked examples): that
-                # opening runs once, each row's rest with the batch
-                length = common_prefix_length(prompt_ids, prompt_mask)
-                blocked = prefix_cache_blocker(model, config)
-                if length >= COMMON_PREFIX_MIN_TOKENS and blocked is None:
-                    prompt_ids, prompt_mask = prefix_first(prompt_ids, prompt_mask, length)
-                    kwargs[cache_argument(model)] = prefill_common_prefix(
-                        model, prompt_ids[0, :length], prompt_ids.shape[0]
-                    )
-                    self.last_blocker = None
-                    self.last_path = "common_prefix"
+            prompt_ids, prompt_mask, config, kwargs = self._prefill_prefix(
+                model, prompt_ids, prompt_mask, config, lean=settings is not None
+            )
         self.last_fused_blocker = "the lean loop did not run"
         if settings is not None:
-            fused = self._fused_decoder(model, prompt_ids.shape[0], config)
-            packed = (
-                contextlib.nullcontext()
-                if fused is not None
-                else self._packed(model, prompt_ids.shape[0], config)
-            )
-            with packed:
-                self.last_path = f"lean+{self.last_path}" if kwargs else "lean"
-                prefix = next(iter(kwargs.values()), None)
-                logps = None
-                if self.reduced is not None and self.last_reduced_blocker is None:
-                    out, logps = lean_generate_with_logps(
-                        model, prompt_ids, prompt_mask, settings, prefix_cache=prefix, fused=fused
-                    )
-                else:
-                    self._reduced_skipped(self.last_reduced_blocker)
-                    out = lean_generate(
-                        model, prompt_ids, prompt_mask, settings, prefix_cache=prefix, fused=fused
-                    )
-                out[:, : original_prompt.shape[1]] = original_prompt  # the caller's layout of the prompts
-                return out, logps
+            prefix = next(iter(kwargs.values()), None)
+            out, logps = self._lean(model, prompt_ids, prompt_mask, config, settings, prefix)
+            out[:, : original_prompt.shape[1]] = original_prompt  # the caller's layout of the prompts
+            return out, logps
         self._reduced_skipped(f"no lean sampling loop ({self.last_lean_blocker})")
         with self._packed(model, prompt_ids.shape[0], config):
             out = model.generate(
                 input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config, **kwargs
             )
             return out, None
+
+    def _prefill_prefix(
+        self,
+        model: torch.nn.Module,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        config: GenerationConfig,
+        lean: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, GenerationConfig, dict[str, Any]]:
+        """The prompts' shared prefix (or, for distinct prompts that open alike, their common
+        opening) run once: the prompts, config and ``generate`` keyword (the cache) to sample with."""
+        kwargs: dict[str, Any] = {}
+        groups = group_prompts(prompt_ids, prompt_mask)
+        self.last_blocker = shared_prefix_blocker(model, config, groups)
+        if self.last_blocker is None:
+            self.last_path = "shared_prefix"
+            kwargs[cache_argument(model)] = prefill_shared_prefix(model, groups)
+            config = _without_cache_implementation(config)
+        elif self.last_blocker == EVERY_PROMPT_DISTINCT and lean:
+            # distinct prompts that open alike (a system message, worked examples): that
+            # opening runs once, each row's rest with the batch
+            length = common_prefix_length(prompt_ids, prompt_mask)
+            blocked = prefix_cache_blocker(model, config)
+            if length >= COMMON_PREFIX_MIN_TOKENS and blocked is None:
+                prompt_ids, prompt_mask = prefix_first(prompt_ids, prompt_mask, length)
+                kwargs[cache_argument(model)] = prefill_common_prefix(
+                    model, prompt_ids[0, :length], prompt_ids.shape[0]
+                )
+                self.last_blocker = None
+                self.last_path = "common_prefix"
+        return prompt_ids, prompt_mask, config, kwargs
+
+    def _lean(
+        self,
+        model: torch.nn.Module,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        config: GenerationConfig,
+        settings: Any,
+        prefix: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The lean sampling loop, fused (or on prepacked weights) where that applies; the reduced
+        copy's log-probs of the sampled tokens when it sampled."""
+        from posttrain.generation.decode import (  # decode imports this module
+            lean_generate,
+            lean_generate_with_logps,
+        )
+
+        fused = self._fused_decoder(model, prompt_ids.shape[0], config)
+        packed = (
+            contextlib.nullcontext()
+            if fused is not None
+            else self._packed(model, prompt_ids.shape[0], config)
+        )
+        with packed:
+            self.last_path = f"lean+{self.last_path}" if prefix is not None else "lean"
+            if self.reduced is not None and self.last_reduced_blocker is None:
+                return lean_generate_with_logps(
+                    model, prompt_ids, prompt_mask, settings, prefix_cache=prefix, fused=fused
+                )
+            self._reduced_skipped(self.last_reduced_blocker)
+            return lean_generate(
+                model, prompt_ids, prompt_mask, settings, prefix_cache=prefix, fused=fused
+            ), None
 
     def _reduced_skipped(self, reason: str | None) -> None:
         """Record (and warn once) that this call sampled from the float32 policy despite ``sampler_precision``."""

@@ -700,33 +700,56 @@ def build_vllm_generator(
     vllm = require_vllm()
     extra_stops = [t for t in eos if t != tokenizer.eos_token_id]
     params = sampling_kwargs(args, extra_stops)
-    regex = args.vllm_structured_outputs_regex
     if args.vllm_mode == "server":
-        client = VLLMServerClient(
-            server_base_url(args), args.vllm_server_timeout, getattr(args, "request_timeout", None)
-        )
-        client.wait_until_up()
-        if regex is not None:
-            params["structured_outputs"] = {"regex": regex}
-        host = (
-            args.vllm_server_host
-            if not args.vllm_server_base_url
-            else urllib.parse.urlparse(client.base_url).hostname
-        )
-        if weight_sync_backend() == "nccl":
+        return _server_generator(args, accelerator, get_model, tokenizer, params)
+    return _colocate_generator(vllm, args, accelerator, get_model, tokenizer, params, full_parameters)
 
-            def make_sync(model: torch.nn.Module) -> Any:
-                return nccl_weight_sync(client, model, host, args.vllm_group_port, accelerator.process_index)
 
-        else:
-            folder = os.path.join(args.output_dir, "vllm-weights")
+def _server_generator(
+    args: Any,
+    accelerator: Any,
+    get_model: Callable[[], torch.nn.Module],
+    tokenizer: Any,
+    params: dict[str, Any],
+) -> VLLMServerGenerator:
+    """The client of a running ``posttrain vllm-serve``, once it answers; weights pushed by NCCL or a folder."""
+    client = VLLMServerClient(
+        server_base_url(args), args.vllm_server_timeout, getattr(args, "request_timeout", None)
+    )
+    client.wait_until_up()
+    if args.vllm_structured_outputs_regex is not None:
+        params["structured_outputs"] = {"regex": args.vllm_structured_outputs_regex}
+    host = (
+        args.vllm_server_host
+        if not args.vllm_server_base_url
+        else urllib.parse.urlparse(client.base_url).hostname
+    )
+    if weight_sync_backend() == "nccl":
 
-            def make_sync(model: torch.nn.Module) -> Any:
-                return FolderWeightSync(client, model, folder)
+        def make_sync(model: torch.nn.Module) -> Any:
+            return nccl_weight_sync(client, model, host, args.vllm_group_port, accelerator.process_index)
 
-        return VLLMServerGenerator(
-            client, params, tokenizer.pad_token_id, make_sync=make_sync, get_model=get_model
-        )
+    else:
+        folder = os.path.join(args.output_dir, "vllm-weights")
+
+        def make_sync(model: torch.nn.Module) -> Any:
+            return FolderWeightSync(client, model, folder)
+
+    return VLLMServerGenerator(
+        client, params, tokenizer.pad_token_id, make_sync=make_sync, get_model=get_model
+    )
+
+
+def _colocate_generator(
+    vllm: Any,
+    args: Any,
+    accelerator: Any,
+    get_model: Callable[[], torch.nn.Module],
+    tokenizer: Any,
+    params: dict[str, Any],
+    full_parameters: Callable[[torch.nn.Module], Any],
+) -> VLLMColocateGenerator:
+    """An engine in this process (spanning ``vllm_tensor_parallel_size`` processes), built and started now."""
     world, tp = accelerator.num_processes, args.vllm_tensor_parallel_size
     if world % tp != 0:
         raise ValueError(
@@ -737,6 +760,7 @@ def build_vllm_generator(
         accelerator.process_index, accelerator.local_process_index, world
     ).items():
         os.environ.setdefault(key, value)
+    regex = args.vllm_structured_outputs_regex
 
     def make_params(kwargs: dict[str, Any]) -> Any:
         if regex is None:
@@ -746,13 +770,7 @@ def build_vllm_generator(
         return vllm.SamplingParams(**kwargs, structured_outputs=StructuredOutputsParams(regex=regex))
 
     if args.vllm_enable_sleep_mode:
-        from vllm.platforms import current_platform
-
-        if not current_platform.is_sleep_mode_available():
-            raise ValueError(
-                f"vllm_enable_sleep_mode=True: vLLM has no sleep mode on this platform "
-                f"({current_platform.device_type}); set vllm_enable_sleep_mode=False."
-            )
+        _check_sleep_mode()
     rows = max(
         args.per_device_train_batch_size * (args.steps_per_generation or 1), args.per_device_eval_batch_size
     )
@@ -761,18 +779,7 @@ def build_vllm_generator(
     engine_kwargs = colocate_engine_kwargs(
         args, path, accelerator.process_index, rows, dtype=engine_dtype(args, model)
     )
-    gather_group, rank_in_group = None, 0
-    if tp > 1:
-        import torch.distributed as dist
-
-        group, _ = dist.new_subgroups(group_size=tp)
-        rank_in_group = accelerator.process_index % tp
-
-        def gather_group(obj: Any) -> list[Any]:
-            out: list[Any] = [None] * tp
-            dist.all_gather_object(out, obj, group=group)
-            return out
-
+    gather_group, rank_in_group = _tensor_parallel_gather(accelerator, tp)
     generator = VLLMColocateGenerator(
         get_model=get_model,
         make_engine=lambda: vllm.LLM(**engine_kwargs),
@@ -786,3 +793,30 @@ def build_vllm_generator(
     )
     generator.start()
     return generator
+
+
+def _check_sleep_mode() -> None:
+    """Refuse ``vllm_enable_sleep_mode`` where vLLM's platform has no sleep mode (its CPU build)."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_sleep_mode_available():
+        raise ValueError(
+            f"vllm_enable_sleep_mode=True: vLLM has no sleep mode on this platform "
+            f"({current_platform.device_type}); set vllm_enable_sleep_mode=False."
+        )
+
+
+def _tensor_parallel_gather(accelerator: Any, tp: int) -> tuple[Callable[[Any], list[Any]] | None, int]:
+    """With ``tp`` > 1: an all-gather over this process's engine group, and the rank in it; else (None, 0)."""
+    if tp <= 1:
+        return None, 0
+    import torch.distributed as dist
+
+    group, _ = dist.new_subgroups(group_size=tp)
+
+    def gather_group(obj: Any) -> list[Any]:
+        out: list[Any] = [None] * tp
+        dist.all_gather_object(out, obj, group=group)
+        return out
+
+    return gather_group, accelerator.process_index % tp
