@@ -3,7 +3,7 @@
 - No shared folder imports a family folder (a folder holding one family of trainers).
 - No import cycle between the top-level packages of ``posttrain``.
 - Nothing but ``cli`` imports ``cli``.
-- ``grpo/trainer.py`` stays under 500 lines, and no function of the trainers' modules over 60.
+- ``grpo/trainer.py`` stays under 500 lines, and no function of any module is over 60 lines.
 """
 
 from __future__ import annotations
@@ -100,17 +100,60 @@ def test_the_grpo_trainer_stays_thin():
     assert len(source.splitlines()) < 500
 
 
-@pytest.mark.parametrize(
-    "module", ["core/trainer.py", "sampling/trainer.py", "sampling/pipeline.py", "grpo/trainer.py"]
-)
-def test_no_method_over_60_lines(module):
-    tree = ast.parse((SRC / module).read_text())
-    long = [
-        f"{n.name} ({n.end_lineno - n.lineno + 1} lines)"
-        for n in ast.walk(tree)
-        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno - n.lineno + 1 > 60
+MAX_FUNCTION_LINES = 60
+
+# "module:function" (module relative to src/posttrain, methods as Class.method) allowed over the limit.
+# generation/ is being reorganised (issue 36); to split there
+LONG_FUNCTION_EXEMPTIONS: frozenset[str] = frozenset()
+
+
+def _function_lengths(tree: ast.AST, prefix: str = "") -> list[tuple[str, int]]:
+    """(qualified name, lines) of every function and method under ``tree``, nested ones included."""
+    found = []
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            name = f"{prefix}{node.name}"
+            if not isinstance(node, ast.ClassDef):
+                found.append((name, node.end_lineno - node.lineno + 1))
+            found += _function_lengths(node, f"{name}.")
+        else:
+            found += _function_lengths(node, prefix)
+    return found
+
+
+def _long_functions() -> dict[str, int]:
+    """Every function of src/posttrain over MAX_FUNCTION_LINES lines, by "module:function"."""
+    long = {}
+    for path in sorted(SRC.rglob("*.py")):
+        module = path.relative_to(SRC).as_posix()
+        for name, lines in _function_lengths(ast.parse(path.read_text())):
+            if lines > MAX_FUNCTION_LINES:
+                long[f"{module}:{name}"] = lines
+    return long
+
+
+def test_the_function_lengths_are_measured_with_their_docstrings():
+    tree = ast.parse('''
+class C:
+    def m(self):
+        """Doc."""
+
+        def inner():
+            return 1
+        return inner
+''')
+    assert _function_lengths(tree) == [("C.m", 6), ("C.m.inner", 2)]
+
+
+def test_no_function_over_60_lines():
+    """No function (docstring included) over 60 lines in any module: split it by concern."""
+    long = _long_functions()
+    offending = [
+        f"{name} ({lines} lines)" for name, lines in long.items() if name not in LONG_FUNCTION_EXEMPTIONS
     ]
-    assert not long, f"{module}: {long}"
+    assert not offending, f"functions over {MAX_FUNCTION_LINES} lines: {offending}"
+    stale = sorted(LONG_FUNCTION_EXEMPTIONS - set(long))
+    assert not stale, f"exempt but no longer over {MAX_FUNCTION_LINES} lines (remove the exemption): {stale}"
 
 
 def _family_trainers() -> list[type]:

@@ -44,6 +44,38 @@ RewardFunc = Callable[..., list[float | None]]
 READY_STATE = "async_batches_rank{}.pt"
 
 
+def _check_async_arguments(
+    args: Any, eval_dataset: Any, tools: Any, environment_factory: Any, rollout_func: Any
+) -> None:
+    """None, once ``args`` is an ``AsyncGRPOConfig`` and nothing asks for what the trainer cannot do yet."""
+    if not isinstance(args, AsyncGRPOConfig):
+        raise TypeError(
+            f"args is a {type(args).__name__}; AsyncGRPOTrainer needs an AsyncGRPOConfig (max_staleness, "
+            "score_centering, num_sampler_logprobs)."
+        )
+    given = [
+        n
+        for n, v in (
+            ("tools", tools),
+            ("environment_factory", environment_factory),
+            ("rollout_func", rollout_func),
+        )
+        if v
+    ]
+    if given:
+        raise NotImplementedError(
+            f"AsyncGRPOTrainer({', '.join(given)}=...) is not built yet: the background sampler generates plain "
+            "completions. Use GRPOTrainer for tools, environments or a rollout_func."
+        )
+    if args.use_vllm and (args.world_size > 1 or eval_dataset is not None):
+        raise NotImplementedError(
+            "AsyncGRPOTrainer with use_vllm=True is built for one training process without an eval_dataset: "
+            "the server holds one set of weights, and another process's sampler or an evaluation would load "
+            "other weights into it between a batch's push and its request. Use one process and no "
+            "eval_dataset, or use_vllm=False."
+        )
+
+
 class AsyncGRPOTrainer(OnlineTrainer):
     """Trainer for asynchronous GRPO: a background sampler generates while the policy trains.
 
@@ -88,32 +120,7 @@ class AsyncGRPOTrainer(OnlineTrainer):
         rollout_func: Callable | None = None,
     ) -> None:
         args = args if args is not None else self.default_args(model, AsyncGRPOConfig, "AsyncGRPO")
-        if not isinstance(args, AsyncGRPOConfig):
-            raise TypeError(
-                f"args is a {type(args).__name__}; AsyncGRPOTrainer needs an AsyncGRPOConfig (max_staleness, "
-                "score_centering, num_sampler_logprobs)."
-            )
-        given = [
-            n
-            for n, v in (
-                ("tools", tools),
-                ("environment_factory", environment_factory),
-                ("rollout_func", rollout_func),
-            )
-            if v
-        ]
-        if given:
-            raise NotImplementedError(
-                f"AsyncGRPOTrainer({', '.join(given)}=...) is not built yet: the background sampler generates plain "
-                "completions. Use GRPOTrainer for tools, environments or a rollout_func."
-            )
-        if args.use_vllm and (args.world_size > 1 or eval_dataset is not None):
-            raise NotImplementedError(
-                "AsyncGRPOTrainer with use_vllm=True is built for one training process without an eval_dataset: "
-                "the server holds one set of weights, and another process's sampler or an evaluation would load "
-                "other weights into it between a batch's push and its request. Use one process and no "
-                "eval_dataset, or use_vllm=False."
-            )
+        _check_async_arguments(args, eval_dataset, tools, environment_factory, rollout_func)
         super().__init__(
             model=model,
             args=args,

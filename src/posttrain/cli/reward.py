@@ -112,9 +112,7 @@ def heldout_pairwise_accuracy(trainer: Any) -> dict[str, float] | None:
     pairs = getattr(trainer, "heldout_pairs", None)
     if pairs is None:
         return None
-    import torch
-
-    from posttrain.reward.trainer import collate_reward_pairs, prepare_reward_dataset
+    from posttrain.reward.trainer import prepare_reward_dataset
 
     tokenizer = trainer._tokenizer
     rows = prepare_reward_dataset(pairs, tokenizer, max_length=None, eos_token=trainer._eos_token)
@@ -128,25 +126,42 @@ def heldout_pairwise_accuracy(trainer: Any) -> dict[str, float] | None:
         from tqdm.auto import tqdm
 
         bar = tqdm(total=len(rows), desc="held-out pairwise accuracy", unit="pair")
-    wins: list[bool] = []
     try:
-        with torch.no_grad():
-            for start in range(0, len(rows), batch_size):
-                batch = [rows[i] for i in range(start, min(start + batch_size, len(rows)))]
-                stacked = collate_reward_pairs(batch, tokenizer.pad_token_id).pairs.stacked()
-                scores = model(
-                    input_ids=stacked.input_ids.to(device),
-                    attention_mask=stacked.attention_mask.to(device),
-                    use_cache=False,
-                ).logits[:, 0]
-                n = len(batch)
-                wins += (scores[:n] > scores[n:]).tolist()
-                if bar is not None:
-                    bar.update(n)
+        wins = _pair_wins(model, device, rows, tokenizer.pad_token_id, batch_size, bar)
     finally:
         model.train(was_training)
         if bar is not None:
             bar.close()
+    return _pairwise_figures(wins, pairs)
+
+
+def _pair_wins(
+    model: Any, device: Any, rows: Any, pad_token_id: int, batch_size: int, bar: Any
+) -> list[bool]:
+    """Whether the model scores each pair's chosen side above its rejected one, in order."""
+    import torch
+
+    from posttrain.reward.trainer import collate_reward_pairs
+
+    wins: list[bool] = []
+    with torch.no_grad():
+        for start in range(0, len(rows), batch_size):
+            batch = [rows[i] for i in range(start, min(start + batch_size, len(rows)))]
+            stacked = collate_reward_pairs(batch, pad_token_id).pairs.stacked()
+            scores = model(
+                input_ids=stacked.input_ids.to(device),
+                attention_mask=stacked.attention_mask.to(device),
+                use_cache=False,
+            ).logits[:, 0]
+            n = len(batch)
+            wins += (scores[:n] > scores[n:]).tolist()
+            if bar is not None:
+                bar.update(n)
+    return wins
+
+
+def _pairwise_figures(wins: list[bool], pairs: Any) -> dict[str, float]:
+    """``{"pairwise_accuracy": ...}``, plus the share per kind when the pairs have a ``kind`` column."""
     figures = {"pairwise_accuracy": sum(wins) / len(wins)}
     if "kind" in pairs.column_names:
         for kind in sorted(set(pairs["kind"])):

@@ -432,6 +432,28 @@ def prepare_preference_dataset(
             ``detect_preference_format`` and ``tokenize_pair``), every row dropped by
             ``max_length``, or every row a pair with identical chosen and rejected tokens.
     """
+    rows_in = _num_pairs(dataset)
+    first = dataset[0]
+    columns = list(dataset.column_names) if hasattr(dataset, "column_names") else list(first)
+    detect_preference_format(columns, first)
+    check_truncation(max_length, truncation_mode)
+    opts = _Options(tokenizer, max_length, truncation_mode, eos_token, tools, chat_template_kwargs)
+    out = _encode_rows(dataset, opts, num_proc)
+    chosen, rejected = (
+        [r[c] for r in out] if isinstance(out, list) else list(out[c]) for c in ("chosen_ids", "rejected_ids")
+    )
+    # The reports are called from here: their warnings' stacklevel points at this function's caller.
+    dropped = [i for i, ids in enumerate(chosen) if not ids]
+    _report_dropped(out, dropped, rows_in, max_length)
+    identical = [i for i, (c, r) in enumerate(zip(chosen, rejected, strict=True)) if c and c == r]
+    _report_identical(identical, rows_in - len(dropped), max_length)
+    if isinstance(out, list):
+        return [r for r in out if r["chosen_ids"]]
+    return out.filter(lambda r: len(r["chosen_ids"]) > 0, num_proc=num_proc) if dropped else out
+
+
+def _num_pairs(dataset: Any) -> int:
+    """Row count of a list or a map-style Dataset, which must have a row."""
     if not hasattr(dataset, "__len__"):
         raise ValueError(
             f"prepare_preference_dataset needs a datasets.Dataset or a list of dicts, got {type(dataset).__name__}. "
@@ -440,38 +462,27 @@ def prepare_preference_dataset(
     rows_in = len(dataset)
     if rows_in == 0:
         raise ValueError("The preference dataset has no rows. Pass a dataset with at least one pair.")
-    first = dataset[0]
-    columns = list(dataset.column_names) if hasattr(dataset, "column_names") else list(first)
-    detect_preference_format(columns, first)
-    check_truncation(max_length, truncation_mode)
-    opts = _Options(tokenizer, max_length, truncation_mode, eos_token, tools, chat_template_kwargs)
+    return rows_in
+
+
+def _encode_rows(dataset: Any, opts: _Options, num_proc: int | None) -> Any:
+    """Every row tokenised and truncated (a dropped row without completion tokens), as a list or a Dataset."""
 
     def one(row: Row, i: int) -> dict[str, Any]:
         pair = _encode_pair(row, opts, i)
-        kept = _truncate_pair(pair, max_length, truncation_mode)
+        kept = _truncate_pair(pair, opts.max_length, opts.truncation_mode)
         # A dropped row keeps its prompt (for the report) and no completion tokens.
         return kept if kept is not None else {**pair, "chosen_ids": [], "rejected_ids": []}
 
     if isinstance(dataset, list):
-        out = [one(row, i) for i, row in enumerate(dataset)]
-    else:
-        out = dataset.map(
-            one,
-            with_indices=True,
-            remove_columns=list(dataset.column_names),
-            features=_output_features(dataset),
-            num_proc=num_proc,
-        )
-    chosen, rejected = (
-        [r[c] for r in out] if isinstance(out, list) else list(out[c]) for c in ("chosen_ids", "rejected_ids")
+        return [one(row, i) for i, row in enumerate(dataset)]
+    return dataset.map(
+        one,
+        with_indices=True,
+        remove_columns=list(dataset.column_names),
+        features=_output_features(dataset),
+        num_proc=num_proc,
     )
-    dropped = [i for i, ids in enumerate(chosen) if not ids]
-    _report_dropped(out, dropped, rows_in, max_length)
-    identical = [i for i, (c, r) in enumerate(zip(chosen, rejected, strict=True)) if c and c == r]
-    _report_identical(identical, rows_in - len(dropped), max_length)
-    if isinstance(out, list):
-        return [r for r in out if r["chosen_ids"]]
-    return out.filter(lambda r: len(r["chosen_ids"]) > 0, num_proc=num_proc) if dropped else out
 
 
 def _output_features(dataset: Any) -> Any:

@@ -352,15 +352,37 @@ def rso_preference_dataset(
             ``beta`` <= 0, ``num_samples`` < 2 or an unknown ``pairing``; after sampling, when
             no pair is left (every accepted pair tied, or fewer than two candidates per prompt).
     """
+    _check_rso_settings(num_samples, beta, pairing, seed)
+    _check_dataset(dataset, completions_column, rewards_column)
+    out = _sampled_pairs(dataset, num_samples, beta, seed, completions_column, rewards_column, pairing)
+    if not out["prompt"]:
+        raise ValueError(
+            f"RSO sampling left no preference pair in {len(dataset)} rows: every accepted pair had equal "
+            "rewards, or no prompt had two candidates. Give each prompt at least two candidates with "
+            "different rewards."
+        )
+    return _pairs_dataset(out, dataset, completions_column)
+
+
+def _check_rso_settings(num_samples: int, beta: float, pairing: Pairing, seed: int) -> None:
+    """None, once ``num_samples``, ``beta``, ``pairing`` and ``seed`` are valid."""
     _check_num_samples(num_samples, 2)
     _check_beta(beta)
     _check_pairing(pairing)
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ValueError(f"seed={seed!r} must be an integer.")
-    _check_dataset(dataset, completions_column, rewards_column)
 
-    from datasets import Dataset, Features
 
+def _sampled_pairs(
+    dataset: Any,
+    num_samples: int,
+    beta: float,
+    seed: int,
+    completions_column: str,
+    rewards_column: str,
+    pairing: Pairing,
+) -> dict[str, list[Any]]:
+    """The ``prompt``, ``chosen`` and ``rejected`` columns of every row's RSO pairs, row 0's first."""
     out: dict[str, list[Any]] = {"prompt": [], "chosen": [], "rejected": []}
     columns = dataset.select_columns([PROMPT_COLUMN, completions_column, rewards_column])
     for index, row in enumerate(columns):
@@ -371,12 +393,13 @@ def rso_preference_dataset(
             out["prompt"].append(row[PROMPT_COLUMN])
             out["chosen"].append(chosen)
             out["rejected"].append(rejected)
-    if not out["prompt"]:
-        raise ValueError(
-            f"RSO sampling left no preference pair in {len(dataset)} rows: every accepted pair had equal "
-            "rewards, or no prompt had two candidates. Give each prompt at least two candidates with "
-            "different rewards."
-        )
+    return out
+
+
+def _pairs_dataset(out: dict[str, list[Any]], dataset: Any, completions_column: str) -> Any:
+    """The pairs as a ``datasets.Dataset``, typed like the source columns when their features are known."""
+    from datasets import Dataset, Features
+
     item = _item_feature(dataset.features[completions_column])
     if item is None:
         return Dataset.from_dict(out)

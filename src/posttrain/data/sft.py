@@ -310,9 +310,7 @@ def tokenize_row(
             misordered messages, a formatting_func that returns no string, a mask option the format
             cannot honour, or a chat template without generation markers under assistant_only_loss.
     """
-    if fmt not in _TOKENIZERS:
-        raise ValueError(f"Unknown SFT format {fmt!r}; expected one of {list(FORMATS)}.")
-    check_loss_options(fmt, tokenizer, completion_only_loss, assistant_only_loss, chat_template_kwargs)
+    _check_row_settings(fmt, tokenizer, completion_only_loss, assistant_only_loss, chat_template_kwargs)
     opts = _Options(
         tokenizer=tokenizer,
         eos_token=eos_token if eos_token is not None else tokenizer.eos_token,
@@ -320,12 +318,43 @@ def tokenize_row(
         assistant_only_loss=assistant_only_loss,
         text_field=dataset_text_field,
         formatting_func=formatting_func,
-        tools=row_tools(row, tools),
-        template_kwargs=row_template_kwargs(row, chat_template_kwargs),
-        index=index,
+        **_row_settings(row, tools, chat_template_kwargs, index),
     )
-    ids, mask = _TOKENIZERS[fmt](row, opts)
-    ids, mask = truncate(ids, mask, max_length, truncation_mode)
+    return _finished_row(_TOKENIZERS[fmt](row, opts), max_length, truncation_mode, first_token_target)
+
+
+def _check_row_settings(
+    fmt: str,
+    tokenizer: Any,
+    completion_only_loss: bool | None,
+    assistant_only_loss: bool,
+    chat_template_kwargs: Mapping[str, Any] | None,
+) -> None:
+    """None, once ``fmt`` is a known format and the loss-mask options apply to it."""
+    if fmt not in _TOKENIZERS:
+        raise ValueError(f"Unknown SFT format {fmt!r}; expected one of {list(FORMATS)}.")
+    check_loss_options(fmt, tokenizer, completion_only_loss, assistant_only_loss, chat_template_kwargs)
+
+
+def _row_settings(
+    row: Row, tools: Any, chat_template_kwargs: Mapping[str, Any] | None, index: int | None
+) -> dict[str, Any]:
+    """The ``_Options`` fields that depend on the row: its tools, its template variables, its index."""
+    return {
+        "tools": row_tools(row, tools),
+        "template_kwargs": row_template_kwargs(row, chat_template_kwargs),
+        "index": index,
+    }
+
+
+def _finished_row(
+    tokens: tuple[list[int], list[int]],
+    max_length: int | None,
+    truncation_mode: str,
+    first_token_target: bool,
+) -> dict[str, list[int]]:
+    """The ``{"input_ids", "loss_mask"}`` row of ``(ids, mask)``, truncated, position 0 no target."""
+    ids, mask = truncate(tokens[0], tokens[1], max_length, truncation_mode)
     if mask and not first_token_target:
         mask[0] = 0  # position 0 is never a target: nothing precedes it
     return {"input_ids": ids, "loss_mask": mask}
@@ -481,6 +510,8 @@ def _tokenize_ids(row: Row, opts: _Options) -> tuple[list[int], list[int]]:
     return ids, mask
 
 
+# Called by tokenize_row itself, not through a helper: the tokenisers' warnings (stacklevel=3) point
+# at tokenize_row's caller.
 _TOKENIZERS: dict[str, Callable[[Row, _Options], tuple[list[int], list[int]]]] = {
     "language_modeling": _tokenize_text,
     "conversational": _tokenize_conversation,
@@ -610,9 +641,7 @@ def prepare_dataset(
         ValueError: bad columns or rows (see ``detect_format`` and ``tokenize_row``), an empty
             dataset, or every row without a target.
     """
-    rows_in = _num_rows(dataset)
-    if rows_in == 0:
-        raise ValueError("The SFT dataset has no rows. Pass a dataset with at least one example.")
+    rows_in = _nonempty_num_rows(dataset)
     fmt = _dataset_format(dataset, dataset_text_field, formatting_func)
     check_loss_options(fmt, tokenizer, completion_only_loss, assistant_only_loss, chat_template_kwargs)
     kwargs = {
@@ -629,19 +658,31 @@ def prepare_dataset(
         "dataset_text_field": dataset_text_field,
         "first_token_target": first_token_target,
     }
-    if isinstance(dataset, list):
-        out = [tokenize_row(row, index=i, **kwargs) for i, row in enumerate(dataset)]
-        kept = [row for row in out if any(row["loss_mask"])]
-    else:
-        mapped = dataset.map(
-            lambda row, i: tokenize_row(row, index=i, **kwargs),
-            with_indices=True,
-            remove_columns=list(dataset.column_names),
-            num_proc=num_proc,
-        )
-        kept = mapped.filter(lambda row: any(row["loss_mask"]), num_proc=num_proc)
+    kept = _tokenize_rows(dataset, kwargs, num_proc)
     _report_dropped(rows_in, len(kept), max_length, truncation_mode)
     return kept
+
+
+def _nonempty_num_rows(dataset: Any) -> int:
+    """Row count of a list or a map-style Dataset, which must have a row."""
+    rows_in = _num_rows(dataset)
+    if rows_in == 0:
+        raise ValueError("The SFT dataset has no rows. Pass a dataset with at least one example.")
+    return rows_in
+
+
+def _tokenize_rows(dataset: Any, kwargs: dict[str, Any], num_proc: int | None) -> Any:
+    """The rows tokenised by ``tokenize_row(**kwargs)`` that keep a target, as a list or a Dataset."""
+    if isinstance(dataset, list):
+        out = [tokenize_row(row, index=i, **kwargs) for i, row in enumerate(dataset)]
+        return [row for row in out if any(row["loss_mask"])]
+    mapped = dataset.map(
+        lambda row, i: tokenize_row(row, index=i, **kwargs),
+        with_indices=True,
+        remove_columns=list(dataset.column_names),
+        num_proc=num_proc,
+    )
+    return mapped.filter(lambda row: any(row["loss_mask"]), num_proc=num_proc)
 
 
 def _num_rows(dataset: Any) -> int:

@@ -3,6 +3,19 @@
 A task is a function that returns a :class:`datasets.Dataset` with a ``prompt`` column (conversational
 or standard format, as TRL trainers accept) and a ``solution`` column that the rewards in
 :mod:`posttrain.rewards.answer` check. :func:`load_task` looks one up by name in :data:`BUILTIN_TASKS`.
+
+How hard :func:`arithmetic_dataset` is, measured on 48 problems with the embedded (Q4_1)
+SmolLM2-135M-Instruct, correct / well-formatted answers, greedy and sampled at temperature 1:
+
+- defaults: 54 % / 100 % greedy, 42 % / 96 % sampled;
+- ``few_shot=0``: 0 % / 0 % either way;
+- ``num_operations=2, max_value=10``: 12 % / 100 % greedy, 15 % / 90 % sampled;
+- ``num_operations=2`` (operands up to 50): 4 % / 98 % greedy, 2 % / 81 % sampled;
+- ``conversational=False`` (raw text, no chat template): 15 % / 23 % greedy, 15 % / 52 % sampled.
+
+So the defaults give GRPO a mix of right and wrong answers within a group; two operations are the
+harder level. In the standard (plain-text) format an instruct model tends to run on with a new
+"Question:" after its answer, which the format reward penalizes; that format suits base models.
 """
 
 from __future__ import annotations
@@ -78,6 +91,58 @@ def _arithmetic_prompt(expression: str, conversational: bool, turns: list[dict[s
     return "\n\n".join(blocks) + "\n\nAnswer:"
 
 
+def _check_arithmetic_arguments(
+    n: int, min_value: int, max_value: int, num_operations: int, operations: Sequence[str], few_shot: int
+) -> tuple[str, ...]:
+    """The operations as a tuple, once every argument of :func:`arithmetic_dataset` is checked."""
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    if min_value > max_value:
+        raise ValueError(f"min_value ({min_value}) must not exceed max_value ({max_value})")
+    if num_operations < 1:
+        raise ValueError(f"num_operations must be >= 1, got {num_operations}")
+    operations = tuple(operations)
+    unknown = sorted(set(operations) - set(_OPERATIONS))
+    if not operations or unknown:
+        raise ValueError(f"operations must be a non-empty subset of {_OPERATIONS}, got {operations}")
+
+    if not 0 <= few_shot <= len(ARITHMETIC_EXAMPLES):
+        raise ValueError(f"few_shot must be between 0 and {len(ARITHMETIC_EXAMPLES)}, got {few_shot}")
+    return operations
+
+
+def _arithmetic_turns(system_prompt: str | None, few_shot: int) -> list[dict[str, str]]:
+    """The turns shared by every prompt: the system message, then ``few_shot`` worked examples."""
+    turns: list[dict[str, str]] = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    for expression, reasoning, answer in ARITHMETIC_EXAMPLES[:few_shot]:
+        turns.append({"role": "user", "content": ARITHMETIC_QUESTION.format(expression=expression)})
+        turns.append({"role": "assistant", "content": f"{reasoning} <answer>{answer}</answer>"})
+    return turns
+
+
+def _draw_problem(
+    rng: random.Random,
+    operations: tuple[str, ...],
+    num_operations: int,
+    bounds: tuple[int, int, int],
+    allow_negative: bool,
+) -> tuple[list[int], list[str], int]:
+    """(operands, operators, result) of one problem, operands in ``bounds`` (min, max, max factor)."""
+    min_value, max_value, factor_max = bounds
+    for _attempt in range(1000):
+        operators = [rng.choice(operations) for _ in range(num_operations)]
+        operands = []
+        for index in range(num_operations + 1):
+            in_product = (index > 0 and operators[index - 1] == "*") or (
+                index < num_operations and operators[index] == "*"
+            )
+            operands.append(rng.randint(min_value, factor_max if in_product else max_value))
+        result = _evaluate(operands, operators)
+        if allow_negative or result >= 0:
+            return operands, operators, result
+    raise ValueError("could not draw a problem with a non-negative result; set allow_negative=True")
+
+
 def arithmetic_dataset(
     n: int = 1000,
     seed: int = 0,
@@ -103,19 +168,8 @@ def arithmetic_dataset(
 
     The prompt asks the model to think briefly and to put only the final number inside
     ``<answer></answer>``, and by default shows two worked examples first (:data:`ARITHMETIC_EXAMPLES`,
-    as earlier user/assistant turns): without them SmolLM2-135M-Instruct never uses the tag. Measured on
-    48 problems with the embedded (Q4_1) SmolLM2-135M-Instruct, correct / well-formatted answers,
-    greedy and sampled at temperature 1:
-
-    - defaults: 54 % / 100 % greedy, 42 % / 96 % sampled;
-    - ``few_shot=0``: 0 % / 0 % either way;
-    - ``num_operations=2, max_value=10``: 12 % / 100 % greedy, 15 % / 90 % sampled;
-    - ``num_operations=2`` (operands up to 50): 4 % / 98 % greedy, 2 % / 81 % sampled;
-    - ``conversational=False`` (raw text, no chat template): 15 % / 23 % greedy, 15 % / 52 % sampled.
-
-    So the defaults give GRPO a mix of right and wrong answers within a group; two operations are the
-    harder level. In the standard (plain-text) format an instruct model tends to run on with a new
-    "Question:" after its answer, which the format reward penalizes; that format suits base models.
+    as earlier user/assistant turns): without them SmolLM2-135M-Instruct never uses the tag. The
+    module docstring gives the accuracy measured at each difficulty and format.
 
     Args:
         n: Number of problems.
@@ -141,45 +195,13 @@ def arithmetic_dataset(
     Raises:
         ValueError: On an invalid argument, or if no problem with a non-negative result can be drawn.
     """
-    if n < 0:
-        raise ValueError(f"n must be >= 0, got {n}")
-    if min_value > max_value:
-        raise ValueError(f"min_value ({min_value}) must not exceed max_value ({max_value})")
-    if num_operations < 1:
-        raise ValueError(f"num_operations must be >= 1, got {num_operations}")
-    operations = tuple(operations)
-    unknown = sorted(set(operations) - set(_OPERATIONS))
-    if not operations or unknown:
-        raise ValueError(f"operations must be a non-empty subset of {_OPERATIONS}, got {operations}")
-
-    if not 0 <= few_shot <= len(ARITHMETIC_EXAMPLES):
-        raise ValueError(f"few_shot must be between 0 and {len(ARITHMETIC_EXAMPLES)}, got {few_shot}")
-    turns: list[dict[str, str]] = [{"role": "system", "content": system_prompt}] if system_prompt else []
-    for expression, reasoning, answer in ARITHMETIC_EXAMPLES[:few_shot]:
-        turns.append({"role": "user", "content": ARITHMETIC_QUESTION.format(expression=expression)})
-        turns.append({"role": "assistant", "content": f"{reasoning} <answer>{answer}</answer>"})
-
+    operations = _check_arithmetic_arguments(n, min_value, max_value, num_operations, operations, few_shot)
+    turns = _arithmetic_turns(system_prompt, few_shot)
     rng = random.Random(seed)
-    factor_max = max(min_value, min(max_value, max_factor))
-    prompts: list[Any] = []
-    solutions: list[str] = []
-    for _ in range(n):
-        for _attempt in range(1000):
-            operators = [rng.choice(operations) for _ in range(num_operations)]
-            operands = []
-            for index in range(num_operations + 1):
-                in_product = (index > 0 and operators[index - 1] == "*") or (
-                    index < num_operations and operators[index] == "*"
-                )
-                operands.append(rng.randint(min_value, factor_max if in_product else max_value))
-            result = _evaluate(operands, operators)
-            if allow_negative or result >= 0:
-                break
-        else:
-            raise ValueError("could not draw a problem with a non-negative result; set allow_negative=True")
-        prompts.append(_arithmetic_prompt(_format_expression(operands, operators), conversational, turns))
-        solutions.append(str(result))
-    return Dataset.from_dict({"prompt": prompts, "solution": solutions})
+    bounds = (min_value, max_value, max(min_value, min(max_value, max_factor)))
+    problems = [_draw_problem(rng, operations, num_operations, bounds, allow_negative) for _ in range(n)]
+    prompts = [_arithmetic_prompt(_format_expression(a, o), conversational, turns) for a, o, _ in problems]
+    return Dataset.from_dict({"prompt": prompts, "solution": [str(result) for _, _, result in problems]})
 
 
 def _worked_answer(prompt: list[dict[str, str]], solution: str) -> str:

@@ -445,6 +445,17 @@ def check_loss_settings(
         NotImplementedError: ``use_weighting`` with ``aot`` or ``aot_unpaired`` (they sort the
             batch, so per-pair weights would not line up with the sorted pairs), as the reference.
     """
+    types = _checked_loss_types(loss_type)
+    weights = _checked_loss_weights(loss_weights, types)
+    _check_f_divergence(f_divergence_type, types)
+    _check_ld_alpha(ld_alpha)
+    _check_label_smoothing(label_smoothing, types)
+    _check_weighting(use_weighting, types)
+    return types, weights
+
+
+def _checked_loss_types(loss_type: str | Sequence[str]) -> list[str]:
+    """The loss types as a list, each known and given once."""
     types = [loss_type] if isinstance(loss_type, str) else list(loss_type)
     if not types:
         raise ValueError(f"loss_type is empty; give one of {list(LOSS_TYPES)} or a list of them.")
@@ -457,17 +468,26 @@ def check_loss_settings(
             f"loss_type={types} lists {repeated} more than once; give each loss type once and add their "
             "loss_weights together."
         )
+    return types
+
+
+def _checked_loss_weights(loss_weights: Sequence[float] | None, types: list[str]) -> list[float]:
+    """The weights as floats, one finite weight per loss type (1.0 each for ``None``)."""
     if loss_weights is None:
-        weights = [1.0] * len(types)
-    else:
-        weights = [float(w) for w in loss_weights]
-        if len(weights) != len(types):
-            raise ValueError(
-                f"loss_weights has {len(weights)} weight(s) for {len(types)} loss type(s) {types}; give one "
-                "weight per loss type, or loss_weights=None for 1.0 each."
-            )
-        if not all(math.isfinite(w) for w in weights):
-            raise ValueError(f"loss_weights={weights} must be finite numbers.")
+        return [1.0] * len(types)
+    weights = [float(w) for w in loss_weights]
+    if len(weights) != len(types):
+        raise ValueError(
+            f"loss_weights has {len(weights)} weight(s) for {len(types)} loss type(s) {types}; give one "
+            "weight per loss type, or loss_weights=None for 1.0 each."
+        )
+    if not all(math.isfinite(w) for w in weights):
+        raise ValueError(f"loss_weights={weights} must be finite numbers.")
+    return weights
+
+
+def _check_f_divergence(f_divergence_type: str, types: list[str]) -> None:
+    """None, once ``f_divergence_type`` is known and accepted by every loss type."""
     if f_divergence_type not in F_DIVERGENCE_TYPES:
         raise ValueError(_unknown_f_divergence(f_divergence_type))
     if f_divergence_type != "reverse_kl":
@@ -478,11 +498,19 @@ def check_loss_settings(
                 f"f_divergence_type={f_divergence_type!r} is not supported by loss_type {refusing}; use "
                 f"f_divergence_type='reverse_kl' with them, or a loss type among {accepting}."
             )
+
+
+def _check_ld_alpha(ld_alpha: float | None) -> None:
+    """None, once LD-DPO's α is off or in [0, 1]."""
     if ld_alpha is not None and not 0.0 <= ld_alpha <= 1.0:
         raise ValueError(
             f"ld_alpha={ld_alpha} must lie in [0, 1] (1.0 weighs every token fully, 0.0 drops the tokens past "
             "the shared length), or be None to turn LD-DPO off."
         )
+
+
+def _check_label_smoothing(label_smoothing: float, types: list[str]) -> None:
+    """None, once ε lies in [0, 1] and in the narrower range each loss type needs."""
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing={label_smoothing} must lie in [0, 1].")
     if "exo_pair" in types and not 0.0 < label_smoothing < 1.0:
@@ -496,6 +524,10 @@ def check_loss_settings(
                 f"label_smoothing={label_smoothing} with loss_type {name!r}: it must lie in [0, 0.5) (the loss "
                 "divides by a factor that vanishes at 0.5); the robust DPO paper suggests 0.1."
             )
+
+
+def _check_weighting(use_weighting: bool, types: list[str]) -> None:
+    """None, once WPO weighting is off or no loss type sorts the batch."""
     if use_weighting:
         sorting = [name for name in types if name in ("aot", "aot_unpaired")]
         if sorting:
@@ -503,7 +535,6 @@ def check_loss_settings(
                 f"use_weighting=True is not implemented for loss_type {sorting}: these losses sort the batch, "
                 "so per-pair weights would not line up; set use_weighting=False or use another loss type."
             )
-    return types, weights
 
 
 # --------------------------------------------------------------------------- entry point
@@ -555,6 +586,25 @@ def dpo_loss(
     types, weights = check_loss_settings(
         loss_type, loss_weights, f_divergence_type, label_smoothing, None, pair_weights is not None
     )
+    logps = _checked_dpo_inputs(logps, types, beta, discopop_tau, pair_weights)
+    rewards, scores = _rewards_and_scores(logps, f_divergence_type, f_alpha_divergence_coef)
+    inputs = LossInputs(
+        logps=logps,
+        chosen_scores=scores[0],
+        rejected_scores=scores[1],
+        beta=beta,
+        label_smoothing=label_smoothing,
+        discopop_tau=discopop_tau,
+        bco_delta=bco_delta,
+        sft_tokens=sft_tokens,
+    )
+    return _mixed_loss(types, weights, inputs, pair_weights, rewards)
+
+
+def _checked_dpo_inputs(
+    logps: PairLogps, types: list[str], beta: float, discopop_tau: float, pair_weights: Tensor | None
+) -> PairLogps:
+    """``_checked_logps(logps)``, once β, τ, the reference and the pair weights are checked."""
     if not beta > 0:
         raise ValueError(f"beta={beta} must be > 0 (0.1 is the usual value).")
     if "discopop" in types and not discopop_tau > 0:
@@ -572,25 +622,31 @@ def dpo_loss(
         raise ValueError(
             f"pair_weights {tuple(pair_weights.shape)} must have the shape of the pairs {tuple(logps.chosen.shape)}."
         )
+    return logps
 
+
+def _rewards_and_scores(
+    logps: PairLogps, f_divergence_type: str, f_alpha_divergence_coef: float
+) -> tuple[tuple[Tensor, Tensor], tuple[Tensor | None, Tensor | None]]:
+    """((u_w, u_l), (s_w, s_l)); without a reference ((ℓ_w, ℓ_l), (None, None))."""
     chosen_scores = rejected_scores = None
     chosen_rewards, rejected_rewards = logps.chosen, logps.rejected
-    if has_reference:
+    if logps.ref_chosen is not None and logps.ref_rejected is not None:
         chosen_rewards = logps.chosen - logps.ref_chosen
         rejected_rewards = logps.rejected - logps.ref_rejected
         chosen_scores = f_divergence_score(chosen_rewards, f_divergence_type, f_alpha_divergence_coef)
         rejected_scores = f_divergence_score(rejected_rewards, f_divergence_type, f_alpha_divergence_coef)
-    inputs = LossInputs(
-        logps=logps,
-        chosen_scores=chosen_scores,
-        rejected_scores=rejected_scores,
-        beta=beta,
-        label_smoothing=label_smoothing,
-        discopop_tau=discopop_tau,
-        bco_delta=bco_delta,
-        sft_tokens=sft_tokens,
-    )
+    return (chosen_rewards, rejected_rewards), (chosen_scores, rejected_scores)
 
+
+def _mixed_loss(
+    types: list[str],
+    weights: list[float],
+    inputs: LossInputs,
+    pair_weights: Tensor | None,
+    rewards: tuple[Tensor, Tensor],
+) -> DPOLossOutput:
+    """The ``DPOLossOutput`` of ``sum_k w_k * mean(pair_weights * L_k)``, with the rewards scaled by β."""
     total: Tensor | None = None
     per_type: dict[str, Tensor] = {}
     for name, weight in zip(types, weights, strict=True):
@@ -601,11 +657,12 @@ def dpo_loss(
         per_type[name] = mean.detach()
         total = weight * mean if total is None else total + weight * mean
     assert total is not None  # check_loss_settings refuses an empty list
+    chosen_rewards, rejected_rewards = rewards
     return DPOLossOutput(
         loss=total,
         per_type=per_type,
-        chosen_rewards=(beta * chosen_rewards).detach(),
-        rejected_rewards=(beta * rejected_rewards).detach(),
+        chosen_rewards=(inputs.beta * chosen_rewards).detach(),
+        rejected_rewards=(inputs.beta * rejected_rewards).detach(),
     )
 
 

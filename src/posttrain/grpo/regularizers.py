@@ -339,9 +339,14 @@ def sampler_is_weights(
         else:
             counted = ratio[valid]  # [N] valid tokens
         diff = (trainer_logps - sampler_logps).abs()[valid]  # [N]
+    return weights, _is_metrics(counted, diff)
+
+
+def _is_metrics(counted: torch.Tensor, diff: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The ``sampling/...`` metrics of the constrained weights ``counted`` and the log-prob gaps ``diff``."""
     ratio_min, ratio_mean, ratio_max = _stats(counted)
     _, diff_mean, diff_max = _stats(diff)
-    metrics = {
+    return {
         "sampling/sampling_logp_difference/mean": diff_mean,
         "sampling/sampling_logp_difference/max": diff_max,
         "sampling/importance_sampling_ratio/min": ratio_min,
@@ -351,4 +356,3 @@ def sampler_is_weights(
         "sampling/sampling_logp_difference/count": torch.tensor(float(diff.numel())),
         "sampling/importance_sampling_ratio/count": torch.tensor(float(counted.numel())),
     }
-    return weights, metrics

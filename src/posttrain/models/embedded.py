@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -302,15 +303,7 @@ def resolve_embedded(name: str, cache_dir: str | os.PathLike | None = None) -> s
     if importlib.util.find_spec("gguf") is None:
         raise ImportError(spec.install_hint)
 
-    from filelock import FileLock, Timeout
-
-    target.parent.mkdir(parents=True, exist_ok=True)
-    lock = FileLock(str(target) + ".lock")
-    try:
-        lock.acquire(timeout=0)
-    except Timeout:
-        logger.warning("Waiting for another process to convert the embedded model %s...", spec.name)
-        lock.acquire()
+    lock = _conversion_lock(target, spec.name)
     try:
         if _is_usable(target, record):  # another process finished it while this one waited
             return str(target)
@@ -319,26 +312,45 @@ def resolve_embedded(name: str, cache_dir: str | os.PathLike | None = None) -> s
             "Converting the embedded model %s from GGUF to safetensors (one time, ~20-60 s)...", spec.name
         )
         started = time.perf_counter()
-        temporary = Path(tempfile.mkdtemp(prefix=f".{spec.name}.tmp-", dir=target.parent))
-        try:
-            facts = _convert(spec, gguf_path, temporary)
-            marker = {"format": _CACHE_FORMAT, "source": record, **facts}
-            with open(temporary / MARKER_FILENAME, "w", encoding="utf-8") as handle:
-                json.dump(marker, handle, indent=2)
-            if target.exists():  # an unfinished or outdated cache: move it aside, then delete it
-                outdated = Path(tempfile.mkdtemp(prefix=f".{spec.name}.tmp-old-", dir=target.parent))
-                os.replace(target, outdated / "old")
-                os.replace(temporary, target)
-                shutil.rmtree(outdated, ignore_errors=True)
-            else:
-                os.replace(temporary, target)
-        except BaseException:
-            shutil.rmtree(temporary, ignore_errors=True)
-            raise
+        _convert_into_place(spec, gguf_path, record, target)
         logger.info("Converted %s in %.1f s; cached in %s", spec.name, time.perf_counter() - started, target)
         return str(target)
     finally:
         lock.release()
+
+
+def _conversion_lock(target: Path, name: str) -> Any:
+    """The acquired file lock ``<target>.lock``, after a warning if another process holds it."""
+    from filelock import FileLock, Timeout
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(target) + ".lock")
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        logger.warning("Waiting for another process to convert the embedded model %s...", name)
+        lock.acquire()
+    return lock
+
+
+def _convert_into_place(spec: EmbeddedModel, gguf_path: str, record: dict, target: Path) -> None:
+    """None, once the GGUF file is converted into a temporary folder and renamed to ``target``."""
+    temporary = Path(tempfile.mkdtemp(prefix=f".{spec.name}.tmp-", dir=target.parent))
+    try:
+        facts = _convert(spec, gguf_path, temporary)
+        marker = {"format": _CACHE_FORMAT, "source": record, **facts}
+        with open(temporary / MARKER_FILENAME, "w", encoding="utf-8") as handle:
+            json.dump(marker, handle, indent=2)
+        if target.exists():  # an unfinished or outdated cache: move it aside, then delete it
+            outdated = Path(tempfile.mkdtemp(prefix=f".{spec.name}.tmp-old-", dir=target.parent))
+            os.replace(target, outdated / "old")
+            os.replace(temporary, target)
+            shutil.rmtree(outdated, ignore_errors=True)
+        else:
+            os.replace(temporary, target)
+    except BaseException:
+        shutil.rmtree(temporary, ignore_errors=True)
+        raise
 
 
 __all__ = [

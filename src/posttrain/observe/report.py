@@ -385,9 +385,8 @@ def _plots_html(history: plots.History | None, history_error: str | None) -> str
     return f'<div class="plots">{"".join(figures)}</div>'
 
 
-def _table_html(files: list[Completions], page_size: int) -> str:
-    rows = [(f.split, row) for f in files for row in f.rows]
-    several = len(files) > 1
+def _column_names(rows: list[tuple[str, CompletionRow]]) -> tuple[list[str], list[str], set[str]]:
+    """The reward names, the extra names (first-seen order) and the extra names holding only numbers."""
     reward_names: list[str] = []
     extra_names: list[str] = []
     for _, row in rows:
@@ -407,61 +406,82 @@ def _table_html(files: list[Completions], page_size: int) -> str:
             for _, r in rows
         )
     }
+    return reward_names, extra_names, numeric_extra
 
-    def th(label: str, sortable: bool, first_dir: str = "desc", title: str = "") -> str:
-        attrs = ' class="sortable" data-first-dir="' + first_dir + '"' if sortable else ""
-        if title:
-            attrs += f' title="{_e(title)}"'
-        return f"<th{attrs}>{_e(label)}</th>"
 
-    head = [th("#", True, "asc", "line in the completions file")]
+def _th(label: str, sortable: bool, first_dir: str = "desc", title: str = "") -> str:
+    """One header cell, marked sortable (with its first sort direction) when asked."""
+    attrs = ' class="sortable" data-first-dir="' + first_dir + '"' if sortable else ""
+    if title:
+        attrs += f' title="{_e(title)}"'
+    return f"<th{attrs}>{_e(label)}</th>"
+
+
+def _table_head(
+    several: bool, reward_names: list[str], extra_names: list[str], numeric_extra: set[str]
+) -> list[str]:
+    """The header cells of the completions table."""
+    head = [_th("#", True, "asc", "line in the completions file")]
     if several:
-        head.append(th("split", False))
+        head.append(_th("split", False))
     head += [
-        th("step", True, "asc"),
-        th("prompt", False),
-        th("completion", False),
-        th("reward", True, "desc", "the row's total reward, else the sum of its rewards; click to sort"),
+        _th("step", True, "asc"),
+        _th("prompt", False),
+        _th("completion", False),
+        _th("reward", True, "desc", "the row's total reward, else the sum of its rewards; click to sort"),
     ]
-    head += [th(name, True, "desc", f"reward function {name}") for name in reward_names]
-    head.append(th("advantage", True, "desc"))
-    head += [th(name, name in numeric_extra, "desc") for name in extra_names]
+    head += [_th(name, True, "desc", f"reward function {name}") for name in reward_names]
+    head.append(_th("advantage", True, "desc"))
+    head += [_th(name, name in numeric_extra, "desc") for name in extra_names]
+    return head
 
-    def num_cell(value: float | None, signed: bool = False) -> str:
-        cls = "num"
-        if signed and value is not None and not math.isnan(value) and value != 0:
-            cls += " pos" if value > 0 else " neg"
-        return f'<td class="{cls}" data-v="{_data_value(value)}">{_e(_fmt(value))}</td>'
 
-    body = []
-    for split, row in rows:
-        cells = [num_cell(float(row.index))]
-        if several:
-            cells.append(f"<td>{_e(split)}</td>")
-        cells += [
-            num_cell(float(row.step)),
-            f'<td class="prompt"><div class="text">{_e(row.prompt)}</div></td>',
-            f'<td class="completion"><div class="text">{_e(row.completion)}</div></td>',
-            num_cell(row.reward),
-        ]
-        cells += [num_cell(row.rewards.get(name)) for name in reward_names]
-        cells.append(num_cell(row.advantage, signed=True))
-        for name in extra_names:
-            value = row.extra.get(name)
-            if name in numeric_extra:
-                cells.append(num_cell(None if value is None else float(value)))
-            elif name not in row.extra:
-                cells.append("<td></td>")
-            else:
-                cells.append(f'<td><div class="text">{_e(_extra_text(value))}</div></td>')
-        body.append(f'<tr data-step="{row.step}" data-split="{_e(split)}">{"".join(cells)}</tr>')
+def _num_cell(value: float | None, signed: bool = False) -> str:
+    """One numeric cell carrying its sort value, coloured by sign when ``signed``."""
+    cls = "num"
+    if signed and value is not None and not math.isnan(value) and value != 0:
+        cls += " pos" if value > 0 else " neg"
+    return f'<td class="{cls}" data-v="{_data_value(value)}">{_e(_fmt(value))}</td>'
 
-    steps = sorted({row.step for _, row in rows})
+
+def _table_row(
+    split: str,
+    row: CompletionRow,
+    several: bool,
+    reward_names: list[str],
+    extra_names: list[str],
+    numeric_extra: set[str],
+) -> str:
+    """The ``<tr>`` of one completion row."""
+    cells = [_num_cell(float(row.index))]
+    if several:
+        cells.append(f"<td>{_e(split)}</td>")
+    cells += [
+        _num_cell(float(row.step)),
+        f'<td class="prompt"><div class="text">{_e(row.prompt)}</div></td>',
+        f'<td class="completion"><div class="text">{_e(row.completion)}</div></td>',
+        _num_cell(row.reward),
+    ]
+    cells += [_num_cell(row.rewards.get(name)) for name in reward_names]
+    cells.append(_num_cell(row.advantage, signed=True))
+    for name in extra_names:
+        value = row.extra.get(name)
+        if name in numeric_extra:
+            cells.append(_num_cell(None if value is None else float(value)))
+        elif name not in row.extra:
+            cells.append("<td></td>")
+        else:
+            cells.append(f'<td><div class="text">{_e(_extra_text(value))}</div></td>')
+    return f'<tr data-step="{row.step}" data-split="{_e(split)}">{"".join(cells)}</tr>'
+
+
+def _table_controls(files: list[Completions], steps: list[int], page_size: int) -> str:
+    """The filter, step, split and page-size controls above the completions table."""
     step_options = '<option value="">all steps</option>' + "".join(
         f'<option value="{s}">step {s}</option>' for s in steps
     )
     split_select = ""
-    if several:
+    if len(files) > 1:
         split_options = '<option value="">train and eval</option>' + "".join(
             f'<option value="{_e(f.split)}">{_e(f.split)}</option>' for f in files
         )
@@ -471,7 +491,7 @@ def _table_html(files: list[Completions], page_size: int) -> str:
         f'<option value="{s}"{" selected" if s == page_size else ""}>{s}</option>' for s in sizes
     )
     size_options += '<option value="all">all</option>'
-    controls = (
+    return (
         '<div class="controls">'
         '<label>Filter <input type="search" id="filter-text" '
         'placeholder="text in the prompt or completion"></label>'
@@ -481,16 +501,29 @@ def _table_html(files: list[Completions], page_size: int) -> str:
         '<span class="meta">Click a blue column header to sort.</span>'
         "</div>"
     )
-    pager = (
-        '<div class="pager" id="pager"><button type="button" id="page-prev">&larr; previous</button>'
-        '<button type="button" id="page-next">next &rarr;</button></div>'
-        '<div class="meta" id="page-info"></div>'
-    )
+
+
+_PAGER = (
+    '<div class="pager" id="pager"><button type="button" id="page-prev">&larr; previous</button>'
+    '<button type="button" id="page-next">next &rarr;</button></div>'
+    '<div class="meta" id="page-info"></div>'
+)
+
+
+def _table_html(files: list[Completions], page_size: int) -> str:
+    """The completions table with its controls and pager."""
+    rows = [(f.split, row) for f in files for row in f.rows]
+    several = len(files) > 1
+    reward_names, extra_names, numeric_extra = _column_names(rows)
+    head = _table_head(several, reward_names, extra_names, numeric_extra)
+    body = [_table_row(split, row, several, reward_names, extra_names, numeric_extra) for split, row in rows]
+    steps = sorted({row.step for _, row in rows})
+    controls = _table_controls(files, steps, page_size)
     table = (
         f'<table class="completions" id="completions"><thead><tr>{"".join(head)}</tr></thead>'
         f"<tbody>{''.join(body)}</tbody></table>"
     )
-    return controls + pager + table
+    return controls + _PAGER + table
 
 
 def _completions_html(run_dir: Path, files: list[Completions], page_size: int) -> str:

@@ -468,24 +468,7 @@ def token_divergence(
         ValueError: the two vocabularies differ, the positions differ, ``beta`` is outside
             [0, 1], or ``loss_weights`` is not one number per position.
     """
-    if not 0.0 <= beta <= 1.0:
-        raise ValueError(f"beta must be in [0, 1] (0 forward KL, 1 reverse KL), got {beta}.")
-    if student.vocab_size != teacher.vocab_size:
-        raise ValueError(
-            f"The student's vocabulary has {student.vocab_size} logits and the teacher's {teacher.vocab_size}; "
-            "the divergence compares them token by token, so they must be equal."
-        )
-    if student.hidden.shape[0] != teacher.hidden.shape[0]:
-        raise ValueError(
-            f"{student.hidden.shape[0]} student positions against {teacher.hidden.shape[0]} teacher positions."
-        )
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive number of positions, got {chunk_size}.")
-    if loss_weights is not None and tuple(loss_weights.shape) != (student.hidden.shape[0],):
-        raise ValueError(
-            f"loss_weights has shape {tuple(loss_weights.shape)}; it needs one weight per position, "
-            f"shape ({student.hidden.shape[0]},) (or None for equal weights)."
-        )
+    _check_divergence_inputs(student, teacher, beta, chunk_size, loss_weights)
     sides = (student.hidden, student.weight, student.bias)
     fuse = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in sides)
     weights = loss_weights.detach() if loss_weights is not None and fuse else None
@@ -505,6 +488,34 @@ def token_divergence(
         weights,
         fuse,
     )
+
+
+def _check_divergence_inputs(
+    student: HeadInputs,
+    teacher: HeadInputs,
+    beta: float,
+    chunk_size: int,
+    loss_weights: torch.Tensor | None,
+) -> None:
+    """None, once ``beta``, ``chunk_size``, the weights and the two sides' vocabularies and positions fit."""
+    if not 0.0 <= beta <= 1.0:
+        raise ValueError(f"beta must be in [0, 1] (0 forward KL, 1 reverse KL), got {beta}.")
+    if student.vocab_size != teacher.vocab_size:
+        raise ValueError(
+            f"The student's vocabulary has {student.vocab_size} logits and the teacher's {teacher.vocab_size}; "
+            "the divergence compares them token by token, so they must be equal."
+        )
+    if student.hidden.shape[0] != teacher.hidden.shape[0]:
+        raise ValueError(
+            f"{student.hidden.shape[0]} student positions against {teacher.hidden.shape[0]} teacher positions."
+        )
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive number of positions, got {chunk_size}.")
+    if loss_weights is not None and tuple(loss_weights.shape) != (student.hidden.shape[0],):
+        raise ValueError(
+            f"loss_weights has shape {tuple(loss_weights.shape)}; it needs one weight per position, "
+            f"shape ({student.hidden.shape[0]},) (or None for equal weights)."
+        )
 
 
 def target_logps(

@@ -404,6 +404,21 @@ def sequence_token_stats(
                 model, out, hidden[:, :-1], targets, chunk_size, with_entropy, with_top, with_logit_mean,
                 with_log_sq_norm, target_mask,
             )  # fmt: skip
+    return _stats_from_logits(
+        model, inputs, targets, with_entropy, with_top, with_logit_mean, with_log_sq_norm
+    )
+
+
+def _stats_from_logits(
+    model: torch.nn.Module,
+    inputs: dict[str, Any],
+    targets: torch.Tensor,
+    with_entropy: bool,
+    with_top: bool,
+    with_logit_mean: bool,
+    with_log_sq_norm: bool,
+) -> SequenceStats:
+    """The ``SequenceStats`` of the model's own full [N, L - 1, V] logits (the unchunked path)."""
     out = model(**inputs)
     logits = out.logits[:, :-1, :].float()  # [N, L - 1, V]
     logps = selective_log_softmax(logits, targets)

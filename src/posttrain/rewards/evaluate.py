@@ -39,12 +39,7 @@ def task_accuracy(
     """
     was_training = model.training
     model.eval()
-    config = GenerationConfig(
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
+    config = _greedy_config(tokenizer, max_new_tokens)
     device = next(model.parameters()).device
     # The training sampler's fast paths (the lean loop, the fused CPU step, the prompts' common
     # opening prefilled once), greedy; a model they cannot serve (sharded, replaced generate, ...)
@@ -52,35 +47,60 @@ def task_accuracy(
     # (no ``config``).
     generator = TransformersGenerator(lambda: model, config) if hasattr(model, "config") else None
     completions: list[str] = []
-    bar = None
-    if progress is not None:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=len(dataset), desc=progress, unit="problem")
+    bar = _progress_bar(progress, len(dataset))
     try:
         for start in range(0, len(dataset), batch_size):
             prompts = dataset["prompt"][start : start + batch_size]
-            ids = [
-                tokenizer(chat.render_prompt(p, tokenizer, None), add_special_tokens=isinstance(p, str))[
-                    "input_ids"
-                ]
-                for p in prompts
-            ]
-            prompt_ids, mask = left_pad(ids, tokenizer.pad_token_id)
-            prompt_ids, mask = prompt_ids.to(device), mask.to(device)
-            if generator is not None:
-                out = generator.generate(prompt_ids, mask).completion_ids
-            else:
-                out = model.generate(input_ids=prompt_ids, attention_mask=mask, generation_config=config)
-                out = out[:, prompt_ids.shape[1] :]
-            completions += tokenizer.batch_decode(out, skip_special_tokens=True)
+            completions += _greedy_completions(model, tokenizer, generator, config, prompts, device)
             if bar is not None:
                 bar.update(len(prompts))
     finally:
         model.train(was_training)
         if bar is not None:
             bar.close()
-    right = answer_accuracy_reward(completions, list(dataset["solution"]))
+    return _accuracy_and_format(completions, list(dataset["solution"]))
+
+
+def _greedy_config(tokenizer: Any, max_new_tokens: int) -> GenerationConfig:
+    """The greedy generation config of the evaluation, stopping at the tokenizer's EOS."""
+    return GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+
+
+def _progress_bar(progress: str | None, total: int) -> Any:
+    """A tqdm bar labelled ``progress`` over ``total`` problems, or None without a label."""
+    if progress is None:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=progress, unit="problem")
+
+
+def _greedy_completions(
+    model: Any, tokenizer: Any, generator: Any, config: GenerationConfig, prompts: list[Any], device: Any
+) -> list[str]:
+    """The decoded greedy completions of one batch of prompts."""
+    ids = [
+        tokenizer(chat.render_prompt(p, tokenizer, None), add_special_tokens=isinstance(p, str))["input_ids"]
+        for p in prompts
+    ]
+    prompt_ids, mask = left_pad(ids, tokenizer.pad_token_id)
+    prompt_ids, mask = prompt_ids.to(device), mask.to(device)
+    if generator is not None:
+        out = generator.generate(prompt_ids, mask).completion_ids
+    else:
+        out = model.generate(input_ids=prompt_ids, attention_mask=mask, generation_config=config)
+        out = out[:, prompt_ids.shape[1] :]
+    return tokenizer.batch_decode(out, skip_special_tokens=True)
+
+
+def _accuracy_and_format(completions: list[str], solutions: list[Any]) -> dict[str, float]:
+    """``{"accuracy": ..., "format": ...}``: the shares of right answers and of formatted completions."""
+    right = answer_accuracy_reward(completions, solutions)
     formatted = answer_format_reward(completions)
     return {
         "accuracy": sum(r or 0.0 for r in right) / max(len(right), 1),

@@ -333,22 +333,9 @@ def load_reward_model(
     kwargs = dict(init_kwargs or {})
     revision = kwargs.get("revision")
     if isinstance(name_or_model, str):
-        try:
-            source = loading.resolve_model_path(name_or_model)
-        except FileNotFoundError as err:
-            raise FileNotFoundError(
-                f"The reward model path '{name_or_model}' does not exist. Pass an existing folder saved with "
-                "save_pretrained, or the hub id of a sequence classification reward model."
-            ) from err
-        requested = kwargs.pop("num_labels", 1)
-        if requested != 1:
-            raise ValueError(
-                f"model_init_kwargs sets num_labels={requested}, but reward models are loaded with "
-                "num_labels=1 (one score per text). Remove num_labels from model_init_kwargs."
-            )
-        kwargs["dtype"] = loading._dtype(kwargs.pop("dtype", kwargs.pop("torch_dtype", None)))
-        kwargs.setdefault("trust_remote_code", trust_remote_code)
-        _check_checkpoint(source, kwargs)
+        source = _existing_source(name_or_model)
+        _set_pretrained_kwargs(kwargs, trust_remote_code)
+        _check_checkpoint(source, kwargs)  # called here: its warning's stacklevel points at our caller
         model = AutoModelForSequenceClassification.from_pretrained(source, num_labels=1, **kwargs)
         reward_model_kwargs.setdefault("name", _model_name_from_string(name_or_model))
     elif isinstance(name_or_model, PreTrainedModel):
@@ -361,13 +348,41 @@ def load_reward_model(
             f"{type(name_or_model).__name__}."
         )
     if tokenizer is None:
-        if not source:
-            raise ValueError(
-                f"Reward model {_model_name(model)!r} has no name or path to load its tokenizer from "
-                "(config._name_or_path is empty). Pass its tokenizer in reward_processing_classes."
-            )
-        tokenizer = loading.load_tokenizer(source, revision, trust_remote_code)
+        tokenizer = _own_tokenizer(model, source, revision, trust_remote_code)
     return RewardModel(model, tokenizer, **reward_model_kwargs)
+
+
+def _existing_source(name: str) -> str:
+    """The local folder or hub id ``name`` resolves to (``loading.resolve_model_path``)."""
+    try:
+        return loading.resolve_model_path(name)
+    except FileNotFoundError as err:
+        raise FileNotFoundError(
+            f"The reward model path '{name}' does not exist. Pass an existing folder saved with "
+            "save_pretrained, or the hub id of a sequence classification reward model."
+        ) from err
+
+
+def _set_pretrained_kwargs(kwargs: dict[str, Any], trust_remote_code: bool) -> None:
+    """None, once ``kwargs`` lost ``num_labels`` (1 at most) and has ``dtype`` and ``trust_remote_code``."""
+    requested = kwargs.pop("num_labels", 1)
+    if requested != 1:
+        raise ValueError(
+            f"model_init_kwargs sets num_labels={requested}, but reward models are loaded with "
+            "num_labels=1 (one score per text). Remove num_labels from model_init_kwargs."
+        )
+    kwargs["dtype"] = loading._dtype(kwargs.pop("dtype", kwargs.pop("torch_dtype", None)))
+    kwargs.setdefault("trust_remote_code", trust_remote_code)
+
+
+def _own_tokenizer(model: Any, source: str, revision: Any, trust_remote_code: bool) -> Any:
+    """The reward model's tokenizer, loaded from ``source`` (its name or path)."""
+    if not source:
+        raise ValueError(
+            f"Reward model {_model_name(model)!r} has no name or path to load its tokenizer from "
+            "(config._name_or_path is empty). Pass its tokenizer in reward_processing_classes."
+        )
+    return loading.load_tokenizer(source, revision, trust_remote_code)
 
 
 def _model_name_from_string(name: str) -> str:
@@ -403,24 +418,7 @@ def resolve_reward_funcs(
         TypeError: an entry that is neither callable, a string nor a ``PreTrainedModel``.
     """
     funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
-    if reward_processing_classes is None:
-        classes: list[Any] = [None] * len(funcs)
-    elif isinstance(reward_processing_classes, (list, tuple)):
-        classes = list(reward_processing_classes)
-        if len(classes) != len(funcs):
-            raise ValueError(
-                f"reward_processing_classes has {len(classes)} entries but there are {len(funcs)} reward "
-                "functions; give one entry per reward function, in the same order (None for callables, "
-                "or to load a reward model's own tokenizer)."
-            )
-    else:
-        if len(funcs) != 1:
-            raise ValueError(
-                f"A single reward processing class was given for {len(funcs)} reward functions; a single "
-                "one only goes with a single reward function. Pass a list with one entry per reward "
-                "function, in the same order (None for callables, or to load a reward model's own tokenizer)."
-            )
-        classes = [reward_processing_classes]
+    classes = _aligned_processing_classes(reward_processing_classes, len(funcs))
     resolved: list[Callable[..., list[float | None]]] = []
     for i, (func, tokenizer) in enumerate(zip(funcs, classes, strict=True)):
         if isinstance(func, (str, PreTrainedModel)):
@@ -441,6 +439,28 @@ def resolve_reward_funcs(
                 "hub id or path of a reward model, or a PreTrainedModel sequence classifier."
             )
     return resolved
+
+
+def _aligned_processing_classes(reward_processing_classes: Any, num_funcs: int) -> list[Any]:
+    """One processing class (or ``None``) per reward function, in order."""
+    if reward_processing_classes is None:
+        return [None] * num_funcs
+    if isinstance(reward_processing_classes, (list, tuple)):
+        classes = list(reward_processing_classes)
+        if len(classes) != num_funcs:
+            raise ValueError(
+                f"reward_processing_classes has {len(classes)} entries but there are {num_funcs} reward "
+                "functions; give one entry per reward function, in the same order (None for callables, "
+                "or to load a reward model's own tokenizer)."
+            )
+        return classes
+    if num_funcs != 1:
+        raise ValueError(
+            f"A single reward processing class was given for {num_funcs} reward functions; a single "
+            "one only goes with a single reward function. Pass a list with one entry per reward "
+            "function, in the same order (None for callables, or to load a reward model's own tokenizer)."
+        )
+    return [reward_processing_classes]
 
 
 def reward_models(funcs: Sequence[Any]) -> list[RewardModel]:

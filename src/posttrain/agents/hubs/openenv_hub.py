@@ -390,6 +390,20 @@ def openenv_environment(
     action = (_get_json(base_url, "/schema", timeout) or {}).get("action") or {}
     metadata = _get_json(base_url, "/metadata", timeout) or {}
     env_name = str(metadata.get("name") or "")
+    settings = _class_settings(base_url, timeout, message_timeout, reward, observation_to_text)
+    if is_mcp_action(action) if mcp is None else mcp:
+        return _mcp_class(settings, name, env_name, tool_name, tool_description)
+    return _action_class(settings, name, env_name, action, tool_name, tool_description)
+
+
+def _class_settings(
+    base_url: str,
+    timeout: float,
+    message_timeout: float,
+    reward: str,
+    observation_to_text: Callable[[Any], str] | None,
+) -> dict[str, Any]:
+    """The class attributes every OpenEnv environment class carries: server, timeouts, reduction."""
     settings: dict[str, Any] = {
         "_base_url": base_url,
         "_timeout": float(timeout),
@@ -398,20 +412,34 @@ def openenv_environment(
     }
     if observation_to_text is not None:
         settings["_observation_text"] = staticmethod(observation_to_text)
-    if is_mcp_action(action) if mcp is None else mcp:
-        given = [
-            k for k, v in (("tool_name", tool_name), ("tool_description", tool_description)) if v is not None
-        ]
-        if given:
-            raise ValueError(
-                f"{' and '.join(given)} name and describe the one action tool of an action-model environment; "
-                f"the OpenEnv server at {base_url} hosts an MCP environment, whose tools keep the names and "
-                "descriptions its list_tools gives. Leave them out (or pass mcp=False to make its action the tool)."
-            )
-        namespace = {**settings, **_mcp_namespace(base_url, float(timeout), float(message_timeout))}
-        return make_class(
-            name or class_name(env_name, "OpenEnvEnvironment"), OpenEnvMCPEnvironment, namespace
+    return settings
+
+
+def _mcp_class(
+    settings: dict[str, Any],
+    name: str | None,
+    env_name: str,
+    tool_name: str | None,
+    tool_description: str | None,
+) -> type:
+    """The ``OpenEnvMCPEnvironment`` subclass with one tool method per MCP tool the server lists."""
+    base_url = settings["_base_url"]
+    given = [
+        k for k, v in (("tool_name", tool_name), ("tool_description", tool_description)) if v is not None
+    ]
+    if given:
+        raise ValueError(
+            f"{' and '.join(given)} name and describe the one action tool of an action-model environment; "
+            f"the OpenEnv server at {base_url} hosts an MCP environment, whose tools keep the names and "
+            "descriptions its list_tools gives. Leave them out (or pass mcp=False to make its action the tool)."
         )
+    tools = _mcp_namespace(base_url, settings["_timeout"], settings["_message_timeout"])
+    namespace = {**settings, **tools}
+    return make_class(name or class_name(env_name, "OpenEnvEnvironment"), OpenEnvMCPEnvironment, namespace)
+
+
+def _action_parameters(action: dict[str, Any]) -> dict[str, Any]:
+    """The JSON schema of the action tool: the action's schema without OpenEnv's base fields."""
     parameters = {
         **{k: v for k, v in action.items() if k not in ("title", "description")},
         "properties": {
@@ -420,6 +448,19 @@ def openenv_environment(
     }
     parameters["required"] = [r for r in action.get("required") or [] if r not in ACTION_BASE_FIELDS]
     parameters.pop("additionalProperties", None)
+    return parameters
+
+
+def _action_class(
+    settings: dict[str, Any],
+    name: str | None,
+    env_name: str,
+    action: dict[str, Any],
+    tool_name: str | None,
+    tool_description: str | None,
+) -> type:
+    """The ``OpenEnvEnvironment`` subclass whose one tool is the server's action."""
+    parameters = _action_parameters(action)
     tool = tool_name or default_tool_name(action)
     description = (
         tool_description
