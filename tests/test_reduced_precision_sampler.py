@@ -299,3 +299,16 @@ def test_bf16_training_samples_from_a_bf16_copy_where_the_cpu_has_bf16(
         assert all(0.0 < e["sampling/sampling_logp_difference/mean"] < 0.1 for e in logged)
     else:
         assert generator.reduced is None and logged == []
+
+
+def test_bf16_training_with_other_sampling_sources_keeps_the_policy(tok, monkeypatch):
+    """Tools, environments and ``rollout_func`` get no bf16 copy: their turns would reach it
+    without its log-probs (the IS correction would not see the copy's mismatch)."""
+    monkeypatch.setattr(reduced_precision, "native_bf16", lambda: True)
+    model = family("llama", tok)
+    generator = TransformersGenerator(lambda: model, config(tok.eos_token_id), autocast_dtype=torch.bfloat16)
+    assert configure_sampler(generator, model, "float32", own_sampling=False) == "float32"
+    assert generator.reduced is None
+    assert configure_sampler(generator, model, "float32") == "bf16" and generator.reduced.backend == "bf16"
+    float32_generator = TransformersGenerator(lambda: model, config(tok.eos_token_id))
+    assert configure_sampler(float32_generator, model, "float32") == "float32"  # float32 training

@@ -322,7 +322,7 @@ def trainer_precision_sampler(generator: Any, model: nn.Module) -> str:
     return "bf16" if reduced_sampler_blocker(model, "bf16", autocast) is None else "float32"
 
 
-def configure_sampler(generator: Any, model: nn.Module, precision: str) -> str:
+def configure_sampler(generator: Any, model: nn.Module, precision: str, own_sampling: bool = True) -> str:
     """Set ``generator`` to sample at ``precision`` from ``model``; return the precision in force.
 
     An explicit ``"int8"``, ``"fp16"`` or ``"bf16"`` that cannot run ``model`` raises; ``"auto"``
@@ -334,6 +334,9 @@ def configure_sampler(generator: Any, model: nn.Module, precision: str) -> str:
         generator: the trainer's generation backend.
         model: the policy, unwrapped.
         precision: ``GRPOConfig.sampler_precision``.
+        own_sampling: the trainer samples every completion itself (no tools, environments or
+            ``rollout_func``, whose turns would reach the copy without its log-probs); only then
+            does ``bf16=True`` pick the bf16 copy.
     """
     from posttrain.generation.transformers_backend import TransformersGenerator
 
@@ -341,6 +344,8 @@ def configure_sampler(generator: Any, model: nn.Module, precision: str) -> str:
         return "float32"
     resolved = resolve_precision(precision)
     if resolved == "float32":
+        if not own_sampling:
+            return "float32"
         resolved = trainer_precision_sampler(generator, model)
         if resolved != "float32":
             generator.set_sampler_precision(resolved, asked=False)

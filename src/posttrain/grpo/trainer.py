@@ -131,8 +131,9 @@ class GRPOTrainer(OnlineTrainer):
         )
         self.loss_settings = replace(loss_settings, aux_loss_coef=self.aux_loss_coef)
         #: what the decode steps sample with ("float32", or the reduced copy's "int8"/"fp16"/"bf16")
+        own_sampling = not (tools or rollout_func is not None or environment_factory is not None)
         self.sampler_precision = reduced_precision.configure_sampler(
-            self.generator, self.accelerator.unwrap_model(self.model), precision
+            self.generator, self.accelerator.unwrap_model(self.model), precision, own_sampling
         )
         self.entropy_coef = float(args.entropy_coef)
         self._step_entropy: list[float] = []
