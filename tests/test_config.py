@@ -17,6 +17,7 @@ from transformers import HfArgumentParser, TrainingArguments
 import posttrain
 from posttrain.core import config as core_config
 from posttrain.grpo.config import CHOICES, JSON_DICT_FIELDS, POSTTRAIN_EXTENSIONS, UNBUILT_OPTIONS, GRPOConfig
+from posttrain.grpo.objectives import LOSS_TYPES as OBJECTIVES
 
 # Transcribed from the `trl.GRPOConfig` signature in spec/grpo-trainer.pt.txt: every parameter
 # and its default, in the spec's order.
@@ -514,9 +515,11 @@ def test_num_generations_error_explains_group_baseline(tmp_path) -> None:
     assert "group baseline" in str(err.value)
 
 
-def test_luspo_requires_sequence_level(tmp_path) -> None:
-    with pytest.raises(ValueError, match="importance_sampling_level='sequence'"):
-        make(tmp_path, loss_type="luspo")
+@pytest.mark.parametrize("loss_type", [n for n, spec in OBJECTIVES.items() if spec.levels == ("sequence",)])
+def test_luspo_requires_sequence_level(tmp_path, loss_type) -> None:
+    """Every sequence-only loss (luspo) refuses the default token level, naming the fix."""
+    with pytest.raises(ValueError, match=f"loss_type='{loss_type}' is a sequence-level loss.*'sequence'"):
+        make(tmp_path, loss_type=loss_type)
 
 
 def test_validation_runs_before_trainingarguments_setup(tmp_path, monkeypatch) -> None:
@@ -611,12 +614,12 @@ def test_docs_list_exactly_the_unbuilt_options() -> None:
     assert listed == list(UNBUILT_OPTIONS)
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo", "vespo", "gmpo"])
+@pytest.mark.parametrize("loss_type", [n for n, spec in OBJECTIVES.items() if "token" in spec.levels])
 def test_built_loss_types_are_accepted(tmp_path, loss_type) -> None:
     assert make(tmp_path, loss_type=loss_type).loss_type == loss_type
 
 
-@pytest.mark.parametrize("loss_type", ["vespo", "gmpo"])
+@pytest.mark.parametrize("loss_type", [n for n, spec in OBJECTIVES.items() if spec.levels == ("token",)])
 def test_token_level_only_losses_reject_sequence_level(tmp_path, loss_type) -> None:
     with pytest.raises(ValueError, match="importance_sampling_level='token'"):
         make(tmp_path, loss_type=loss_type, importance_sampling_level="sequence")

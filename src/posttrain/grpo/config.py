@@ -424,9 +424,13 @@ class GRPOConfig(OnlineConfig):
     loss_type: str = field(
         default="dapo",
         metadata={
-            "help": "Loss formulation: one of 'grpo', 'dapo', 'dr_grpo', 'bnpo', 'cispo', 'sapo', "
-            "'luspo' (needs importance_sampling_level='sequence'), 'vespo', or posttrain's 'gmpo' "
-            "(geometric-mean policy optimisation)."
+            "help": "Loss formulation: one of "
+            + ", ".join(
+                f"{name!r}"
+                + (f" (importance_sampling_level={spec.levels[0]!r} only)" if len(spec.levels) == 1 else "")
+                for name, spec in objectives.LOSS_TYPES.items()
+            )
+            + " (gmpo is posttrain's geometric-mean policy optimisation)."
         },
     )
     top_entropy_quantile: float = field(
@@ -560,9 +564,12 @@ class GRPOConfig(OnlineConfig):
                 "log-probs it returns, so the importance-sampling correction would compare them with the "
                 "policy's unpenalised ones; set repetition_penalty=1.0, or vllm_importance_sampling_correction=False."
             )
-        if self.loss_type == "luspo" and self.importance_sampling_level != "sequence":
+        if (
+            objectives.LOSS_TYPES[self.loss_type].levels == ("sequence",)
+            and self.importance_sampling_level != "sequence"
+        ):
             raise ValueError(
-                f"loss_type='luspo' is a sequence-level loss but importance_sampling_level="
+                f"loss_type={self.loss_type!r} is a sequence-level loss but importance_sampling_level="
                 f"{self.importance_sampling_level!r}; set importance_sampling_level='sequence'."
             )
         if self.entropy_coef_min > self.entropy_coef_max:
@@ -577,7 +584,8 @@ class GRPOConfig(OnlineConfig):
                 f"vllm_importance_sampling_clip_min={cmin} is above vllm_importance_sampling_clip_max={cmax}; "
                 "the weights' range [C_min, C_max] must not be empty."
             )
-        if self.loss_type in ("vespo", "gmpo") and self.importance_sampling_level != "token":
+        levels = objectives.LOSS_TYPES[self.loss_type].levels
+        if levels == ("token",) and self.importance_sampling_level != "token":
             raise ValueError(
                 f"loss_type={self.loss_type!r} builds its own sequence-level weight from token ratios, so "
                 f"importance_sampling_level={self.importance_sampling_level!r} does not apply; set "

@@ -18,6 +18,7 @@ Order of the per-token pieces (as in the reference):
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -65,23 +66,20 @@ class LossSettings:
 
     @classmethod
     def from_config(cls, args: Any, aux_loss_coef: float = 0.0) -> LossSettings:
-        """Read the settings from a ``GRPOConfig``; cispo's ``eps_max`` defaults to 5.0."""
+        """Read the settings from a ``GRPOConfig``; an unset ``epsilon_high`` is the loss type's
+        ``default_epsilon_high`` (cispo's ``eps_max``, 5.0) or ``epsilon``."""
         if args.epsilon_high is not None:
             eps_high = args.epsilon_high
         else:
-            eps_high = 5.0 if args.loss_type == "cispo" else args.epsilon
+            default = objectives.LOSS_TYPES[args.loss_type].default_epsilon_high
+            eps_high = default if default is not None else args.epsilon
+        # a loss type's own hyper-parameters are GRPOConfig fields of the same name
+        renamed = {"epsilon_low": args.epsilon, "epsilon_high": eps_high}
         objective = objectives.ObjectiveSettings(
-            loss_type=args.loss_type,
-            importance_sampling_level=args.importance_sampling_level,
-            epsilon_low=args.epsilon,
-            epsilon_high=eps_high,
-            delta=args.delta,
-            sapo_temperature_pos=args.sapo_temperature_pos,
-            sapo_temperature_neg=args.sapo_temperature_neg,
-            vespo_k_pos=args.vespo_k_pos,
-            vespo_lambda_pos=args.vespo_lambda_pos,
-            vespo_k_neg=args.vespo_k_neg,
-            vespo_lambda_neg=args.vespo_lambda_neg,
+            **{
+                f.name: renamed[f.name] if f.name in renamed else getattr(args, f.name)
+                for f in dataclasses.fields(objectives.ObjectiveSettings)
+            }
         )
         objectives.resolve_loss(objective)  # a bad loss_type / level combination fails here
         return cls(
@@ -143,7 +141,7 @@ def _token_weights(
         weights = keep.to(mask.dtype)
         bonus_mask = mask * weights
     sampler = batch.rollout.sampler_logps
-    vespo = s.objective.loss_type == "vespo"
+    own_correction = objectives.LOSS_TYPES[s.objective.loss_type].sampler_ratio
     if s.off_policy_mask_threshold is not None:
         reference = sampler if sampler is not None else old
         seq = regularizers.off_policy_sequence_mask(
@@ -156,7 +154,7 @@ def _token_weights(
         w, metrics = regularizers.sampler_is_weights(
             old.detach(), sampler.to(old.device), mask, s.is_mode, s.is_clip_min, s.is_clip_max
         )
-        if not vespo:  # VESPO's Gamma weight is itself the sampler correction (only the metrics here)
+        if not own_correction:  # e.g. VESPO's Gamma weight is itself the correction (only the metrics here)
             weights = w if weights is None else weights * w
         sampling = {k: float(v) for k, v in metrics.items()}
     return weights, bonus_mask, sampling
@@ -203,10 +201,8 @@ def grpo_loss(
     weights, bonus_mask, sampling = _token_weights(s, out, batch, old, mask, gather_entropies)
     behaviour = old  # what the policy term's ratio is taken against
     sampler = batch.rollout.sampler_logps
-    if s.objective.loss_type == "vespo" and sampler is not None and s.is_correction:
-        behaviour = sampler.to(
-            device=logps.device, dtype=logps.dtype
-        )  # VESPO: W = pi_theta / mu, mu the sampler
+    if objectives.LOSS_TYPES[s.objective.loss_type].sampler_ratio and sampler is not None and s.is_correction:
+        behaviour = sampler.to(device=logps.device, dtype=logps.dtype)  # e.g. VESPO: W = pi_theta / mu
     policy, stats = objectives.policy_loss(logps, behaviour, adv, mask, s.objective, batch.norms, weights)
     loss, per_completion = policy, dict(stats)
     scalars = {"policy_loss": policy.item()}

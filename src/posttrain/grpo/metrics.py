@@ -38,10 +38,9 @@ def loss_metrics(
         m["clip_ratio/high_mean"] = (g["high"] * weight).sum().item()
         m["clip_ratio/high_max"] = g["high"].max().item()
         m["clip_ratio/region_mean"] = (g["region"] * weight).sum().item()
-    if "cispo_clip" in g:
-        m["cispo_clip_ratio"] = (g["cispo_clip"] * weight).sum().item()
-    if "vespo_phi" in g:
-        m["vespo/phi_seq_mean"] = g["vespo_phi"].mean().item()
+    for extra in spec.extra_metrics:
+        values = g[extra.stat]
+        m[extra.name] = (values * weight).sum().item() if extra.per_token else values.mean().item()
     if "kl_sum" in g:
         m["kl"] = g["kl_sum"].sum().item() / total
     local = torch.tensor([scalars[k] for k in sorted(scalars)], device=device)

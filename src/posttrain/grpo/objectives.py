@@ -435,6 +435,12 @@ class LossSpec:
         clip_region: a key of ``CLIP_REGIONS``: the bounds ``low``/``high``/``region`` count
             (``"none"``: the loss has no hard clip; the trainer need not log them).
         extra_stats: ``(log_ratio, advantages, mask, settings) -> {name: [B]}`` or None.
+        extra_metrics: the metrics logged from ``extra_stats``, one ``ExtraMetric`` each.
+        default_epsilon_high: the upper bound when ``GRPOConfig.epsilon_high`` is None (None:
+            ``epsilon``, as for the clipped losses).
+        sampler_ratio: the term's own weight is taken against the sampler's log-probs (it is
+            itself the sampler correction), so the importance-sampling weights are not applied on
+            top; their metrics are still logged.
     """
 
     term: Callable[..., torch.Tensor]
@@ -444,6 +450,26 @@ class LossSpec:
     levels: tuple[str, ...] = ("token", "sequence")
     clip_region: str = "ratio"
     extra_stats: Callable[..., Stats] | None = None
+    extra_metrics: tuple[ExtraMetric, ...] = ()
+    default_epsilon_high: float | None = None
+    sampler_ratio: bool = False
+
+
+@dataclass(frozen=True)
+class ExtraMetric:
+    """One logged metric of a loss type's ``extra_stats``.
+
+    Attributes:
+        stat: the key of ``extra_stats``' output ([B] per completion).
+        name: the metric's logged name.
+        per_token: weighted by each completion's counted tokens (like the clip ratios; a mean
+            over completions at ``importance_sampling_level="sequence"``); False: a plain mean
+            over completions.
+    """
+
+    stat: str
+    name: str
+    per_token: bool = True
 
 
 _CLIP = ("epsilon_low", "epsilon_high", "delta")
@@ -462,7 +488,13 @@ LOSS_TYPES: dict[str, LossSpec] = {
     "luspo": LossSpec(clipped_surrogate, "sequence_sum", _CLIP, levels=("sequence",)),
     # CISPO (MiniMax-M1 / ScaleRL): detached truncated weight x A x logp, DAPO's normaliser.
     "cispo": LossSpec(
-        cispo_surrogate, "token", ("epsilon_high",), clip_region="none", extra_stats=cispo_stats
+        cispo_surrogate,
+        "token",
+        ("epsilon_high",),
+        clip_region="none",
+        extra_stats=cispo_stats,
+        extra_metrics=(ExtraMetric("cispo_clip", "cispo_clip_ratio"),),
+        default_epsilon_high=5.0,  # ScaleRL's eps_max
     ),
     # SAPO (Qwen): sigmoid soft gate instead of the clip, per-sequence token mean.
     "sapo": LossSpec(
@@ -478,6 +510,8 @@ LOSS_TYPES: dict[str, LossSpec] = {
         levels=("token",),
         clip_region="none",
         extra_stats=vespo_stats,
+        extra_metrics=(ExtraMetric("vespo_phi", "vespo/phi_seq_mean", per_token=False),),
+        sampler_ratio=True,  # W = pi_theta / mu, mu the sampler
     ),
     # GMPO: geometric mean of per-token log-space-clipped ratios, mean over sequences.
     "gmpo": LossSpec(
