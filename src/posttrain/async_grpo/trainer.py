@@ -26,7 +26,7 @@ from transformers import PreTrainedModel, TrainerCallback
 from posttrain.async_grpo import losses
 from posttrain.async_grpo.config import AsyncGRPOConfig
 from posttrain.async_grpo.sampler import BackgroundSampler, SampledBatch, sampler_report
-from posttrain.observe.metrics import MetricStore
+from posttrain.observe.metrics import MetricStore, clip_ratios
 from posttrain.ops import support
 from posttrain.ops.logprobs import PolicyOutput
 from posttrain.ops.support import Truncation
@@ -345,14 +345,24 @@ class AsyncGRPOTrainer(OnlineTrainer):
             "sampling/importance_sampling_ratio/mean": ratio.sum(),
             "sampling/masked_ratio": (stats["masked"].to(mask.dtype) * mask).sum(),
         }
-        if "low" in stats:
-            values["clip_ratio/low_mean"] = (stats["low"].to(mask.dtype) * mask).sum()
-            values["clip_ratio/high_mean"] = (stats["high"].to(mask.dtype) * mask).sum()
-            values["clip_ratio/region_mean"] = ((stats["low"] | stats["high"]).to(mask.dtype) * mask).sum()
         local = torch.stack([*values.values(), mask.sum()]).float().to(self.accelerator.device)
         totals = gather(local.unsqueeze(0)).sum(dim=0).tolist()
         tokens = max(totals[-1], 1.0)
-        return {name: total / tokens for name, total in zip(values, totals[:-1], strict=False)}
+        metrics = {name: total / tokens for name, total in zip(values, totals[:-1], strict=False)}
+        if "low" in stats:
+            metrics.update(self._clip_ratios(stats, mask))
+        return metrics
+
+    def _clip_ratios(self, stats: dict[str, torch.Tensor], mask: torch.Tensor) -> dict[str, float]:
+        """``observe.metrics.clip_ratios`` of every process's completions, weighted by their tokens."""
+        low, high = stats["low"].to(mask.dtype), stats["high"].to(mask.dtype)
+        counted = mask.sum(dim=1)  # [B]
+        fractions = [
+            ((x * mask).sum(dim=1) / counted.clamp(min=1.0)) for x in (low, high, torch.maximum(low, high))
+        ]
+        local = torch.stack([*fractions, counted], dim=1).float().to(self.accelerator.device)
+        low_f, high_f, region_f, counts = gather(local).cpu().unbind(dim=1)  # [N] each
+        return clip_ratios(low_f, high_f, region_f, counts / counts.sum().clamp(min=1.0))
 
     # ---- checkpoints ----------------------------------------------------------------------------
 

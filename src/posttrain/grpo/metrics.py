@@ -9,6 +9,7 @@ import torch
 from accelerate.utils import gather
 
 from posttrain.grpo import objectives
+from posttrain.observe.metrics import clip_ratios
 
 
 def loss_metrics(
@@ -33,11 +34,7 @@ def loss_metrics(
     m = {"entropy": g["entropy_sum"].sum().item() / total}
     spec = objectives.LOSS_TYPES[args.loss_type]
     if spec.clip_region != "none":
-        m["clip_ratio/low_mean"] = (g["low"] * weight).sum().item()
-        m["clip_ratio/low_min"] = g["low"].min().item()
-        m["clip_ratio/high_mean"] = (g["high"] * weight).sum().item()
-        m["clip_ratio/high_max"] = g["high"].max().item()
-        m["clip_ratio/region_mean"] = (g["region"] * weight).sum().item()
+        m.update(clip_ratios(g["low"], g["high"], g["region"], weight))
     for extra in spec.extra_metrics:
         values = g[extra.stat]
         m[extra.name] = (values * weight).sum().item() if extra.per_token else values.mean().item()

@@ -18,6 +18,7 @@ import torch
 from accelerate.utils import gather
 from transformers import PreTrainedModel, TrainerCallback
 
+from posttrain.observe.metrics import clip_ratios
 from posttrain.rloo import losses
 from posttrain.rloo.config import RLOOConfig
 from posttrain.sampling.rollout import ScoredRollout
@@ -154,17 +155,12 @@ class RLOOTrainer(OnlineTrainer):
     def _loss_metrics(
         self, entropy: torch.Tensor, mask: torch.Tensor, stats: dict[str, torch.Tensor]
     ) -> dict[str, float]:
-        """``entropy`` (token mean) and the clip ratios (per-process means, then mean / min / max)."""
+        """``entropy`` (token mean) and the clip ratios of every process's completions
+        (``observe.metrics.clip_ratios``: one ratio per completion, so each weighs ``1 / N``)."""
         device = self.accelerator.device
         sums = torch.stack([(entropy.detach() * mask).sum(), mask.sum()]).float().to(device)
         entropy_sum, tokens = gather(sums.unsqueeze(0)).sum(dim=0).tolist()
-        local = torch.stack([stats[k].float().mean() for k in ("low", "high", "region")]).to(device)
-        per_process = gather(local.unsqueeze(0))  # [processes, 3]
-        return {
-            "entropy": entropy_sum / max(tokens, 1.0),
-            "clip_ratio/low_mean": per_process[:, 0].mean().item(),
-            "clip_ratio/low_min": per_process[:, 0].min().item(),
-            "clip_ratio/high_mean": per_process[:, 1].mean().item(),
-            "clip_ratio/high_max": per_process[:, 1].max().item(),
-            "clip_ratio/region_mean": per_process[:, 2].mean().item(),
-        }
+        local = torch.stack([stats[k].float() for k in ("low", "high", "region")], dim=1).to(device)
+        low, high, region = gather(local).cpu().unbind(dim=1)  # [N] each, every process's completions
+        weight = torch.full_like(low, 1.0 / max(len(low), 1))
+        return {"entropy": entropy_sum / max(tokens, 1.0), **clip_ratios(low, high, region, weight)}
