@@ -123,6 +123,11 @@ class A2POTrainer(OnlineTrainer):
         self._row_values = torch.zeros(0)
 
     @property
+    def _prompt_token_budget(self) -> int | None:
+        """``max_prompt_length``: a longer prompt keeps its last tokens, as the reference's."""
+        return self.args.max_prompt_length
+
+    @property
     def _loss_temperature(self) -> float:
         """1: the regression onto the optimal advantage reads the policy's and the reference's own
         log-probs (A*-PO's log-ratio; the reference library's too); ``temperature`` shapes sampling."""

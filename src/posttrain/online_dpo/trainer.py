@@ -144,6 +144,11 @@ class OnlineDPOTrainer(OnlineTrainer):
         return reward_funcs
 
     @property
+    def _judged(self) -> bool:
+        """A ``judge`` given to the trainer orders each pair instead of rewards."""
+        return self.judge is not None  # set before OnlineTrainer.__init__, which reads this
+
+    @property
     def _loss_temperature(self) -> float:
         """1: DPO compares the policy's and the reference's own log-probs, as the reference library
         and the paper do; ``temperature`` shapes the sampling only (DPO has no importance ratio

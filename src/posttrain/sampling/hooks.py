@@ -21,6 +21,10 @@ class OnlineFamilyHooks(FamilyHooks, Protocol):
     def _judged(self) -> bool:
         """Whether a judge orders the completions instead of rewards (online DPO)."""
 
+    @property
+    def _prompt_token_budget(self) -> int | None:
+        """The most prompt tokens a sampled prompt keeps, or None for whole prompts (A*-PO)."""
+
     def _setup_reference(self) -> torch.nn.Module | None:
         """The frozen reference model, or ``None`` (no KL, a PEFT policy, a teacher instead)."""
 

@@ -137,7 +137,7 @@ class OnlineTrainer(BaseTrainer):
             pad_token_id=self._tokenizer.pad_token_id,
             chat_template_kwargs=a.chat_template_kwargs,
             pad_to_multiple_of=a.pad_to_multiple_of if isinstance(a.pad_to_multiple_of, int) else None,
-            max_prompt_length=getattr(a, "max_prompt_length", None),  # A*-PO's; the others keep whole prompts
+            max_prompt_length=self._prompt_token_budget,
         )
         generator = setup.build_generator(
             a, self.accelerator, lambda: self.model, self._tokenizer, self._eos_token_ids,
@@ -185,8 +185,14 @@ class OnlineTrainer(BaseTrainer):
 
     @property
     def _judged(self) -> bool:
-        """Whether a judge orders the completions instead of rewards (online DPO with ``judge``)."""
-        return getattr(self, "judge", None) is not None
+        """Whether a judge orders the completions instead of rewards (online DPO overrides it)."""
+        return False
+
+    @property
+    def _prompt_token_budget(self) -> int | None:
+        """The most prompt tokens a sampled prompt keeps (its last ones); None keeps whole prompts
+        (A*-PO overrides it with its ``max_prompt_length``)."""
+        return None
 
     @property
     def generator(self) -> Generator:
