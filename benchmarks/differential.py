@@ -580,6 +580,11 @@ def drive(names, work: str, child_args, init_path, note=None, verbose: bool = Fa
     return 0
 
 
+def generation_calls_note(res: dict) -> str:
+    """The note of a scripted-generation row: how many generation calls each library made."""
+    return f"generation calls trl {res['trl']['calls']} posttrain {res['posttrain']['calls']}"
+
+
 def drive_tiny(names, keep: str | None, verbose: bool, script: str, prefix: str, note) -> int:
     """``drive`` for scripts whose children take ``--model_dir``: the tiny model, built once."""
     work = keep or tempfile.mkdtemp(prefix=prefix)

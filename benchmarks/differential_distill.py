@@ -58,7 +58,15 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from differential import MAX_LEN, command_line, drive, record_failure, record_run, rollout_plan  # noqa: E402
+from differential import (  # noqa: E402
+    MAX_LEN,
+    command_line,
+    drive,
+    generation_calls_note,
+    record_failure,
+    record_run,
+    rollout_plan,
+)
 from differential_offline import BASE, QUESTIONS, build_models, data  # noqa: E402
 from differential_online import Script, script_posttrain, scripted_generate  # noqa: E402
 
@@ -273,15 +281,12 @@ def run_parent(names: list[str], keep: str | None, verbose: bool) -> int:
     torch.save({k: v.detach().float() for k, v in m.state_dict().items()}, init)
     script = os.path.abspath(__file__)
 
-    def note(res: dict) -> str:
-        return f"generation calls trl {res['trl']['calls']} posttrain {res['posttrain']['calls']}"
-
     return drive(
         names,
         work,
         lambda lib, name, out: [script, "--lib", lib, "--config", name, "--work", work, "--out", out],
         lambda name: init,
-        note,
+        generation_calls_note,
         verbose,
         column=("step-1 loss trl / posttrain", step_1_loss),
     )

@@ -29,7 +29,16 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from differential import BASE, PROMPTS, command_line, drive_tiny, record_failure, record_run, rollout_plan  # noqa: E402
+from differential import (  # noqa: E402
+    BASE,
+    PROMPTS,
+    command_line,
+    drive_tiny,
+    generation_calls_note,
+    record_failure,
+    record_run,
+    rollout_plan,
+)
 
 RLOO_BASE = dict(BASE)
 
@@ -245,10 +254,9 @@ def run_child(lib: str, name: str, model_dir: str, out_path: str) -> None:
 
 
 def run_parent(names: list[str], keep: str | None, verbose: bool) -> int:
-    def note(res: dict) -> str:
-        return f"generation calls trl {res['trl']['calls']} posttrain {res['posttrain']['calls']}"
-
-    return drive_tiny(names, keep, verbose, os.path.abspath(__file__), "differential-online-", note)
+    return drive_tiny(
+        names, keep, verbose, os.path.abspath(__file__), "differential-online-", generation_calls_note
+    )
 
 
 def main() -> int:
