@@ -466,7 +466,7 @@ def test_tied_embedding_gets_a_sparse_gradient_summed_into_a_dense_one(tok, monk
     """The embedding's sparse gradient adds into the head's dense one: same ``.grad``, still dense."""
     import contextlib
 
-    from posttrain.ops import logprobs
+    from posttrain.ops import online_logps  # completion_logps looks sparse_tied_embedding_grad up there
 
     model = tiny(tok, tied=True)
     inputs = batch(len(tok))
@@ -479,7 +479,7 @@ def test_tied_embedding_gets_a_sparse_gradient_summed_into_a_dense_one(tok, monk
     handle.remove()
     assert seen and all(seen) and embed.sparse is False  # sparse while scoring, restored after
     assert not embed.weight.grad.is_sparse
-    monkeypatch.setattr(logprobs, "sparse_tied_embedding_grad", lambda model: contextlib.nullcontext())
+    monkeypatch.setattr(online_logps, "sparse_tied_embedding_grad", lambda model: contextlib.nullcontext())
     dense = grads(model, inputs, chunk_size=16, share_prompts=share_prompts)
     for name in dense:
         torch.testing.assert_close(sparse[name], dense[name], **GRAD, msg=name)

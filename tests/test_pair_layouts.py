@@ -229,7 +229,7 @@ def test_right_padding_only_recognises_masks_the_causal_mask_can_replace(tok):
 
 
 def test_right_padded_rows_are_scored_without_the_mask_and_give_the_masked_targets(tok, monkeypatch):
-    from posttrain.ops import logprobs
+    from posttrain.ops import sequence_stats  # sequence_token_stats looks right_padding_only up there
 
     model = build_tiny_model(tok)
     rows = preference.collate_pairs(token_rows(len(tok), seed=3), tok.eos_token_id).stacked()
@@ -240,7 +240,7 @@ def test_right_padded_rows_are_scored_without_the_mask_and_give_the_masked_targe
     )
     free = score_rows(model, rows, with_metrics=True)
     free_grads = grads_of(model, free.logps.sum())
-    monkeypatch.setattr(logprobs, "right_padding_only", lambda model, mask: False)
+    monkeypatch.setattr(sequence_stats, "right_padding_only", lambda model, mask: False)
     masked = score_rows(model, rows, with_metrics=True)
     masked_grads = grads_of(model, masked.logps.sum())
     hook.remove()

