@@ -88,7 +88,7 @@ def _generator(share_prefix: bool, prepack: bool, lean: bool = False) -> Variant
         )
         out = gen.generate(ids, mask).completion_ids
         expected = ("lean+shared_prefix" if share_prefix else "lean") if lean else None
-        assert expected is None or gen.last_path == expected, (gen.last_path, gen.last_lean_blocker)
+        assert expected is None or gen.path.taken == expected, (gen.path.taken, gen.path.lean_blocker)
         return out
 
     return run

@@ -200,9 +200,10 @@ def main() -> None:
     if cuda:
         summary["peak_gpu_mb"] = torch.cuda.max_memory_allocated() / 2**20
     gen = trainer.generator
-    summary["generation_path"] = getattr(gen, "last_path", None)
-    summary["fused_blocker"] = getattr(gen, "last_fused_blocker", None)
-    summary["cuda_graph_blocker"] = getattr(gen, "last_cuda_graph_blocker", None)
+    path = getattr(gen, "path", None)
+    summary["generation_path"] = getattr(path, "taken", None)
+    summary["fused_blocker"] = getattr(path, "fused_blocker", None)
+    summary["cuda_graph_blocker"] = getattr(path, "cuda_graph_blocker", None)
     print(json.dumps({"options": vars(opts), "median_s": summary, "peak_rss_by_phase_mb": peaks}))
 
 

@@ -232,13 +232,13 @@ def run_generator(model, tok, **kwargs):
 def test_generator_runs_the_fused_step_and_matches_the_unfused_loop(tok):
     model = family("llama", tok)
     fused, gen = run_generator(model, tok)
-    assert gen.last_path == "lean+shared_prefix" and gen.last_fused_blocker is None
-    assert gen.last_cuda_graph_blocker == "not a CUDA device"
+    assert gen.path.taken == "lean+shared_prefix" and gen.path.fused_blocker is None
+    assert gen.path.cuda_graph_blocker == "not a CUDA device"
     plain, off = run_generator(model, tok, fused_step=False)
-    assert off.last_fused_blocker == "fused_step=False"
+    assert off.path.fused_blocker == "fused_step=False"
     assert torch.equal(fused, plain)
     _, unpacked = run_generator(model, tok, prepack_weights=False)
-    assert "prepack_weights=False" in unpacked.last_fused_blocker
+    assert "prepack_weights=False" in unpacked.path.fused_blocker
 
 
 def test_generator_leaves_packed_linears_untouched(tok):
@@ -271,7 +271,7 @@ def test_generator_falls_back_for_a_lora_model_with_the_same_tokens(tok):
 
     model = get_peft_model(family("llama", tok), LoraConfig(r=2, target_modules=["q_proj", "v_proj"])).eval()
     out, gen = run_generator(model, tok)
-    assert gen.last_path.startswith("lean") and gen.last_fused_blocker is not None
+    assert gen.path.taken.startswith("lean") and gen.path.fused_blocker is not None
     ref, _ = run_generator(model, tok, lean=False)
     assert torch.equal(out, ref)
 
@@ -306,7 +306,7 @@ def test_cuda_generator_replays_a_graph_with_the_eager_loop_tokens(tok, name):
     gen = TransformersGenerator(lambda: model, greedy(tok.eos_token_id, new_tokens=40))
     ids, mask = helpers.left_pad(MIXED, PAD)
     graphed = gen.generate(ids.cuda(), mask.cuda()).completion_ids
-    assert gen.last_fused_blocker is None and gen.last_cuda_graph_blocker is None
+    assert gen.path.fused_blocker is None and gen.path.cuda_graph_blocker is None
     eager = TransformersGenerator(lambda: model, greedy(tok.eos_token_id, new_tokens=40), fused_step=False)
     want = eager.generate(ids.cuda(), mask.cuda()).completion_ids
     assert want.shape[1] > 3
@@ -327,6 +327,6 @@ def test_cuda_trainer_samples_through_the_graphed_step(tmp_path, tok, bf16):
     )
     trainer.train()
     gen = trainer.generator
-    assert gen.last_fused_blocker is None, gen.last_fused_blocker
-    assert gen.last_cuda_graph_blocker is None, gen.last_cuda_graph_blocker
+    assert gen.path.fused_blocker is None, gen.path.fused_blocker
+    assert gen.path.cuda_graph_blocker is None, gen.path.cuda_graph_blocker
     assert gen.autocast_dtype == (torch.bfloat16 if bf16 else None)

@@ -104,7 +104,7 @@ def test_shared_prefix_greedy_equals_plain(tok, model):
     cfg = config(tok, generation_kwargs={"do_sample": False})
     plain, _ = sample(model, cfg, MIXED, share_prefix=False)
     shared, gen = sample(model, cfg, MIXED, share_prefix=True)
-    assert gen.last_path == "shared_prefix", gen.last_blocker
+    assert gen.path.taken == "shared_prefix", gen.path.prefix_blocker
     assert torch.equal(shared, plain)
     assert torch.equal(shared[0], shared[2]) and torch.equal(
         shared[0], shared[6]
@@ -116,7 +116,7 @@ def test_shared_prefix_seeded_sampling_equals_plain(tok, model):
     for seed in (0, 1):
         plain, _ = sample(model, cfg, MIXED, share_prefix=False, seed=seed)
         shared, gen = sample(model, cfg, MIXED, share_prefix=True, seed=seed)
-        assert gen.last_path == "shared_prefix"
+        assert gen.path.taken == "shared_prefix"
         assert torch.equal(shared, plain)
     assert not torch.equal(shared[0], shared[2])  # sampled rows of one prompt still differ
 
@@ -207,7 +207,7 @@ def test_fallbacks_give_plain_completions(tok, model):
     for cfg, rows in ((config(tok, cache_implementation="static"), MIXED), (config(tok), [A, B, C])):
         plain, _ = sample(model, cfg, rows, share_prefix=False)
         shared, gen = sample(model, cfg, rows, share_prefix=True)
-        assert gen.last_path == "plain" and gen.last_blocker
+        assert gen.path.taken == "plain" and gen.path.prefix_blocker
         assert torch.equal(shared, plain)
 
 
@@ -215,14 +215,14 @@ def test_explicit_dynamic_cache_takes_the_shared_prefix(tok, model):
     cfg = config(tok, cache_implementation="dynamic", generation_kwargs={"do_sample": False})
     plain, _ = sample(model, cfg, MIXED, share_prefix=False)
     shared, gen = sample(model, cfg, MIXED, share_prefix=True)
-    assert gen.last_path == "shared_prefix"
+    assert gen.path.taken == "shared_prefix"
     assert torch.equal(shared, plain)
     assert cfg.cache_implementation == "dynamic"  # the generator's config is left as it was
 
 
 def test_share_prefix_off(tok, model):
     _, gen = sample(model, config(tok), MIXED, share_prefix=False)
-    assert gen.last_path == "plain" and gen.last_blocker == "share_prefix=False"
+    assert gen.path.taken == "plain" and gen.path.prefix_blocker == "share_prefix=False"
 
 
 # ---- wrappers ---------------------------------------------------------------------------------------
@@ -241,7 +241,7 @@ def test_shared_prefix_under_peft_equals_plain(tok):
     cfg = config(tok, generation_kwargs={"do_sample": False})
     plain, _ = sample(model, cfg, MIXED, share_prefix=False)
     shared, gen = sample(model, cfg, MIXED, share_prefix=True)
-    assert gen.last_path == "shared_prefix"
+    assert gen.path.taken == "shared_prefix"
     assert torch.equal(shared, plain)
 
 
@@ -293,7 +293,7 @@ def test_prepacked_and_shared_prefix_equal_plain(tok, model, pack_calls):
     for cfg in (greedy, config(tok, max_new_tokens=LONG, temperature=0.9)):
         plain, _ = sample(model, cfg, MIXED, share_prefix=False, prepack=False)
         fast, gen = sample(model, cfg, MIXED, share_prefix=True, prepack=True)
-        assert gen.last_path == "shared_prefix"
+        assert gen.path.taken == "shared_prefix"
         assert torch.equal(fast, plain)
     assert pack_calls == [len(MIXED), len(MIXED)]
 
@@ -371,9 +371,9 @@ def test_trainer_generates_through_the_fast_paths(tok, tmp_path, pack_calls):
     trainer = make_trainer(tok, length_reward, args)
     trainer.train()
     gen = trainer.generator
-    assert gen.last_path == "lean+shared_prefix", (gen.last_blocker, gen.last_lean_blocker)
+    assert gen.path.taken == "lean+shared_prefix", (gen.path.prefix_blocker, gen.path.lean_blocker)
     if onednn_linear_available():  # the fused decode step packs its own copies; no layer is swapped
-        assert gen.last_fused_blocker is None and len(pack_calls) == 0
+        assert gen.path.fused_blocker is None and len(pack_calls) == 0
     else:
         assert len(pack_calls) == 1  # one generation, "packed" (a no-op without oneDNN)
     assert all("forward" not in m.__dict__ for m in trainer.model.modules() if type(m) is torch.nn.Linear)
@@ -477,3 +477,41 @@ def test_generate_takes_a_tighter_budget(tok, model):
     assert gen.generate(ids, torch.ones_like(ids), max_new_tokens=5).completion_ids.shape[1] == 5
     assert gen.generate(ids, torch.ones_like(ids)).completion_ids.shape[1] == 12
     assert config.max_new_tokens == 12  # the generator's own config is untouched
+
+
+def test_the_path_record_names_each_blocker(tok, model):
+    """One typed record per call: the path taken, and why each faster path did not apply."""
+    gen = TransformersGenerator(lambda: model, config(tok), share_prefix=False, fused_step=False)
+    gen.generate(*left_pad(MIXED))
+    path = gen.path
+    assert isinstance(path, backend.GenerationPath)
+    assert (path.taken, path.prefix_blocker, path.fused_blocker) == (
+        "lean",
+        "share_prefix=False",
+        "fused_step=False",
+    )
+    assert path.lean_blocker is None and path.reduced_blocker is None
+    assert path.describe() == (
+        "lean; no prefix prefill: share_prefix=False; no fused step: fused_step=False; "
+        "no CUDA graph: no fused decode step"
+    )
+    with pytest.raises(AttributeError):  # a record, not state to edit
+        path.taken = "plain"
+
+
+def test_the_trainer_logs_each_generation_path_once(tmp_path, caplog):
+    from posttrain import GRPOTrainer
+
+    tok = build_tiny_tokenizer()
+    trainer = GRPOTrainer(
+        model=build_tiny_model(tok, seed=1),
+        reward_funcs=lambda completion_ids, **kw: [float(len(ids)) for ids in completion_ids],
+        args=helpers.make_config(tmp_path, max_steps=2),
+        train_dataset=helpers.standard_dataset(),
+        processing_class=tok,
+    )
+    with caplog.at_level("INFO", logger="posttrain.sampling.pipeline"):
+        trainer.train()
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Generation path:")]
+    assert lines == [f"Generation path: {trainer.generator.path.describe()}"]
+    assert trainer.generator.path.taken.startswith("lean")

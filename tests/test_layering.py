@@ -3,6 +3,8 @@
 - No shared folder imports a family folder (a folder holding one family of trainers).
 - No import cycle between the top-level packages of ``posttrain``.
 - Nothing but ``cli`` imports ``cli``.
+- ``generation/`` is a tree: its modules import each other at the top only, without a cycle, and
+  none imports ``transformers_backend``.
 - ``grpo/trainer.py`` stays under 500 lines, and no function of any module is over 60 lines.
 - No module is over 600 lines, but those ``LONG_MODULE_EXEMPTIONS`` names (each with its reason).
 """
@@ -96,6 +98,64 @@ def test_no_import_cycle_between_top_level_packages():
             visit(node)
 
 
+GENERATION = SRC / "generation"
+#: The one module of ``generation/`` that may import the speed paths it chooses between.
+GENERATION_TOP = "transformers_backend"
+
+
+def _generation_imports(path: Path) -> tuple[set[str], set[str]]:
+    """The ``generation/`` modules ``path`` imports: at module level (``TYPE_CHECKING`` blocks
+    included) and inside functions."""
+    top, inner = set(), set()
+
+    def names(node: ast.AST) -> set[str]:
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            parts = node.module.split(".")
+            if parts[:2] == ["posttrain", "generation"]:
+                return {parts[2]} if len(parts) > 2 else {a.name for a in node.names}
+        if isinstance(node, ast.Import):
+            return {a.name.split(".")[2] for a in node.names if a.name.startswith("posttrain.generation.")}
+        return set()
+
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            for sub in ast.walk(node):
+                inner |= names(sub)
+    for node in ast.walk(tree):
+        top |= names(node)
+    return top - inner, inner
+
+
+def test_generation_imports_its_modules_at_the_top():
+    """An import inside a function is how a circle hid in ``generation/``; none is left."""
+    hidden = {p.stem: inner for p in GENERATION.glob("*.py") if (inner := _generation_imports(p)[1])}
+    assert not hidden, f"generation modules imported inside functions: {hidden}"
+
+
+def test_generation_is_a_tree_under_the_transformers_backend():
+    """No cycle among ``generation/``'s modules, and none imports ``transformers_backend``, the top
+    that chooses between the prefill, the lean loop, the fused step and the reduced copy."""
+    graph = {p.stem: _generation_imports(p)[0] - {p.stem} for p in GENERATION.glob("*.py")}
+    users = sorted(m for m, deps in graph.items() if GENERATION_TOP in deps)
+    assert not users, f"{users} import generation.{GENERATION_TOP}"
+    done: set[str] = set()
+
+    def visit(node: str, path: list[str]) -> None:
+        if node in path:
+            raise AssertionError(
+                "import cycle in generation/: " + " -> ".join(path[path.index(node) :] + [node])
+            )
+        if node in done:
+            return
+        for dep in sorted(graph.get(node, ())):
+            visit(dep, path + [node])
+        done.add(node)
+
+    for node in sorted(graph):
+        visit(node, [])
+
+
 def test_the_grpo_trainer_stays_thin():
     source = (SRC / "grpo" / "trainer.py").read_text()
     assert len(source.splitlines()) < 500
@@ -104,7 +164,6 @@ def test_the_grpo_trainer_stays_thin():
 MAX_FUNCTION_LINES = 60
 
 # "module:function" (module relative to src/posttrain, methods as Class.method) allowed over the limit.
-# generation/ is being reorganised (issue 36); to split there
 LONG_FUNCTION_EXEMPTIONS: frozenset[str] = frozenset()
 
 

@@ -102,8 +102,8 @@ def test_deterministic_lean_equals_generate(tok, model, share_prefix):
     cfg = config([tok.eos_token_id])
     ref, gen = run(model, cfg, MIXED, lean=False, share_prefix=share_prefix)
     out, lean = run(model, cfg, MIXED, lean=True, share_prefix=share_prefix)
-    assert gen.last_path == ("shared_prefix" if share_prefix else "plain")
-    assert lean.last_path == ("lean+shared_prefix" if share_prefix else "lean"), lean.last_lean_blocker
+    assert gen.path.taken == ("shared_prefix" if share_prefix else "plain")
+    assert lean.path.taken == ("lean+shared_prefix" if share_prefix else "lean"), lean.path.lean_blocker
     assert out.shape == (len(MIXED), 12)
     assert torch.equal(out, ref)
 
@@ -119,7 +119,7 @@ def test_greedy_lean_equals_generate(tok, model, share_prefix):
     cfg = config(eos, **options)
     ref, _ = run(model, cfg, MIXED, lean=False, share_prefix=share_prefix, seed=1)
     out, gen = run(model, cfg, MIXED, lean=True, share_prefix=share_prefix, seed=2)
-    assert gen.last_path.startswith("lean"), gen.last_lean_blocker
+    assert gen.path.taken.startswith("lean"), gen.path.lean_blocker
     assert torch.equal(out, ref)
     assert (out == eos[0]).any()
 
@@ -159,7 +159,7 @@ def test_min_new_tokens_and_repetition_penalty_equal_generate(tok, model):
         cfg = config(eos, max_new_tokens=8, **kwargs)
         ref, _ = run(model, cfg, MIXED, lean=False, share_prefix=True)
         out, gen = run(model, cfg, MIXED, lean=True, share_prefix=True)
-        assert gen.last_path == "lean+shared_prefix"
+        assert gen.path.taken == "lean+shared_prefix"
         assert torch.equal(out, ref)
 
 
@@ -184,7 +184,7 @@ def test_qwen_models_equal_generate(tok, cls_config, cls_model):
     for share_prefix in (False, True):
         ref, _ = run(model, cfg, MIXED, lean=False, share_prefix=share_prefix)
         out, gen = run(model, cfg, MIXED, lean=True, share_prefix=share_prefix)
-        assert gen.last_path.startswith("lean"), gen.last_lean_blocker
+        assert gen.path.taken.startswith("lean"), gen.path.lean_blocker
         assert torch.equal(out, ref)
 
 
@@ -200,7 +200,7 @@ def test_lora_model_equals_generate(tok):
     cfg = config([tok.eos_token_id], max_new_tokens=6)
     ref, _ = run(model, cfg, MIXED, lean=False, share_prefix=True)
     out, gen = run(model, cfg, MIXED, lean=True, share_prefix=True)
-    assert gen.last_path == "lean+shared_prefix", gen.last_lean_blocker
+    assert gen.path.taken == "lean+shared_prefix", gen.path.lean_blocker
     assert torch.equal(out, ref)
 
 
@@ -385,7 +385,7 @@ def test_fallback_runs_generate(tok, model):
     cfg = config([tok.eos_token_id], generation_kwargs={"no_repeat_ngram_size": 2})
     ref, _ = run(model, cfg, MIXED, lean=False, share_prefix=True)
     out, gen = run(model, cfg, MIXED, lean=True, share_prefix=True)
-    assert gen.last_path == "shared_prefix" and "no_repeat_ngram_size" in gen.last_lean_blocker
+    assert gen.path.taken == "shared_prefix" and "no_repeat_ngram_size" in gen.path.lean_blocker
     assert torch.equal(out, ref)
 
 
@@ -463,7 +463,7 @@ def test_distinct_prompts_run_their_common_opening_once_with_the_plain_tokens(to
         shared = shared_gen.generate(ids, mask)
     finally:
         handle.remove()
-    assert shared_gen.last_path == "lean+common_prefix", shared_gen.last_blocker
+    assert shared_gen.path.taken == "lean+common_prefix", shared_gen.path.prefix_blocker
     assert torch.equal(shared.completion_ids, plain.completion_ids)
     assert widths[0] == (1, 20)  # the opening, once
     assert widths[1] == (len(DISTINCT), ids.shape[1] - 20)  # then every row's rest
@@ -472,4 +472,4 @@ def test_distinct_prompts_run_their_common_opening_once_with_the_plain_tokens(to
 def test_a_short_common_opening_takes_the_plain_path(tok, model):
     cfg = config([tok.eos_token_id])
     _, gen = run(model, cfg, [OPENING[:8] + [71], OPENING[:8] + [81, 82]], lean=True, share_prefix=True)
-    assert gen.last_path == "lean" and gen.last_blocker == "every prompt is distinct"
+    assert gen.path.taken == "lean" and gen.path.prefix_blocker == "every prompt is distinct"

@@ -19,7 +19,7 @@ from conftest import build_tiny_model, build_tiny_tokenizer
 from test_fused_step import FAMILIES, compare_steps, family
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from posttrain.generation import reduced_precision
+from posttrain.generation import reduced_kernels, reduced_precision
 from posttrain.generation.decode import lean_generate_with_logps, lean_settings, preallocated_cache
 from posttrain.generation.fused_step import FusedDecoder
 from posttrain.generation.reduced_precision import (
@@ -81,9 +81,9 @@ def test_reduced_step_is_not_the_float32_step(tok, backend):
 
 
 def test_auto_resolves_by_cpu_capability(monkeypatch):
-    monkeypatch.setattr(reduced_precision, "native_bf16", lambda: True)
+    monkeypatch.setattr(reduced_kernels, "native_bf16", lambda: True)
     assert resolve_precision("auto") == "bf16"
-    monkeypatch.setattr(reduced_precision, "native_bf16", lambda: False)
+    monkeypatch.setattr(reduced_kernels, "native_bf16", lambda: False)
     assert resolve_precision("auto") == "fp16"
     assert resolve_precision("int8") == "int8"
     with pytest.raises(ValueError, match="sampler_precision='int4' is not one of"):
@@ -137,7 +137,7 @@ def test_generator_returns_sampler_logps_and_refreshes_the_copy(tok, backend):
     torch.manual_seed(0)
     first = generator.generate(ids, mask)
     assert first.logps is not None and first.logps.shape == first.completion_ids.shape
-    assert generator.last_fused_blocker is None and generator.last_reduced_blocker is None
+    assert generator.path.fused_blocker is None and generator.path.reduced_blocker is None
     assert generator.reduced.refreshes == 1 and generator.reduced.last_refresh_seconds > 0
     torch.manual_seed(0)
     again = generator.generate(ids, mask)  # same weights: the copy is kept, the samples repeat
@@ -180,7 +180,7 @@ def test_call_the_reduced_sampler_cannot_serve_warns_and_samples_float32(tok):
     with pytest.warns(UserWarning, match="sampler_precision='bf16' did not apply"):
         samples = generator.generate(ids, mask)
     assert samples.logps is None
-    assert "replaced on the instance" in generator.last_reduced_blocker
+    assert "replaced on the instance" in generator.path.reduced_blocker
 
 
 # ---- blockers and configuration -------------------------------------------------------------------
@@ -245,7 +245,7 @@ def test_grpo_trains_two_steps_with_the_reduced_sampler(tmp_path, tok, backend):
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()
     assert generator.reduced.refreshes == 2  # one copy per optimizer step's weights
-    assert generator.last_reduced_blocker is None
+    assert generator.path.reduced_blocker is None
     logged = [e for e in trainer.state.log_history if "sampling/sampling_logp_difference/mean" in e]
     assert len(logged) == 2
     for entry in logged:
@@ -280,7 +280,7 @@ def test_bf16_training_samples_from_a_bf16_copy_where_the_cpu_has_bf16(
     without bf16 instructions nothing changes (the policy itself samples, no sampler log-probs).
     Where the host has no bf16 products, oneDNN's packing is absent and the copy multiplies with
     ``F.linear`` in bf16 (slow but the same arithmetic), so both cases run on every host."""
-    monkeypatch.setattr(reduced_precision, "native_bf16", lambda: host_has_bf16)
+    monkeypatch.setattr(reduced_kernels, "native_bf16", lambda: host_has_bf16)
     args = helpers.make_config(tmp_path, bf16=True, max_completion_length=8)
     trainer = helpers.make_trainer(tok, first_token_reward, args, model=build_tiny_model(tok))
     generator = trainer.generator
@@ -292,8 +292,8 @@ def test_bf16_training_samples_from_a_bf16_copy_where_the_cpu_has_bf16(
         trainer.train()
     logged = [e for e in trainer.state.log_history if "sampling/sampling_logp_difference/mean" in e]
     if host_has_bf16:
-        assert generator.last_path.startswith("lean") and generator.last_fused_blocker is None
-        assert generator.reduced.refreshes == 2 and generator.last_reduced_blocker is None
+        assert generator.path.taken.startswith("lean") and generator.path.fused_blocker is None
+        assert generator.reduced.refreshes == 2 and generator.path.reduced_blocker is None
         assert len(logged) == 2
         # the bf16 copy against the autocast forward: both in bf16 products, so close, not equal
         assert all(0.0 < e["sampling/sampling_logp_difference/mean"] < 0.1 for e in logged)
@@ -304,7 +304,7 @@ def test_bf16_training_samples_from_a_bf16_copy_where_the_cpu_has_bf16(
 def test_bf16_training_with_other_sampling_sources_keeps_the_policy(tok, monkeypatch):
     """Tools, environments and ``rollout_func`` get no bf16 copy: their turns would reach it
     without its log-probs (the IS correction would not see the copy's mismatch)."""
-    monkeypatch.setattr(reduced_precision, "native_bf16", lambda: True)
+    monkeypatch.setattr(reduced_kernels, "native_bf16", lambda: True)
     model = family("llama", tok)
     generator = TransformersGenerator(lambda: model, config(tok.eos_token_id), autocast_dtype=torch.bfloat16)
     assert configure_sampler(generator, model, "float32", own_sampling=False) == "float32"

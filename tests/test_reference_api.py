@@ -132,7 +132,7 @@ def test_a_generate_replaced_on_the_model_instance_is_called(tmp_path, tok):
     trainer.model.generate = fake_generate
     trainer.train()
     assert calls and seen == [[7, 8, tok.eos_token_id]] * 4
-    assert trainer.generator.last_lean_blocker == "model.generate is replaced on the instance"
+    assert trainer.generator.path.lean_blocker == "model.generate is replaced on the instance"
 
 
 # ---- streaming datasets ------------------------------------------------------------------------------

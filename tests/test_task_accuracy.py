@@ -76,7 +76,7 @@ def test_greedy_completions_through_the_fast_paths_equal_generate(monkeypatch):
 
     def spy(self, *args, **kwargs):
         out = generate(self, *args, **kwargs)
-        paths.append(self.last_path)
+        paths.append(self.path.taken)
         return out
 
     monkeypatch.setattr(evaluate.TransformersGenerator, "generate", spy)

@@ -98,7 +98,7 @@ def _cpu_precision() -> list[tuple[str, str]]:
     """The CPU's vector instructions and what ``bf16=True`` does with them (docs/performance.md)."""
     import torch
 
-    from posttrain.generation.reduced_precision import native_bf16
+    from posttrain.generation.reduced_kernels import native_bf16
 
     capability = torch.backends.cpu.get_cpu_capability()
     if native_bf16():

@@ -19,7 +19,7 @@ position ids from the mask, ``logits_to_keep=1``) with:
 
 Greedy rows (top-k 1) give ``generate``'s tokens; sampled rows follow the same distribution from
 another stream of random numbers. ``lean_settings`` names what the loop does not implement; the
-caller then runs ``generate`` (``TransformersGenerator`` records why in ``last_lean_blocker``).
+caller then runs ``generate`` (``TransformersGenerator`` records why in ``path.lean_blocker``).
 """
 
 from __future__ import annotations
@@ -32,13 +32,13 @@ import torch
 from transformers import DynamicCache, GenerationConfig, GenerationMixin
 from transformers.cache_utils import DynamicLayer
 
-from posttrain.generation.transformers_backend import (
+from posttrain.generation.introspection import (
     _forward_accepts,
     _only_full_attention_layers,
     _supports_dynamic_cache,
-    cache_argument,
     core_model,
 )
+from posttrain.models.compat import cache_argument
 from posttrain.ops.support import truncate_scores
 
 if TYPE_CHECKING:

@@ -49,14 +49,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from posttrain.generation import reduced_precision
-from posttrain.generation.reduced_precision import REDUCED_BACKENDS, backend_blocker
-from posttrain.generation.transformers_backend import (
-    _only_full_attention_layers,
-    core_model,
-    is_packable_linear,
-    onednn_linear_available,
-)
+from posttrain.generation import reduced_kernels
+from posttrain.generation.introspection import _only_full_attention_layers, core_model
+from posttrain.generation.prepacked import is_packable_linear, onednn_linear_available
+from posttrain.generation.reduced_kernels import REDUCED_BACKENDS, backend_blocker
 
 #: ``model_type``s whose decoder layers this step reproduces (the families the tests check).
 FUSED_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral"})
@@ -118,7 +114,7 @@ def fused_decoder_blocker(
     Args:
         model: the model about to generate (a ``PreTrainedModel``; wrappers are not looked through,
             so a PEFT model falls back).
-        backend: ``"onednn"``, ``"plain"``, or a reduced copy (``reduced_precision.REDUCED_BACKENDS``);
+        backend: ``"onednn"``, ``"plain"``, or a reduced copy (``reduced_kernels.REDUCED_BACKENDS``);
             None picks ``default_backend``.
         autocast_dtype: the dtype of the mixed-precision autocast the model's forward is wrapped
             in (accelerate's ``bf16``/``fp16``); the wrapper is then accepted by the plain backend
@@ -317,7 +313,7 @@ class FusedDecoder:
         if self.backend == "onednn":
             return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), rows)
         if self.backend in REDUCED_BACKENDS:
-            return reduced_precision.pack(self.backend, weight, rows)
+            return reduced_kernels.pack(self.backend, weight, rows)
         return weight.detach()
 
     def _linear(
@@ -326,7 +322,7 @@ class FusedDecoder:
         if self.backend == "onednn":
             return _onednn_linear(x, weight, bias)
         if self.backend in REDUCED_BACKENDS:
-            out = reduced_precision.linear(self.backend, x, weight)
+            out = reduced_kernels.linear(self.backend, x, weight)
             return out if bias is None else out + bias
         return F.linear(x, weight, bias)
 

@@ -10,14 +10,18 @@ instead. ``generation/transformers_backend.py`` explains why the completions do 
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from transformers import DynamicCache, GenerationConfig
-from transformers.cache_utils import DynamicLayer
 
+from posttrain.generation.introspection import (
+    _forward_accepts,
+    _only_full_attention_layers,
+    _supports_dynamic_cache,
+    core_model,
+)
 from posttrain.models.compat import cache_argument
 
 # ---- shared-prefix prefill ---------------------------------------------------------------------
@@ -55,32 +59,6 @@ def group_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> Prompt
     keys = torch.cat([visible, prompt_mask.to(prompt_ids.dtype)], dim=1)  # [N, 2P]
     unique, inverse = torch.unique(keys, dim=0, return_inverse=True)  # [U, 2P], [N]
     return PromptGroups(unique[:, :width], unique[:, width:].to(prompt_mask.dtype), inverse)
-
-
-def core_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The transformers model under a PEFT wrapper (the model itself otherwise)."""
-    get_base = getattr(model, "get_base_model", None)
-    return get_base() if callable(get_base) else model
-
-
-def _forward_accepts(model: torch.nn.Module, name: str) -> bool:
-    return name in inspect.signature(core_model(model).forward).parameters
-
-
-def _supports_dynamic_cache(core: torch.nn.Module) -> bool:
-    supports = getattr(core, "_supports_default_dynamic_cache", None)
-    return bool(supports()) if callable(supports) else False
-
-
-def _only_full_attention_layers(model: torch.nn.Module) -> bool:
-    """Whether the model's dynamic cache is made of plain full-attention layers only.
-
-    Sliding-window, linear-attention and other layer kinds keep state that a row copy of the
-    prompt's keys and values does not describe, so they take the plain path.
-    """
-    text_config = core_model(model).config.get_text_config(decoder=True)
-    layers = DynamicCache(config=text_config).layers
-    return all(type(layer) is DynamicLayer for layer in layers)
 
 
 def shared_prefix_blocker(

@@ -24,23 +24,30 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import warnings
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers import GenerationConfig
 
 from posttrain.generation.base import Samples
+from posttrain.generation.cuda_graph import GraphedDecodeStep, cuda_graph_blocker
+from posttrain.generation.decode import lean_generate, lean_generate_with_logps, lean_settings
+from posttrain.generation.fused_step import FusedDecoder, default_backend, fused_decoder_blocker
+from posttrain.generation.introspection import (  # noqa: F401  (re-exported)
+    _forward_accepts,
+    _only_full_attention_layers,
+    _supports_dynamic_cache,
+    core_model,
+)
 from posttrain.generation.prefill import (  # noqa: F401  (re-exported)
     COMMON_PREFIX_MIN_TOKENS,
     EVERY_PROMPT_DISTINCT,
     PromptGroups,
-    _forward_accepts,
-    _only_full_attention_layers,
-    _supports_dynamic_cache,
     common_prefix_length,
-    core_model,
     group_prompts,
     prefill_common_prefix,
     prefill_shared_prefix,
@@ -55,12 +62,8 @@ from posttrain.generation.prepacked import (  # noqa: F401  (re-exported)
     onednn_prepacked_linears,
     packable_linears,
 )
+from posttrain.generation.reduced_precision import ReducedCopy, reduced_sampler_blocker, resolve_precision
 from posttrain.models.compat import cache_argument
-
-if TYPE_CHECKING:
-    from posttrain.generation.cuda_graph import GraphedDecodeStep
-    from posttrain.generation.fused_step import FusedDecoder
-    from posttrain.generation.reduced_precision import ReducedCopy
 
 
 def sampling_config(
@@ -94,6 +97,47 @@ def sampling_config(
     }
     values.update(dict(generation_kwargs or {}))
     return GenerationConfig(**values)
+
+
+# ---- the path a call took ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GenerationPath:
+    """Which path one generation call took, and why each faster one did not apply.
+
+    ``TransformersGenerator.path`` holds the latest call's record; the trainer logs each new
+    record once (``sampling.pipeline``), so a run says how it samples without a profiler.
+
+    Attributes:
+        taken: ``"plain"`` (``generate``), ``"shared_prefix"`` or ``"common_prefix"``
+            (``generate`` after prefilling the prompts' shared rows or common opening once), or
+            ``"lean"``, ``"lean+shared_prefix"``, ``"lean+common_prefix"`` (``decode.lean_generate``).
+        prefix_blocker: why no prefix was prefilled once (None: one was).
+        lean_blocker: why ``generate`` ran instead of the lean loop (None: the lean loop ran).
+        fused_blocker: why the lean loop ran the model's forward instead of the fused decode step.
+        cuda_graph_blocker: why the decode step was not replayed as a CUDA graph.
+        reduced_blocker: why the call sampled from the policy although a reduced-precision
+            sampler is set (None: it sampled from the copy, or no copy is set).
+    """
+
+    taken: str = "plain"
+    prefix_blocker: str | None = None
+    lean_blocker: str | None = None
+    fused_blocker: str | None = "the lean loop did not run"
+    cuda_graph_blocker: str | None = "no fused decode step"
+    reduced_blocker: str | None = None
+
+    def describe(self) -> str:
+        """One line: the path taken, then what kept each faster path off."""
+        reasons = (
+            ("prefix prefill", self.prefix_blocker),
+            ("lean loop", self.lean_blocker),
+            ("fused step", self.fused_blocker),
+            ("CUDA graph", self.cuda_graph_blocker),
+            ("reduced-precision copy", self.reduced_blocker),
+        )
+        return "; ".join([self.taken] + [f"no {what}: {why}" for what, why in reasons if why is not None])
 
 
 # ---- the backend -------------------------------------------------------------------------------
@@ -134,8 +178,11 @@ class TransformersGenerator:
             ``"auto"`` run the lean loop's decode steps on a reduced-precision copy of the
             weights (``reduced_precision.ReducedCopy``, rebuilt after ``weights_changed``) and
             return the sampled tokens' log-probs in ``Samples.logps``. A call the reduced
-            sampler cannot serve (``last_reduced_blocker``) samples in float32, without log-probs,
+            sampler cannot serve (``path.reduced_blocker``) samples in float32, without log-probs,
             and warns once.
+
+    Attributes:
+        path: the latest call's ``GenerationPath`` (which path it took, and why not the faster ones).
     """
 
     def __init__(
@@ -162,14 +209,7 @@ class TransformersGenerator:
         self.autocast_dtype = autocast_dtype
         self.reduced: ReducedCopy | None = None  # the reduced-precision copy (None: float32)
         self.set_sampler_precision(sampler_precision)
-        self.last_reduced_blocker: str | None = None  # why the latest call sampled in float32
-        # What the latest call used: "plain" or "shared_prefix" (generate), "lean" or
-        # "lean+shared_prefix" (decode.lean_generate).
-        self.last_path = "plain"
-        self.last_blocker: str | None = None  # why the latest call did not prefill the shared prefix
-        self.last_lean_blocker: str | None = None  # why the latest call ran generate
-        self.last_fused_blocker: str | None = None  # why the latest lean call ran the model's forward
-        self.last_cuda_graph_blocker: str | None = None  # why the latest lean call replayed no graph
+        self.path = GenerationPath()
 
     @torch.no_grad()
     def generate(
@@ -195,6 +235,7 @@ class TransformersGenerator:
             if config.min_new_tokens is not None:
                 config.min_new_tokens = min(config.min_new_tokens, max_new_tokens)
         model = self.get_model()
+        self.path = GenerationPath()
         was_training = model.training
         model.eval()
         try:
@@ -218,8 +259,6 @@ class TransformersGenerator:
                 chose it (bf16 training samples from a bf16 copy): a call the copy cannot serve
                 then samples from the policy without a warning, as it would without the copy.
         """
-        from posttrain.generation.reduced_precision import ReducedCopy, resolve_precision
-
         precision = resolve_precision(precision)
         self.sampler_precision = precision
         self.reduced = ReducedCopy(precision) if precision != "float32" else None
@@ -240,12 +279,15 @@ class TransformersGenerator:
     ) -> torch.Tensor:
         """``model.generate`` with a vision-language model's image inputs beside the tokens."""
         reason = "the batch has image inputs"
-        self.last_path, self.last_blocker, self.last_lean_blocker = "plain", reason, reason
-        self.last_fused_blocker = "the lean loop did not run"
+        self._note(taken="plain", prefix_blocker=reason, lean_blocker=reason)
         self._reduced_skipped(reason)
         return model.generate(
             input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config, **model_inputs
         )
+
+    def _note(self, **fields: Any) -> None:
+        """Record what this call did (fields of ``GenerationPath``) in ``self.path``."""
+        self.path = dataclasses.replace(self.path, **fields)
 
     def _packing_pays(self, config: GenerationConfig) -> bool:
         return self.prepack_weights and (config.max_new_tokens or 0) >= PREPACK_MIN_NEW_TOKENS
@@ -263,37 +305,31 @@ class TransformersGenerator:
     ) -> FusedDecoder | GraphedDecodeStep | None:
         """The lean loop's one-token step: fused (graphed on a GPU), or None for the model's forward.
 
-        The reasons for what did not apply go to ``last_fused_blocker`` and ``last_cuda_graph_blocker``.
+        The reasons for what did not apply go to ``path.fused_blocker`` and ``path.cuda_graph_blocker``.
         """
-        from posttrain.generation.cuda_graph import GraphedDecodeStep, cuda_graph_blocker
-        from posttrain.generation.fused_step import FusedDecoder, default_backend, fused_decoder_blocker
-        from posttrain.generation.reduced_precision import reduced_sampler_blocker
-
-        self.last_cuda_graph_blocker = "no fused decode step"
         if self.reduced is not None:
-            self.last_reduced_blocker = reduced_sampler_blocker(
-                model, self.reduced.backend, self.autocast_dtype
-            )
-            if self.last_reduced_blocker is None:  # the copy is built once per weights, for any length
-                self.last_fused_blocker = None
-                self.last_cuda_graph_blocker = "the reduced-precision sampler runs on the CPU"
+            reduced_blocker = reduced_sampler_blocker(model, self.reduced.backend, self.autocast_dtype)
+            self._note(reduced_blocker=reduced_blocker)
+            if reduced_blocker is None:  # the copy is built once per weights, for any length
+                self._note(
+                    fused_blocker=None, cuda_graph_blocker="the reduced-precision sampler runs on the CPU"
+                )
                 return self.reduced.decoder(model, rows, self.autocast_dtype)
         backend = default_backend(model)
         if not self.fused_step:
-            self.last_fused_blocker = "fused_step=False"
+            fused_blocker = "fused_step=False"
         elif backend == "onednn" and not self._packing_pays(config):
-            self.last_fused_blocker = "prepack_weights=False or too few new tokens to repay packing"
+            fused_blocker = "prepack_weights=False or too few new tokens to repay packing"
         else:
-            self.last_fused_blocker = fused_decoder_blocker(model, backend, self.autocast_dtype)
-        if self.last_fused_blocker is not None:
+            fused_blocker = fused_decoder_blocker(model, backend, self.autocast_dtype)
+        self._note(fused_blocker=fused_blocker)
+        if fused_blocker is not None:
             return None
         fused = FusedDecoder(model, rows, backend, self.autocast_dtype)
         device = model.get_output_embeddings().weight.device
-        if not self.cuda_graph:
-            self.last_cuda_graph_blocker = "cuda_graph=False"
-        else:
-            self.last_cuda_graph_blocker = cuda_graph_blocker(fused, device)
-        return GraphedDecodeStep(fused) if self.last_cuda_graph_blocker is None else fused
+        graph_blocker = cuda_graph_blocker(fused, device) if self.cuda_graph else "cuda_graph=False"
+        self._note(cuda_graph_blocker=graph_blocker)
+        return GraphedDecodeStep(fused) if graph_blocker is None else fused
 
     def _generate(
         self,
@@ -311,29 +347,27 @@ class TransformersGenerator:
             The sequences [N, P + T] and, from the reduced-precision sampler, the log-probs [N, T]
             of the sampled tokens (None otherwise).
         """
-        from posttrain.generation.decode import lean_settings  # decode imports this module
-
         kwargs: dict[str, Any] = {}
-        self.last_path, self.last_blocker = "plain", "share_prefix=False"
+        self._note(taken="plain", prefix_blocker="share_prefix=False")
         if "generate" in vars(model):  # a wrapper or a test double set on the instance: honour it
-            self.last_blocker = self.last_lean_blocker = "model.generate is replaced on the instance"
-            self.last_fused_blocker = "the lean loop did not run"
-            self._reduced_skipped(self.last_lean_blocker)
+            reason = "model.generate is replaced on the instance"
+            self._note(prefix_blocker=reason, lean_blocker=reason)
+            self._reduced_skipped(reason)
             out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config)
             return out, None
-        settings, self.last_lean_blocker = lean_settings(model, config) if self.lean else (None, "lean=False")
+        settings, lean_blocker = lean_settings(model, config) if self.lean else (None, "lean=False")
+        self._note(lean_blocker=lean_blocker)
         original_prompt = prompt_ids
         if self.share_prefix:
             prompt_ids, prompt_mask, config, kwargs = self._prefill_prefix(
                 model, prompt_ids, prompt_mask, config, lean=settings is not None
             )
-        self.last_fused_blocker = "the lean loop did not run"
         if settings is not None:
             prefix = next(iter(kwargs.values()), None)
             out, logps = self._lean(model, prompt_ids, prompt_mask, config, settings, prefix)
             out[:, : original_prompt.shape[1]] = original_prompt  # the caller's layout of the prompts
             return out, logps
-        self._reduced_skipped(f"no lean sampling loop ({self.last_lean_blocker})")
+        self._reduced_skipped(f"no lean sampling loop ({lean_blocker})")
         with self._packed(model, prompt_ids.shape[0], config):
             out = model.generate(
                 input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config, **kwargs
@@ -352,12 +386,13 @@ class TransformersGenerator:
         opening) run once: the prompts, config and ``generate`` keyword (the cache) to sample with."""
         kwargs: dict[str, Any] = {}
         groups = group_prompts(prompt_ids, prompt_mask)
-        self.last_blocker = shared_prefix_blocker(model, config, groups)
-        if self.last_blocker is None:
-            self.last_path = "shared_prefix"
+        blocker = shared_prefix_blocker(model, config, groups)
+        self._note(prefix_blocker=blocker)
+        if blocker is None:
+            self._note(taken="shared_prefix")
             kwargs[cache_argument(model)] = prefill_shared_prefix(model, groups)
             config = _without_cache_implementation(config)
-        elif self.last_blocker == EVERY_PROMPT_DISTINCT and lean:
+        elif blocker == EVERY_PROMPT_DISTINCT and lean:
             # distinct prompts that open alike (a system message, worked examples): that
             # opening runs once, each row's rest with the batch
             length = common_prefix_length(prompt_ids, prompt_mask)
@@ -367,8 +402,7 @@ class TransformersGenerator:
                 kwargs[cache_argument(model)] = prefill_common_prefix(
                     model, prompt_ids[0, :length], prompt_ids.shape[0]
                 )
-                self.last_blocker = None
-                self.last_path = "common_prefix"
+                self._note(prefix_blocker=None, taken="common_prefix")
         return prompt_ids, prompt_mask, config, kwargs
 
     def _lean(
@@ -382,11 +416,6 @@ class TransformersGenerator:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The lean sampling loop, fused (or on prepacked weights) where that applies; the reduced
         copy's log-probs of the sampled tokens when it sampled."""
-        from posttrain.generation.decode import (  # decode imports this module
-            lean_generate,
-            lean_generate_with_logps,
-        )
-
         fused = self._fused_decoder(model, prompt_ids.shape[0], config)
         packed = (
             contextlib.nullcontext()
@@ -394,12 +423,12 @@ class TransformersGenerator:
             else self._packed(model, prompt_ids.shape[0], config)
         )
         with packed:
-            self.last_path = f"lean+{self.last_path}" if prefix is not None else "lean"
-            if self.reduced is not None and self.last_reduced_blocker is None:
+            self._note(taken=f"lean+{self.path.taken}" if prefix is not None else "lean")
+            if self.reduced is not None and self.path.reduced_blocker is None:
                 return lean_generate_with_logps(
                     model, prompt_ids, prompt_mask, settings, prefix_cache=prefix, fused=fused
                 )
-            self._reduced_skipped(self.last_reduced_blocker)
+            self._reduced_skipped(self.path.reduced_blocker)
             return lean_generate(
                 model, prompt_ids, prompt_mask, settings, prefix_cache=prefix, fused=fused
             ), None
@@ -408,7 +437,7 @@ class TransformersGenerator:
         """Record (and warn once) that this call sampled from the float32 policy despite ``sampler_precision``."""
         if self.reduced is None:
             return
-        self.last_reduced_blocker = reason
+        self._note(reduced_blocker=reason)
         if not self._warned_reduced:
             self._warned_reduced = True
             warnings.warn(

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from posttrain.core.config import Rule, UnbuiltOption, choice_rules, is_num, optional
-from posttrain.generation.reduced_precision import SAMPLER_PRECISIONS
+from posttrain.generation.reduced_kernels import SAMPLER_PRECISIONS
 from posttrain.grpo import objectives
 from posttrain.sampling.config import (
     JSON_DICT_FIELDS,

@@ -13,6 +13,7 @@ summed across processes, and dynamic sampling continues while any process still 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +29,8 @@ from posttrain.observe.metrics import MetricStore
 from posttrain.ops.padding import left_pad
 from posttrain.rewards.runner import RewardRunner
 from posttrain.sampling import dynamic_sampling
+
+logger = logging.getLogger(__name__)
 
 # The column of the dataset made when the environment owns the data; never forwarded to ``reset``.
 EPISODE_COLUMN = "posttrain_episode"
@@ -76,6 +79,8 @@ class OnlineSampler:
             keeps (``log_completions`` with ``log_multimodal``: the completions log saves them).
         log_extra_columns: the columns reward functions added with ``log_extra`` in the last call.
         sampled_text: prompts, completions and extra columns of the last call.
+        logged_paths: the generator's ``GenerationPath`` records already logged (each is logged
+            once, at the first call that takes it: which path sampled, and why not the faster ones).
     """
 
     tokenizer: Any
@@ -91,6 +96,7 @@ class OnlineSampler:
     log_images: bool = False
     log_extra_columns: dict[str, list[Any]] = field(default_factory=dict)
     sampled_text: Texts = field(default_factory=lambda: ([], [], {}))
+    logged_paths: set[Any] = field(default_factory=set)
 
     @property
     def reward_names(self) -> list[str]:
@@ -157,12 +163,21 @@ class OnlineSampler:
             prompt_ids, prompt_mask, inputs = self.encode_with_images(prompts, images)
             kwargs = inputs.model_kwargs(prompt_ids.shape[1], 0, self.device)
             samples = self.generator.generate(prompt_ids, prompt_mask, model_inputs=kwargs)
+        self._log_path()
         s = self.settings
         rollout = build_rollout(
             prompt_ids, prompt_mask, samples, s.eos_token_ids, self.tokenizer.pad_token_id
         )
         rollout.vision = inputs
         return rollout
+
+    def _log_path(self) -> None:
+        """Log the generator's path record (``GenerationPath``) the first time a call takes it."""
+        path = getattr(self.generator, "path", None)
+        if path is None or path in self.logged_paths:
+            return
+        self.logged_paths.add(path)
+        logger.info("Generation path: %s", path.describe())
 
     def _require_processor(self) -> None:
         """Refuse rows with images when the processing class has no image processor."""
