@@ -372,8 +372,7 @@ class GOLDTrainer(GKDTrainer):
         """The same-tokenizer JSD (``DistillationTrainer``'s), or the cross-tokenizer loss (ULD or X-Token)."""
         if self._pair is None:
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        if return_outputs:
-            raise ValueError("GOLDTrainer.compute_loss does not return model outputs.")
+        self._refuse_outputs(return_outputs)
         mode = "train" if model.training else "eval"
         sides, student, aux_loss = self._sample_sides(model, inputs)
         nll = None
