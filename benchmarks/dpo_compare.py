@@ -3,6 +3,7 @@
 Usage (after ``bash benchmarks/setup.sh``)::
 
     benchmarks/.venv/bin/python benchmarks/dpo_compare.py --rounds 1 --steps 3 --lengths 256 1024
+    benchmarks/.venv/bin/python benchmarks/dpo_compare.py --lengths 256 --bf16 0 1   # bf16 beside float32
 
 For each completion length, each library runs in a fresh process (``dpo_step.py``),
 alternating (posttrain, TRL, posttrain, ...) so drifts of a shared machine hit both alike. The
@@ -32,15 +33,18 @@ def main() -> None:
     parser.add_argument("--batch_size", type=int, default=2)
     parser.add_argument("--gradient_checkpointing", type=int, default=1)
     parser.add_argument("--model", default=None, help="model folder (default: the embedded SmolLM2)")
+    parser.add_argument(
+        "--bf16", type=int, nargs="+", default=[0], help="0, 1, or both (0 1): alternating within a round"
+    )
     opts = parser.parse_args()
     model = opts.model or model_folder()
     machine = host()
     table = []
     for length in opts.lengths:
-        runs: dict[str, list[dict]] = {"posttrain": [], "trl": []}
+        runs = {(lib, b): [] for b in opts.bf16 for lib in ("posttrain", "trl")}
         for _ in range(opts.rounds):
-            for lib in runs:
-                runs[lib].append(
+            for lib, b in runs:
+                runs[lib, b].append(
                     run_step_script(
                         os.path.join(HERE, "dpo_step.py"),
                         [
@@ -56,26 +60,29 @@ def main() -> None:
                             str(opts.batch_size),
                             "--gradient_checkpointing",
                             str(opts.gradient_checkpointing),
+                            "--bf16",
+                            str(b),
                         ],
                     )  # fmt: skip
                 )
-        summary = {lib: summarise(r) for lib, r in runs.items()}
-        p, t = summary["posttrain"], summary["trl"]
-        row = {
-            "host": machine, "completion_length": length, **summary,
-            "ratio": {k: p[k] / t[k] for k in p if k != "steps_measured"},
-        }  # fmt: skip
-        table.append(row)
-        print(json.dumps(row), flush=True)
+        for b in opts.bf16:
+            summary = {lib: summarise(runs[lib, b]) for lib in ("posttrain", "trl")}
+            p, t = summary["posttrain"], summary["trl"]
+            row = {
+                "host": machine, "completion_length": length, "bf16": bool(b), **summary,
+                "ratio": {k: p[k] / t[k] for k in p if k != "steps_measured"},
+            }  # fmt: skip
+            table.append(row)
+            print(json.dumps(row), flush=True)
     print()
     print(f"Host: {machine['cpu']}, {machine['cores']} cores, PyTorch CPU capability {machine['isa']}")
     print()
-    print("| completion tokens | metric | posttrain | TRL | posttrain / TRL |")
-    print("|---|---|---|---|---|")
+    print("| completion tokens | bf16 | metric | posttrain | TRL | posttrain / TRL |")
+    print("|---|---|---|---|---|---|")
     for row in table:
         for key in ("step_time_s", "peak_rss_mb"):
             print(
-                f"| {row['completion_length']} | {key} | {row['posttrain'][key]:.1f} | "
+                f"| {row['completion_length']} | {row['bf16']} | {key} | {row['posttrain'][key]:.1f} | "
                 f"{row['trl'][key]:.1f} | {row['ratio'][key]:.2f} |"
             )
 

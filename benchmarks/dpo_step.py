@@ -53,6 +53,7 @@ def main() -> None:
     parser.add_argument("--completion_length", type=int, default=256)
     parser.add_argument("--batch_size", type=int, default=2)
     parser.add_argument("--gradient_checkpointing", type=int, default=1)
+    parser.add_argument("--bf16", type=int, default=0, help="1: bf16=True (CPU autocast) in both libraries")
     opts = parser.parse_args()
 
     from datasets import Dataset
@@ -76,7 +77,7 @@ def main() -> None:
             gradient_checkpointing=bool(opts.gradient_checkpointing),
             learning_rate=1e-6,
             beta=0.1,
-            bf16=False,
+            bf16=bool(opts.bf16),
             use_cpu=True,
             logging_steps=1,
             save_strategy="no",

@@ -49,6 +49,7 @@ def main() -> None:
     parser.add_argument("--batch_size", type=int, default=4)
     parser.add_argument("--packing", type=int, default=0)
     parser.add_argument("--gradient_checkpointing", type=int, default=1)
+    parser.add_argument("--bf16", type=int, default=0, help="1: bf16=True (CPU autocast) in both libraries")
     opts = parser.parse_args()
 
     from datasets import Dataset
@@ -73,7 +74,7 @@ def main() -> None:
             packing=bool(opts.packing),
             gradient_checkpointing=bool(opts.gradient_checkpointing),
             learning_rate=1e-5,
-            bf16=False,
+            bf16=bool(opts.bf16),
             use_cpu=True,
             logging_steps=1,
             save_strategy="no",
