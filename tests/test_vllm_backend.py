@@ -453,3 +453,47 @@ def test_async_grpo_with_vllm_refuses_an_eval_dataset(standin, tiny_model_dir, t
     with pytest.raises(NotImplementedError, match="one training process without an eval_dataset"):
         AsyncGRPOTrainer(model, token_sum_reward, args, standard_dataset(), standard_dataset(),
                          processing_class=build_tiny_tokenizer())  # fmt: skip
+
+
+# ---- vllm_lora_sync: the checks before any engine ------------------------------------------------
+
+
+def test_lora_sync_needs_use_vllm_and_colocate(tmp_path):
+    with pytest.raises(
+        ValueError, match="vllm_lora_sync=True pushes LoRA adapters to vLLM, but use_vllm=False"
+    ):
+        make_config(tmp_path, vllm_lora_sync=True)
+    with pytest.raises(NotImplementedError, match="vllm_lora_sync=True with vllm_mode='server' is not built"):
+        make_config(tmp_path, use_vllm=True, vllm_mode="server", vllm_lora_sync=True)
+
+
+@pytest.mark.parametrize(
+    ("options", "reason"),
+    [
+        ({}, None),
+        ({"r": 20}, None),
+        ({"use_dora": True}, "it uses DoRA"),
+        ({"modules_to_save": ["lm_head"]}, "it trains modules_to_save"),
+        ({"bias": "lora_only"}, "it trains biases"),
+        ({"r": 600}, "its rank 600 is above vLLM's largest, 512"),
+    ],
+)
+def test_adapter_sync_blocker_names_what_vllm_cannot_serve(options, reason):
+    peft = pytest.importorskip("peft")
+    from conftest import build_tiny_model
+
+    from posttrain.generation import vllm_lora
+
+    model = build_tiny_model(build_tiny_tokenizer())
+    assert (
+        vllm_lora.adapter_sync_blocker(model)
+        == "the policy is not a PEFT model (pass peft_config, or a PeftModel)"
+    )
+    config = peft.LoraConfig(**{"r": 4, "target_modules": ["q_proj", "v_proj"], **options})
+    wrapped = peft.get_peft_model(model, config)
+    blocker = vllm_lora.adapter_sync_blocker(wrapped)
+    assert blocker is None if reason is None else reason in blocker
+    if reason is None:  # the engine's rank: the next one vLLM accepts
+        assert vllm_lora.lora_engine_kwargs(wrapped)["max_lora_rank"] == (
+            8 if options.get("r", 4) <= 8 else 32
+        )

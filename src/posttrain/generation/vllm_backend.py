@@ -48,6 +48,7 @@ from posttrain.generation.vllm_common import (  # noqa: F401  (re-exported)
     unpadded_prompts,
     weight_items,
 )
+from posttrain.generation.vllm_lora import AdapterSync, adapter_sync_blocker, lora_engine_kwargs
 from posttrain.generation.vllm_server import (  # noqa: F401  (re-exported)
     FolderWeightSync,
     VLLMServerClient,
@@ -202,6 +203,8 @@ class VLLMColocateGenerator:
         gather_group: gathers a Python object from every process of the tensor-parallel group
             (``None`` when the group is this process alone).
         rank_in_group: this process's place in that group.
+        adapter: ``vllm_lora_sync``: the engine serves the policy's LoRA adapter, pushed alone
+            (``vllm_lora.AdapterSync``); None pushes the merged weights.
     """
 
     def __init__(
@@ -215,8 +218,10 @@ class VLLMColocateGenerator:
         full_parameters: Callable[[torch.nn.Module], Any] | None = None,
         gather_group: Callable[[Any], list[Any]] | None = None,
         rank_in_group: int = 0,
+        adapter: AdapterSync | None = None,
     ) -> None:
         self.get_model = get_model
+        self.adapter = adapter
         self.make_engine = make_engine
         self.make_params = make_params
         self.params = params
@@ -234,11 +239,21 @@ class VLLMColocateGenerator:
         self.stale = True
 
     def push_weights(self) -> None:
-        """Load the trainer's current weights into the engine and forget its cached prefixes."""
+        """Load the trainer's current weights into the engine and forget its cached prefixes.
+
+        With ``adapter``: the base weights once (``weight_items`` leaves the adapter out), then the
+        adapter alone at every push."""
         model = self.get_model()
         gather = self.full_parameters(model) if self.full_parameters is not None else contextlib.nullcontext()
-        with gather, merged_adapters(model) as merged:
-            reload_engine_weights(self.engine, list(weight_items(merged)))
+        with gather:
+            if self.adapter is None:
+                with merged_adapters(model) as merged:
+                    reload_engine_weights(self.engine, list(weight_items(merged)))
+            else:
+                if not self.adapter.base_loaded:
+                    reload_engine_weights(self.engine, list(weight_items(model)))
+                    self.adapter.base_loaded = True
+                self.adapter.push(self.engine, model)
         self.engine.reset_prefix_cache()
         self.stale = False
         self.pushes += 1
@@ -275,12 +290,15 @@ class VLLMColocateGenerator:
             prompts = [p for g in groups for p in g]
         if self.sleep:
             self.engine.wake_up(tags=["weights"])
+            if self.adapter is not None:
+                self.adapter.base_loaded = False
         if self.stale or self.sleep:  # level-2 sleep released the weights: load them again
             self.push_weights()
         if self.sleep:
             self.engine.wake_up(tags=["kv_cache"])
+        lora = {} if self.adapter is None else {"lora_request": self.adapter.request(self.get_model())}
         outputs = self.engine.generate(
-            [{"prompt_token_ids": p} for p in prompts], self.make_params(self.params), use_tqdm=False
+            [{"prompt_token_ids": p} for p in prompts], self.make_params(self.params), use_tqdm=False, **lora
         )
         if self.sleep:
             self.engine.sleep(level=2)
@@ -418,6 +436,7 @@ def _colocate_generator(
         args, path, accelerator.process_index, rows, dtype=engine_dtype(args, model)
     )
     gather_group, rank_in_group = _tensor_parallel_gather(accelerator, tp)
+    adapter = _adapter_sync(args, model, engine_kwargs)
     generator = VLLMColocateGenerator(
         get_model=get_model,
         make_engine=lambda: vllm.LLM(**engine_kwargs),
@@ -428,9 +447,28 @@ def _colocate_generator(
         full_parameters=full_parameters,
         gather_group=gather_group,
         rank_in_group=rank_in_group,
+        adapter=adapter,
     )
     generator.start()
     return generator
+
+
+def _adapter_sync(args: Any, model: torch.nn.Module, engine_kwargs: dict[str, Any]) -> AdapterSync | None:
+    """``vllm_lora_sync``: check the adapter can be served alone, and let the engine serve it
+    (``vllm_engine_kwargs`` keep precedence over the LoRA keywords)."""
+    if not getattr(args, "vllm_lora_sync", False):
+        return None
+    blocker = adapter_sync_blocker(model)
+    if blocker is not None:
+        raise ValueError(
+            f"vllm_lora_sync=True needs a LoRA adapter that vLLM can serve alone, but {blocker}; set "
+            "vllm_lora_sync=False to push the merged weights instead."
+        )
+    for key, value in lora_engine_kwargs(model).items():
+        engine_kwargs.setdefault(key, value)
+    from vllm.lora.request import LoRARequest
+
+    return AdapterSync(os.path.join(args.output_dir, "vllm-adapter"), LoRARequest)
 
 
 def _check_sleep_mode() -> None:

@@ -56,7 +56,7 @@ JSON_DICT_FIELDS = (
 )
 
 #: Fields every online config adds to the reference's (each family's ``POSTTRAIN_EXTENSIONS``).
-SAMPLING_EXTENSIONS = ("vllm_engine_kwargs",)
+SAMPLING_EXTENSIONS = ("vllm_engine_kwargs", "vllm_lora_sync")
 
 # One row per parameter: name, is the value ok?, what it must be, how to fix it.
 # fmt: off
@@ -237,6 +237,15 @@ class OnlineConfig(BaseConfig):
     vllm_structured_outputs_regex: str | None = field(
         default=None,
         metadata={"help": "Regex for vLLM structured outputs; None disables them."},
+    )
+    vllm_lora_sync: bool = field(
+        default=False,
+        metadata={
+            "help": "With a LoRA (PEFT) policy and vllm_mode='colocate': the engine serves the adapter "
+            "(enable_lora) and each weight push sends only the adapter, not the merged model; the "
+            "engine's base stays the trainer's. False: the adapters are merged into the base and "
+            "every weight is pushed."
+        },
     )
     vllm_server_base_url: str | None = field(
         default=None,
@@ -426,6 +435,15 @@ class OnlineConfig(BaseConfig):
                     f"{name}={getattr(self, name)!r} shapes dynamic sampling, which is off; set "
                     f"dynamic_sampling=True, or leave {name} at {default!r}."
                 )
+        if self.vllm_lora_sync and not self.use_vllm:
+            raise ValueError(
+                "vllm_lora_sync=True pushes LoRA adapters to vLLM, but use_vllm=False; set use_vllm=True."
+            )
+        if self.vllm_lora_sync and self.vllm_mode == "server":
+            raise NotImplementedError(
+                "vllm_lora_sync=True with vllm_mode='server' is not built yet (colocate only); set "
+                "vllm_mode='colocate', or vllm_lora_sync=False to push the merged weights to the server."
+            )
         if self.use_vllm and self.vllm_mode == "colocate" and self.vllm_enable_sleep_mode:
             from posttrain.generation.vllm_backend import sleep_mode_refusal
 

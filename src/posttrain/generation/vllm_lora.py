@@ -1,0 +1,105 @@
+"""Adapter-only weight sync (``vllm_lora_sync=True``): vLLM serves the policy's LoRA adapter.
+
+With a merged push, every optimizer step merges the adapters into the base, sends every weight
+to the engine and unmerges them again. vLLM serves LoRA adapters itself (``enable_lora``, one
+``LoRARequest`` per request), so only the adapter needs to travel: the engine's base weights are
+the trainer's base, loaded once, and after each optimizer step the adapter is written to a folder
+(PEFT's ``save_pretrained``: a few MB) and loaded in place (``add_lora`` with ``load_inplace``).
+A generation made while the adapters are switched off (a PEFT policy's base serving as the
+reference, A*-PO's first stage) asks for the base alone.
+
+``adapter_sync_blocker`` names the adapters the engine cannot serve this way (another PEFT
+method, DoRA, ``modules_to_save``, a bias, a rank above vLLM's largest); the config refuses
+them before the engine is built.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+#: The ranks vLLM's ``max_lora_rank`` accepts (``vllm.config.lora.MaxLoRARanks``, 0.32).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+#: The one adapter the engine holds (``lora_int_id`` must be at least 1).
+ADAPTER_ID = 1
+
+
+def _peft_config(model: torch.nn.Module) -> Any:
+    configs = getattr(model, "peft_config", None)
+    if not isinstance(configs, dict) or not configs:
+        return None
+    return configs.get(getattr(model, "active_adapter", "default"))
+
+
+def adapter_sync_blocker(model: torch.nn.Module) -> str | None:
+    """Why vLLM cannot serve ``model``'s adapter on its own, or None when it can."""
+    config = _peft_config(model)
+    if config is None:
+        return "the policy is not a PEFT model (pass peft_config, or a PeftModel)"
+    kind = str(getattr(config, "peft_type", ""))
+    if not kind.endswith("LORA") or kind.endswith("ADALORA"):
+        return f"its adapter is {kind.rsplit('.', 1)[-1]}, not LoRA"
+    checks = (
+        (getattr(config, "use_dora", False), "it uses DoRA"),
+        (
+            bool(getattr(config, "modules_to_save", None)),
+            "it trains modules_to_save (full copies of modules)",
+        ),
+        (getattr(config, "bias", "none") != "none", f"it trains biases (bias={config.bias!r})"),
+        (bool(getattr(config, "rank_pattern", None)), "it has a rank_pattern (several ranks)"),
+        (
+            config.r > VLLM_LORA_RANKS[-1],
+            f"its rank {config.r} is above vLLM's largest, {VLLM_LORA_RANKS[-1]}",
+        ),
+    )
+    return next((why for failed, why in checks if failed), None)
+
+
+def lora_engine_kwargs(model: torch.nn.Module) -> dict[str, Any]:
+    """The ``vllm.LLM`` keywords that let it serve ``model``'s adapter (rank rounded up to vLLM's)."""
+    rank = _peft_config(model).r
+    return {
+        "enable_lora": True,
+        "max_lora_rank": next(r for r in VLLM_LORA_RANKS if r >= rank),
+        "max_loras": 1,
+    }
+
+
+def adapters_enabled(model: torch.nn.Module) -> bool:
+    """Whether the PEFT model's adapters take part in its forward now (not under ``disable_adapter``)."""
+    return not any(getattr(m, "disable_adapters", False) for m in model.modules() if hasattr(m, "lora_A"))
+
+
+class AdapterSync:
+    """Writes the policy's adapter to ``folder`` and loads it into a colocated engine in place.
+
+    Args:
+        folder: where the adapter is written at each push (``{output_dir}/vllm-adapter``).
+        request_class: ``vllm.lora.request.LoRARequest``.
+    """
+
+    def __init__(self, folder: str, request_class: Any) -> None:
+        self.folder = folder
+        self.request_class = request_class
+        self.base_loaded = False  # the engine holds the trainer's base weights (pushed once)
+        self.pushes = 0
+
+    def push(self, engine: Any, model: torch.nn.Module) -> None:
+        """Save the active adapter (adapter files only) and load it into ``engine`` in place."""
+        os.makedirs(self.folder, exist_ok=True)
+        adapter = getattr(model, "active_adapter", "default")
+        model.save_pretrained(self.folder, selected_adapters=[adapter], safe_serialization=True)
+        if adapter != "default":  # PEFT writes a non-default adapter into a subfolder of its name
+            source = os.path.join(self.folder, adapter)
+            for name in os.listdir(source):
+                os.replace(os.path.join(source, name), os.path.join(self.folder, name))
+        engine.llm_engine.add_lora(self.request_class("policy", ADAPTER_ID, self.folder, load_inplace=True))
+        self.pushes += 1
+
+    def request(self, model: torch.nn.Module) -> Any:
+        """The ``lora_request`` of a generation: the adapter, or None (the base) while it is off."""
+        if not adapters_enabled(model):
+            return None
+        return self.request_class("policy", ADAPTER_ID, self.folder)
