@@ -33,7 +33,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from posttrain.generation.vllm_backend import reload_engine_weights  # noqa: E402
 from posttrain.generation.vllm_common import merged_adapters, weight_items  # noqa: E402
-from posttrain.generation.vllm_lora import AdapterSync, lora_engine_kwargs  # noqa: E402
+from posttrain.generation.vllm_lora import AdapterSync, base_weight_items, lora_engine_kwargs  # noqa: E402
 from posttrain.models.embedded import resolve_embedded  # noqa: E402
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -85,7 +85,7 @@ def main() -> None:
                     if "lora_" in name:
                         p.add_(torch.randn_like(p) * 0.01)
             if kind == "adapter" and not sync.base_loaded:  # the base, once, as the trainer does (not timed)
-                reload_engine_weights(llm, list(weight_items(model)))
+                reload_engine_weights(llm, base_weight_items(model))
                 sync.base_loaded = True
             start = time.perf_counter()
             if kind == "merged":

@@ -213,6 +213,30 @@ def test_grpo_colocate_lora_sync_pushes_the_base_once_and_then_only_the_adapter(
     assert "adapter_model.safetensors" in saved and "adapter_config.json" in saved
 
 
+def test_qlora_with_lora_sync_serves_the_trainers_4bit_base(tmp_path, model_dir, monkeypatch):
+    """A 4-bit base (bitsandbytes NF4): the engine gets the dequantized weights the trainer multiplies
+    by, not the float checkpoint, and then the adapter; it samples from the trainer's QLoRA model."""
+    peft = pytest.importorskip("peft")
+    pytest.importorskip("bitsandbytes")
+    from transformers import BitsAndBytesConfig
+
+    nf4 = BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32
+    )
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    args = _config(tmp_path, learning_rate=5e-2, vllm_lora_sync=True, max_steps=2)
+    trainer = GRPOTrainer(
+        model=model_dir, reward_funcs=token_sum_reward, args=args, train_dataset=standard_dataset(),
+        processing_class=build_tiny_tokenizer(), peft_config=config, quantization_config=nf4,
+    )  # fmt: skip
+    assert any(
+        getattr(getattr(m, "weight", None), "quant_state", None) is not None for m in trainer.model.modules()
+    )
+    gaps = watch_sampler(monkeypatch, trainer.generator)
+    trainer.train()
+    assert len(gaps) == 2 and max(gaps) < GAP, gaps
+
+
 def test_lora_sync_refuses_a_model_without_an_adapter_before_the_engine_starts(tmp_path, model_dir):
     with pytest.raises(ValueError, match="vllm_lora_sync=True needs a LoRA adapter.*not a PEFT model"):
         _trainer(model_dir, _config(tmp_path, vllm_lora_sync=True))

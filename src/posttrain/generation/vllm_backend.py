@@ -48,7 +48,12 @@ from posttrain.generation.vllm_common import (  # noqa: F401  (re-exported)
     unpadded_prompts,
     weight_items,
 )
-from posttrain.generation.vllm_lora import AdapterSync, adapter_sync_blocker, lora_engine_kwargs
+from posttrain.generation.vllm_lora import (
+    AdapterSync,
+    adapter_sync_blocker,
+    base_weight_items,
+    lora_engine_kwargs,
+)
 from posttrain.generation.vllm_server import (  # noqa: F401  (re-exported)
     FolderWeightSync,
     VLLMServerClient,
@@ -251,7 +256,7 @@ class VLLMColocateGenerator:
                     reload_engine_weights(self.engine, list(weight_items(merged)))
             else:
                 if not self.adapter.base_loaded:
-                    reload_engine_weights(self.engine, list(weight_items(model)))
+                    reload_engine_weights(self.engine, base_weight_items(model))
                     self.adapter.base_loaded = True
                 self.adapter.push(self.engine, model)
         self.engine.reset_prefix_cache()

@@ -9,7 +9,7 @@ prompts without their padding, vLLM's outputs read into ``Samples``, and the tra
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -101,16 +101,23 @@ def samples_from_outputs(outputs: Sequence[Any], pad_token_id: int, device: torc
     return Samples.from_lists(rows, pad_token_id, device, logps=logps)
 
 
-def weight_items(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+def weight_items(
+    model: torch.nn.Module, state: Mapping[str, torch.Tensor] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """The model's weights under the names of its checkpoint, as vLLM's ``load_weights`` reads them.
 
     A PEFT model yields its base weights with the adapters merged in (the caller merges first:
     :func:`merged_adapters`): the ``base_model.model.`` prefix, ``.base_layer`` and
     ``modules_to_save.<adapter>.`` are dropped, and the adapter matrices and the copies that
     ``modules_to_save`` keeps of the originals are left out.
+
+    Args:
+        model: the policy.
+        state: the tensors to read under the model's state-dict names (default: its state dict;
+            ``vllm_lora.base_weight_items`` passes one with 4-bit weights dequantized).
     """
     is_peft = hasattr(model, "peft_config") and hasattr(model, "base_model")
-    for name, tensor in model.state_dict().items():
+    for name, tensor in (model.state_dict() if state is None else state).items():
         if is_peft:
             if "lora_" in name or ".original_module." in name:
                 continue

@@ -6,7 +6,9 @@ to the engine and unmerges them again. vLLM serves LoRA adapters itself (``enabl
 the trainer's base, loaded once, and after each optimizer step the adapter is written to a folder
 (PEFT's ``save_pretrained``: a few MB) and loaded in place (``add_lora`` with ``load_inplace``).
 A generation made while the adapters are switched off (a PEFT policy's base serving as the
-reference, A*-PO's first stage) asks for the base alone.
+reference, A*-PO's first stage) asks for the base alone. A 4-bit (QLoRA) base goes to the engine
+dequantized (``base_weight_items``), so the engine computes with the trainer's quantised base and
+nothing is ever merged into (and requantised from) 4-bit weights.
 
 ``adapter_sync_blocker`` names the adapters the engine cannot serve this way (another PEFT
 method, DoRA, ``modules_to_save``, a bias, a rank above vLLM's largest); the config refuses
@@ -19,6 +21,8 @@ import os
 from typing import Any
 
 import torch
+
+from posttrain.generation.vllm_common import weight_items
 
 #: The ranks vLLM's ``max_lora_rank`` accepts (``vllm.config.lora.MaxLoRARanks``, 0.32).
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -65,6 +69,29 @@ def lora_engine_kwargs(model: torch.nn.Module) -> dict[str, Any]:
         "max_lora_rank": next(r for r in VLLM_LORA_RANKS if r >= rank),
         "max_loras": 1,
     }
+
+
+def base_weight_items(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The base weights under checkpoint names, the adapter left out, for the engine's one base load.
+
+    A 4-bit (bitsandbytes) weight goes dequantized, the values the trainer's forward multiplies
+    by, so the engine's base is the trainer's quantised base and not the float checkpoint it was
+    quantised from; its quantisation statistics (``weight.absmax``, ``weight.quant_map``, ...) are
+    left out.
+    """
+    state = model.state_dict()
+    dequantized = {}
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        quant_state = getattr(weight, "quant_state", None)
+        if quant_state is not None:
+            from bitsandbytes.functional import dequantize_4bit
+
+            dequantized[f"{name}.weight"] = dequantize_4bit(weight.data, quant_state).to(quant_state.dtype)
+    if dequantized:
+        statistics = tuple(f"{key}." for key in dequantized)
+        state = {k: dequantized.get(k, v) for k, v in state.items() if not k.startswith(statistics)}
+    return list(weight_items(model, state))
 
 
 def adapters_enabled(model: torch.nn.Module) -> bool:
