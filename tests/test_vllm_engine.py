@@ -220,6 +220,8 @@ def test_qlora_with_lora_sync_serves_the_trainers_4bit_base(tmp_path, model_dir,
     pytest.importorskip("bitsandbytes")
     from transformers import BitsAndBytesConfig
 
+    from posttrain.generation import vllm_lora
+
     nf4 = BitsAndBytesConfig(
         load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32
     )
@@ -229,12 +231,17 @@ def test_qlora_with_lora_sync_serves_the_trainers_4bit_base(tmp_path, model_dir,
         model=model_dir, reward_funcs=token_sum_reward, args=args, train_dataset=standard_dataset(),
         processing_class=build_tiny_tokenizer(), peft_config=config, quantization_config=nf4,
     )  # fmt: skip
-    assert any(
-        getattr(getattr(m, "weight", None), "quant_state", None) is not None for m in trainer.model.modules()
-    )
+    assert vllm_lora.has_4bit_weights(trainer.model)
     gaps = watch_sampler(monkeypatch, trainer.generator)
     trainer.train()
     assert len(gaps) == 2 and max(gaps) < GAP, gaps
+    # without vllm_lora_sync the push would merge into packed 4-bit weights: refused before the engine
+    args = _config(tmp_path / "merged", max_steps=2)
+    with pytest.raises(ValueError, match=r"use_vllm=True with a 4-bit \(bitsandbytes\) base pushes merged"):
+        GRPOTrainer(
+            model=model_dir, reward_funcs=token_sum_reward, args=args, train_dataset=standard_dataset(),
+            processing_class=build_tiny_tokenizer(), peft_config=config, quantization_config=nf4,
+        )  # fmt: skip
 
 
 def test_lora_sync_refuses_a_model_without_an_adapter_before_the_engine_starts(tmp_path, model_dir):

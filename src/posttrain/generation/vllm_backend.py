@@ -52,6 +52,7 @@ from posttrain.generation.vllm_lora import (
     AdapterSync,
     adapter_sync_blocker,
     base_weight_items,
+    has_4bit_weights,
     lora_engine_kwargs,
 )
 from posttrain.generation.vllm_server import (  # noqa: F401  (re-exported)
@@ -355,10 +356,17 @@ def build_vllm_generator(
 
     Raises:
         ImportError: vLLM is not installed (names the extra).
-        ValueError: ``vllm_tensor_parallel_size`` does not divide the number of processes.
+        ValueError: ``vllm_tensor_parallel_size`` does not divide the number of processes; a 4-bit
+            base without ``vllm_lora_sync``.
         ConnectionError: no server answered in time (names the address and the timeout).
     """
     vllm = require_vllm()
+    if not getattr(args, "vllm_lora_sync", False) and has_4bit_weights(get_model()):
+        raise ValueError(
+            "use_vllm=True with a 4-bit (bitsandbytes) base pushes merged weights, which would be the "
+            "adapter merged into quantised weights and sent in their packed form; set vllm_lora_sync=True "
+            "(vllm_mode='colocate'): the engine then holds the dequantized base and serves the adapter."
+        )
     extra_stops = [t for t in eos if t != tokenizer.eos_token_id]
     params = sampling_kwargs(args, extra_stops)
     if args.vllm_mode == "server":

@@ -71,6 +71,11 @@ def lora_engine_kwargs(model: torch.nn.Module) -> dict[str, Any]:
     }
 
 
+def has_4bit_weights(model: torch.nn.Module) -> bool:
+    """Whether any weight of ``model`` is a quantised bitsandbytes weight (it carries a ``quant_state``)."""
+    return any(getattr(getattr(m, "weight", None), "quant_state", None) is not None for m in model.modules())
+
+
 def base_weight_items(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     """The base weights under checkpoint names, the adapter left out, for the engine's one base load.
 
