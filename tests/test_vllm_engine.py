@@ -467,6 +467,7 @@ def server(tied_model_dir, tmp_path_factory):
     command = [
         sys.executable, "-m", "posttrain.cli.main", "vllm-serve", "--model", tied_model_dir, "--host", "127.0.0.1",
         "--port", str(port), "--enforce-eager", "--kv-cache-memory-bytes", str(256 * 2**20),
+        "--enable-lora", "--max-lora-rank", "8",  # vllm_lora_sync's test loads its adapter into this server
     ]  # fmt: skip
     with open(log, "w") as out:
         proc = subprocess.Popen(
@@ -489,6 +490,26 @@ def server(tied_model_dir, tmp_path_factory):
         proc.wait(timeout=30)
     except subprocess.TimeoutExpired:
         proc.kill()
+
+
+def test_grpo_server_lora_sync_pushes_the_base_once_and_then_only_the_adapter(
+    tmp_path, tied_model_dir, server, monkeypatch
+):
+    """Server mode with vllm_lora_sync: the base through the folder once, then the adapter through
+    /v1/load_lora_adapter at every step, each completion request naming it; the server samples from
+    the trainer's PEFT model at every step."""
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    args = _config(
+        tmp_path, vllm_mode="server", vllm_server_base_url=server, learning_rate=5e-2, vllm_lora_sync=True
+    )
+    trainer = _trainer(tied_model_dir, args, peft_config=config)
+    gaps = watch_sampler(monkeypatch, trainer.generator)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_B" in n}
+    trainer.train()
+    assert _moved(before, trainer.model)
+    assert len(gaps) == 3 and max(gaps) < GAP, gaps
+    assert trainer.generator.sync.sends == 1 and trainer.generator.adapter.pushes == 3
 
 
 def test_grpo_server_trains_on_the_trainers_current_weights(tmp_path, tied_model_dir, server, monkeypatch):

@@ -96,7 +96,8 @@ def serve_command(argv: list[str], cpu_build: bool = False) -> tuple[list[str], 
     if args.trust_remote_code:
         command.append("--trust-remote-code")
     command += [*REQUIRED_FLAGS, *(() if cpu_build else NCCL_FLAGS), *passthrough]
-    return command, {"VLLM_SERVER_DEV_MODE": "1"}
+    # the dev-mode routes (weight reloads) and the runtime LoRA routes (vllm_lora_sync's adapter pushes)
+    return command, {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
 
 
 def vllm_serve(argv: list[str]) -> None:

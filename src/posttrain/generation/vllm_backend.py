@@ -404,8 +404,19 @@ def _server_generator(
         def make_sync(model: torch.nn.Module) -> Any:
             return FolderWeightSync(client, model, folder)
 
+    adapter = None
+    if getattr(args, "vllm_lora_sync", False):
+        model = get_model()
+        _check_adapter(model)
+        if has_4bit_weights(model):
+            raise NotImplementedError(
+                "vllm_lora_sync=True with vllm_mode='server' and a 4-bit base is not built yet: the base would "
+                "reach the server in its packed form. Use vllm_mode='colocate' (the engine then holds the "
+                "dequantized base), or a base that is not quantised."
+            )
+        adapter = AdapterSync(os.path.join(args.output_dir, "vllm-adapter"), None)
     return VLLMServerGenerator(
-        client, params, tokenizer.pad_token_id, make_sync=make_sync, get_model=get_model
+        client, params, tokenizer.pad_token_id, make_sync=make_sync, get_model=get_model, adapter=adapter
     )
 
 
@@ -471,17 +482,22 @@ def _adapter_sync(args: Any, model: torch.nn.Module, engine_kwargs: dict[str, An
     (``vllm_engine_kwargs`` keep precedence over the LoRA keywords)."""
     if not getattr(args, "vllm_lora_sync", False):
         return None
+    _check_adapter(model)
+    for key, value in lora_engine_kwargs(model).items():
+        engine_kwargs.setdefault(key, value)
+    from vllm.lora.request import LoRARequest
+
+    return AdapterSync(os.path.join(args.output_dir, "vllm-adapter"), LoRARequest)
+
+
+def _check_adapter(model: torch.nn.Module) -> None:
+    """Refuse ``vllm_lora_sync`` for an adapter vLLM cannot serve alone (``adapter_sync_blocker``)."""
     blocker = adapter_sync_blocker(model)
     if blocker is not None:
         raise ValueError(
             f"vllm_lora_sync=True needs a LoRA adapter that vLLM can serve alone, but {blocker}; set "
             "vllm_lora_sync=False to push the merged weights instead."
         )
-    for key, value in lora_engine_kwargs(model).items():
-        engine_kwargs.setdefault(key, value)
-    from vllm.lora.request import LoRARequest
-
-    return AdapterSync(os.path.join(args.output_dir, "vllm-adapter"), LoRARequest)
 
 
 def _check_sleep_mode() -> None:

@@ -4,7 +4,8 @@ With a merged push, every optimizer step merges the adapters into the base, send
 to the engine and unmerges them again. vLLM serves LoRA adapters itself (``enable_lora``, one
 ``LoRARequest`` per request), so only the adapter needs to travel: the engine's base weights are
 the trainer's base, loaded once, and after each optimizer step the adapter is written to a folder
-(PEFT's ``save_pretrained``: a few MB) and loaded in place (``add_lora`` with ``load_inplace``).
+(PEFT's ``save_pretrained``: a few MB) and loaded in place: by a colocated engine's ``add_lora``
+with ``load_inplace``, by a server's ``/v1/load_lora_adapter`` (``vllm_server``).
 A generation made while the adapters are switched off (a PEFT policy's base serving as the
 reference, A*-PO's first stage) asks for the base alone. A 4-bit (QLoRA) base goes to the engine
 dequantized (``base_weight_items``), so the engine computes with the trainer's quantised base and
@@ -26,8 +27,9 @@ from posttrain.generation.vllm_common import weight_items
 
 #: The ranks vLLM's ``max_lora_rank`` accepts (``vllm.config.lora.MaxLoRARanks``, 0.32).
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-#: The one adapter the engine holds (``lora_int_id`` must be at least 1).
+#: The one adapter the engine holds (``lora_int_id`` must be at least 1), and its name.
 ADAPTER_ID = 1
+ADAPTER_NAME = "policy"
 
 
 def _peft_config(model: torch.nn.Module) -> Any:
@@ -108,8 +110,9 @@ class AdapterSync:
     """Writes the policy's adapter to ``folder`` and loads it into a colocated engine in place.
 
     Args:
-        folder: where the adapter is written at each push (``{output_dir}/vllm-adapter``).
-        request_class: ``vllm.lora.request.LoRARequest``.
+        folder: where the adapter is written at each push (``{output_dir}/vllm-adapter``); in
+            server mode the server reads it there (the same machine, or shared storage).
+        request_class: ``vllm.lora.request.LoRARequest`` (colocate; None for a server).
     """
 
     def __init__(self, folder: str, request_class: Any) -> None:
@@ -119,7 +122,14 @@ class AdapterSync:
         self.pushes = 0
 
     def push(self, engine: Any, model: torch.nn.Module) -> None:
-        """Save the active adapter (adapter files only) and load it into ``engine`` in place."""
+        """Save the active adapter and load it into the colocated ``engine`` in place."""
+        self.save(model)
+        engine.llm_engine.add_lora(
+            self.request_class(ADAPTER_NAME, ADAPTER_ID, self.folder, load_inplace=True)
+        )
+
+    def save(self, model: torch.nn.Module) -> None:
+        """Write the active adapter (its files only: ``adapter_model.safetensors``, ``adapter_config.json``)."""
         os.makedirs(self.folder, exist_ok=True)
         adapter = getattr(model, "active_adapter", "default")
         model.save_pretrained(self.folder, selected_adapters=[adapter], safe_serialization=True)
@@ -127,11 +137,10 @@ class AdapterSync:
             source = os.path.join(self.folder, adapter)
             for name in os.listdir(source):
                 os.replace(os.path.join(source, name), os.path.join(self.folder, name))
-        engine.llm_engine.add_lora(self.request_class("policy", ADAPTER_ID, self.folder, load_inplace=True))
         self.pushes += 1
 
     def request(self, model: torch.nn.Module) -> Any:
         """The ``lora_request`` of a generation: the adapter, or None (the base) while it is off."""
         if not adapters_enabled(model):
             return None
-        return self.request_class("policy", ADAPTER_ID, self.folder)
+        return self.request_class(ADAPTER_NAME, ADAPTER_ID, self.folder)

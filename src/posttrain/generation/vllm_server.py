@@ -27,6 +27,7 @@ from posttrain.generation.vllm_common import (
     unpadded_prompts,
     weight_items,
 )
+from posttrain.generation.vllm_lora import ADAPTER_NAME, AdapterSync, adapters_enabled
 
 
 def server_base_url(args: Any) -> str:
@@ -60,7 +61,12 @@ class VLLMServerClient:
             request, timeout=timeout if timeout is not None else self.timeout
         ) as response:
             body = response.read()
-        return json.loads(body) if body else None
+        if not body:
+            return None
+        try:
+            return json.loads(body)
+        except ValueError:  # a plain-text answer (/v1/load_lora_adapter's "Success: ...")
+            return body.decode(errors="replace")
 
     def wait_until_up(self) -> None:
         """Poll ``GET /health`` until the server answers, for at most ``timeout`` seconds.
@@ -114,10 +120,31 @@ class VLLMServerClient:
             raise
         self._request("reset_prefix_cache", {}, timeout=self.request_timeout)
 
-    def complete(self, prompts: list[list[int]], params: dict[str, Any]) -> list[Any]:
-        """One completion per prompt (token ids in, token ids and log-probs out), in prompt order."""
+    def load_adapter(self, name: str, folder: str) -> None:
+        """Have the server load (or reload in place) the LoRA adapter saved in ``folder`` as ``name``
+        (``POST /v1/load_lora_adapter``, open with ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``, which
+        ``posttrain vllm-serve`` sets; the server must be started with ``--enable-lora``)."""
+        payload = {"lora_name": name, "lora_path": folder, "load_inplace": True}
+        try:
+            self._request("v1/load_lora_adapter", payload, timeout=self.request_timeout)
+        except urllib.error.HTTPError as error:
+            if error.code in (400, 404):
+                detail = error.read().decode(errors="replace")[:300]
+                raise RuntimeError(
+                    f"the vLLM server at {self.base_url} did not load the LoRA adapter ({error.code}: {detail}). "
+                    "vllm_lora_sync=True needs a server started with --enable-lora --max-lora-rank R (R at least "
+                    "the adapter's rank) and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True (posttrain vllm-serve sets it)."
+                ) from error
+            raise
+
+    def complete(
+        self, prompts: list[list[int]], params: dict[str, Any], model: str | None = None
+    ) -> list[Any]:
+        """One completion per prompt (token ids in, token ids and log-probs out), in prompt order.
+
+        ``model``: a LoRA adapter the server loaded (``load_adapter``); None for its base model."""
         payload = {k: v for k, v in params.items() if k not in ("detokenize", "n")}
-        payload.update(model=self.model(), prompt=prompts, n=1, return_token_ids=True)
+        payload.update(model=model or self.model(), prompt=prompts, n=1, return_token_ids=True)
         choices = self._request("v1/completions", payload, timeout=self.request_timeout)["choices"]
         if len(choices) != len(prompts):
             raise RuntimeError(
@@ -250,6 +277,8 @@ class VLLMServerGenerator:
         pad_token_id: fills the columns past a completion's end.
         make_sync: builds the weight-transfer engine (:func:`nccl_weight_sync`) at the first push.
         get_model: returns the trainer's unwrapped model.
+        adapter: ``vllm_lora_sync``: the base goes once through ``make_sync``'s transfer, then only
+            the adapter, saved to this ``vllm_lora.AdapterSync``'s folder and loaded by the server.
     """
 
     def __init__(
@@ -259,8 +288,10 @@ class VLLMServerGenerator:
         pad_token_id: int,
         make_sync: Callable[[torch.nn.Module], Any],
         get_model: Callable[[], torch.nn.Module],
+        adapter: AdapterSync | None = None,
     ) -> None:
         self.client = client
+        self.adapter = adapter
         self.params = params
         self.pad_token_id = pad_token_id
         self.make_sync = make_sync
@@ -274,18 +305,33 @@ class VLLMServerGenerator:
         self.stale = True
 
     def push_weights(self) -> None:
-        """Send the current weights to the server's workers (vLLM's four-phase update)."""
+        """Send the current weights to the server's workers (vLLM's four-phase update); with
+        ``adapter``, the base weights once (the adapter left out) and then the adapter alone."""
         model = self.get_model()
-        with merged_adapters(model):
-            if self.sync is None:
-                self.sync = self.make_sync(model)
-            self.sync.send_weights()
+        if self.adapter is not None:
+            if not self.adapter.base_loaded:
+                with model.disable_adapter():  # the sync sends the base, the adapter's weights left out
+                    self._sync(model).send_weights()
+                self.adapter.base_loaded = True
+            self.adapter.save(model)
+            self.client.load_adapter(ADAPTER_NAME, os.path.abspath(self.adapter.folder))
+        else:
+            with merged_adapters(model):
+                self._sync(model).send_weights()
         self.stale = False
         self.pushes += 1
+
+    def _sync(self, model: torch.nn.Module) -> Any:
+        if self.sync is None:
+            self.sync = self.make_sync(model)
+        return self.sync
 
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> Samples:
         """Args: prompt_ids [N, P], prompt_mask [N, P] (left-padded). Returns one completion per row."""
         if self.stale:
             self.push_weights()
-        outputs = self.client.complete(unpadded_prompts(prompt_ids, prompt_mask), self.params)
+        serve = None
+        if self.adapter is not None and adapters_enabled(self.get_model()):
+            serve = ADAPTER_NAME
+        outputs = self.client.complete(unpadded_prompts(prompt_ids, prompt_mask), self.params, model=serve)
         return samples_from_outputs(outputs, self.pad_token_id, prompt_ids.device)

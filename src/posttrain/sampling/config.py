@@ -241,8 +241,8 @@ class OnlineConfig(BaseConfig):
     vllm_lora_sync: bool = field(
         default=False,
         metadata={
-            "help": "With a LoRA (PEFT) policy and vllm_mode='colocate': the engine serves the adapter "
-            "(enable_lora) and each weight push sends only the adapter, not the merged model; the "
+            "help": "With a LoRA (PEFT) policy: vLLM serves the adapter (enable_lora; a server started "
+            "with --enable-lora) and each weight push sends only the adapter, not the merged model; the "
             "engine's base stays the trainer's. False: the adapters are merged into the base and "
             "every weight is pushed."
         },
@@ -438,11 +438,6 @@ class OnlineConfig(BaseConfig):
         if self.vllm_lora_sync and not self.use_vllm:
             raise ValueError(
                 "vllm_lora_sync=True pushes LoRA adapters to vLLM, but use_vllm=False; set use_vllm=True."
-            )
-        if self.vllm_lora_sync and self.vllm_mode == "server":
-            raise NotImplementedError(
-                "vllm_lora_sync=True with vllm_mode='server' is not built yet (colocate only); set "
-                "vllm_mode='colocate', or vllm_lora_sync=False to push the merged weights to the server."
             )
         if self.use_vllm and self.vllm_mode == "colocate" and self.vllm_enable_sleep_mode:
             from posttrain.generation.vllm_backend import sleep_mode_refusal
