@@ -310,6 +310,39 @@ def test_a2po_samples_stage_1_from_the_reference_and_stage_2_from_the_policy(
     assert True in served and served[-1] is False
 
 
+def test_a2po_with_lora_sync_samples_stage_1_from_the_base_and_stage_2_from_the_adapter(
+    tmp_path, model_dir, monkeypatch
+):
+    """A PEFT policy's reference is its base with the adapters off: stage 1's requests carry no
+    adapter, stage 2's carry it, and both agree with the model they were meant to sample."""
+    peft = pytest.importorskip("peft")
+    from test_a2po import odd_sum
+
+    from posttrain import A2POConfig, A2POTrainer
+
+    args = A2POConfig(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, max_completion_length=8, num_value_samples=2,
+        max_steps=2, use_vllm=True, bf16=False, use_cpu=True, report_to="none", save_strategy="no",
+        disable_tqdm=True, logging_steps=1, learning_rate=5e-2, temperature=1.0, vllm_engine_kwargs=ENGINE,
+        vllm_lora_sync=True,
+    )  # fmt: skip
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    trainer = _trainer(model_dir, args, trainer_cls=A2POTrainer, reward=odd_sum, peft_config=config)
+    with torch.no_grad():  # the adapter starts away from zero, so the base and the policy differ
+        for name, p in trainer.model.named_parameters():
+            if "lora_B" in name:
+                p.add_(0.05 * torch.randn_like(p))
+    requests: list[bool] = []
+    request = trainer.generator.adapter.request
+    monkeypatch.setattr(
+        trainer.generator.adapter, "request", lambda m: requests.append(request(m) is not None) or request(m)
+    )
+    gaps = watch_sampler(monkeypatch, trainer.generator)
+    trainer.train()
+    assert gaps and max(gaps) < GAP, gaps
+    assert False in requests and requests[-1] is True  # stage 1 on the base, stage 2 on the adapter
+
+
 def test_gkd_samples_the_student_and_the_teacher_with_vllm(tmp_path, model_dir, monkeypatch):
     """GKD with seq_kd: the student's steps sample its engine, the teacher's steps a second engine
     holding the teacher's weights (built at the first teacher step); each agrees with its model."""
