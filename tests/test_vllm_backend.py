@@ -464,6 +464,37 @@ def test_lora_sync_needs_use_vllm(tmp_path):
     ):
         make_config(tmp_path, vllm_lora_sync=True)
     assert make_config(tmp_path, use_vllm=True, vllm_mode="server", vllm_lora_sync=True).vllm_lora_sync
+    assert make_config(tmp_path).vllm_lora_sync is None  # the default needs nothing
+
+
+@pytest.mark.parametrize(
+    ("setting", "mode", "options", "expected"),
+    [
+        (None, "colocate", {}, True),  # the default: adapter-only where vLLM can serve the adapter
+        (None, "colocate", {"use_dora": True}, False),  # ... and the merged push where it cannot
+        (None, "server", {}, False),  # a server must be started with --enable-lora: only when asked
+        (True, "server", {}, True),
+        (False, "colocate", {}, False),
+        (True, "colocate", {"use_dora": True}, "it uses DoRA"),
+    ],
+)
+def test_which_push_vllm_lora_sync_picks(setting, mode, options, expected):
+    peft = pytest.importorskip("peft")
+    from types import SimpleNamespace
+
+    from conftest import build_tiny_model
+
+    model = peft.get_peft_model(
+        build_tiny_model(build_tiny_tokenizer()), peft.LoraConfig(r=4, target_modules=["q_proj"], **options)
+    )
+    args = SimpleNamespace(vllm_lora_sync=setting, vllm_mode=mode)
+    if isinstance(expected, str):
+        with pytest.raises(
+            ValueError, match=f"needs a LoRA adapter that vLLM can serve alone, but {expected}"
+        ):
+            vllm_backend.uses_adapter_sync(args, model)
+    else:
+        assert vllm_backend.uses_adapter_sync(args, model) is expected
 
 
 @pytest.mark.parametrize(

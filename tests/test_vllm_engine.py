@@ -176,7 +176,9 @@ def test_a_stale_engine_fails_the_agreement_check(tmp_path, model_dir, monkeypat
 def test_grpo_colocate_lora_pushes_the_merged_weights(tmp_path, model_dir, monkeypatch):
     peft = pytest.importorskip("peft")
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
-    trainer = _trainer(model_dir, _config(tmp_path, learning_rate=5e-2), peft_config=config)
+    args = _config(tmp_path, learning_rate=5e-2, vllm_lora_sync=False)
+    trainer = _trainer(model_dir, args, peft_config=config)
+    assert trainer.generator.adapter is None
     gaps = watch_sampler(monkeypatch, trainer.generator)
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_B" in n}
     trainer.train()
@@ -187,9 +189,10 @@ def test_grpo_colocate_lora_pushes_the_merged_weights(tmp_path, model_dir, monke
 def test_grpo_colocate_lora_sync_pushes_the_base_once_and_then_only_the_adapter(
     tmp_path, model_dir, monkeypatch
 ):
-    """vllm_lora_sync: the engine serves the adapter (enable_lora, a LoRARequest per call); the base
-    weights travel once, the adapter at every push, and the engine samples from the trainer's PEFT
-    model at every step (a stale adapter or a request without it shows as a gap)."""
+    """vllm_lora_sync (None, the default, picks it for a LoRA policy in colocate mode): the engine
+    serves the adapter (enable_lora, a LoRARequest per call); the base weights travel once, the
+    adapter at every push, and the engine samples from the trainer's PEFT model at every step (a
+    stale adapter or a request without it shows as a gap)."""
     peft = pytest.importorskip("peft")
     from posttrain.generation import vllm_lora
 
@@ -199,7 +202,8 @@ def test_grpo_colocate_lora_sync_pushes_the_base_once_and_then_only_the_adapter(
     monkeypatch.setattr(
         vllm_backend, "reload_engine_weights", lambda e, items: reloads.append(len(items)) or reload(e, items)
     )
-    args = _config(tmp_path, learning_rate=5e-2, vllm_lora_sync=True)
+    args = _config(tmp_path, learning_rate=5e-2)
+    assert args.vllm_lora_sync is None
     trainer = _trainer(model_dir, args, peft_config=config)
     gaps = watch_sampler(monkeypatch, trainer.generator)
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_B" in n}
@@ -235,8 +239,8 @@ def test_qlora_with_lora_sync_serves_the_trainers_4bit_base(tmp_path, model_dir,
     gaps = watch_sampler(monkeypatch, trainer.generator)
     trainer.train()
     assert len(gaps) == 2 and max(gaps) < GAP, gaps
-    # without vllm_lora_sync the push would merge into packed 4-bit weights: refused before the engine
-    args = _config(tmp_path / "merged", max_steps=2)
+    # the merged push would merge into packed 4-bit weights: refused before the engine
+    args = _config(tmp_path / "merged", max_steps=2, vllm_lora_sync=False)
     with pytest.raises(ValueError, match=r"use_vllm=True with a 4-bit \(bitsandbytes\) base pushes merged"):
         GRPOTrainer(
             model=model_dir, reward_funcs=token_sum_reward, args=args, train_dataset=standard_dataset(),

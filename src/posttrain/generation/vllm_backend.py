@@ -361,7 +361,7 @@ def build_vllm_generator(
         ConnectionError: no server answered in time (names the address and the timeout).
     """
     vllm = require_vllm()
-    if not getattr(args, "vllm_lora_sync", False) and has_4bit_weights(get_model()):
+    if not uses_adapter_sync(args, get_model()) and has_4bit_weights(get_model()):
         raise ValueError(
             "use_vllm=True with a 4-bit (bitsandbytes) base pushes merged weights, which would be the "
             "adapter merged into quantised weights and sent in their packed form; set vllm_lora_sync=True "
@@ -405,9 +405,8 @@ def _server_generator(
             return FolderWeightSync(client, model, folder)
 
     adapter = None
-    if getattr(args, "vllm_lora_sync", False):
+    if uses_adapter_sync(args, get_model()):
         model = get_model()
-        _check_adapter(model)
         if has_4bit_weights(model):
             raise NotImplementedError(
                 "vllm_lora_sync=True with vllm_mode='server' and a 4-bit base is not built yet: the base would "
@@ -478,11 +477,10 @@ def _colocate_generator(
 
 
 def _adapter_sync(args: Any, model: torch.nn.Module, engine_kwargs: dict[str, Any]) -> AdapterSync | None:
-    """``vllm_lora_sync``: check the adapter can be served alone, and let the engine serve it
-    (``vllm_engine_kwargs`` keep precedence over the LoRA keywords)."""
-    if not getattr(args, "vllm_lora_sync", False):
+    """The adapter-only push when ``uses_adapter_sync``, the engine told to serve the adapter
+    (``vllm_engine_kwargs`` keep precedence over the LoRA keywords); None for the merged push."""
+    if not uses_adapter_sync(args, model):
         return None
-    _check_adapter(model)
     for key, value in lora_engine_kwargs(model).items():
         engine_kwargs.setdefault(key, value)
     from vllm.lora.request import LoRARequest
@@ -490,14 +488,27 @@ def _adapter_sync(args: Any, model: torch.nn.Module, engine_kwargs: dict[str, An
     return AdapterSync(os.path.join(args.output_dir, "vllm-adapter"), LoRARequest)
 
 
-def _check_adapter(model: torch.nn.Module) -> None:
-    """Refuse ``vllm_lora_sync`` for an adapter vLLM cannot serve alone (``adapter_sync_blocker``)."""
+def uses_adapter_sync(args: Any, model: torch.nn.Module) -> bool:
+    """Whether the pushes send the adapter alone (``vllm_lora_sync``): ``True`` asks for it (and an
+    adapter vLLM cannot serve alone is refused), ``False`` never, ``None`` (the default) in colocate
+    mode wherever ``adapter_sync_blocker`` finds nothing. A server gets the adapter only when asked:
+    it must have been started with ``--enable-lora``.
+
+    Raises:
+        ValueError: ``vllm_lora_sync=True`` and the adapter cannot be served alone.
+    """
+    mode = getattr(args, "vllm_lora_sync", None)
+    if mode is False:
+        return False
     blocker = adapter_sync_blocker(model)
+    if mode is None:
+        return args.vllm_mode == "colocate" and blocker is None
     if blocker is not None:
         raise ValueError(
             f"vllm_lora_sync=True needs a LoRA adapter that vLLM can serve alone, but {blocker}; set "
             "vllm_lora_sync=False to push the merged weights instead."
         )
+    return True
 
 
 def _check_sleep_mode() -> None:

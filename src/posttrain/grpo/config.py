@@ -192,10 +192,12 @@ class GRPOConfig(OnlineConfig):
             optimizer step to release its weights and cache; saves GPU memory, costs wake-up time.
         vllm_structured_outputs_regex (`str | None`, defaults to `None`): Regex constraining vLLM
             outputs; `None` disables structured outputs.
-        vllm_lora_sync (`bool`, defaults to `False`): posttrain's. With a LoRA (PEFT) policy, the
+        vllm_lora_sync (`bool | None`, defaults to `None`): posttrain's. With a LoRA (PEFT) policy, the
             engine (or the server, started with `--enable-lora`) serves the adapter and each weight
             push sends only the adapter (a few MB) instead of merging it into the base and pushing
-            every weight (docs/vllm.md, "LoRA: adapter-only sync").
+            every weight (docs/vllm.md, "LoRA: adapter-only sync"). `None`: so in colocate mode
+            wherever vLLM can serve the adapter alone, the merged push elsewhere; `False`: always
+            merged.
 
     vLLM server (`vllm_mode="server"`):
         vllm_server_base_url (`str | None`, defaults to `None`): Base URL of the vLLM server, e.g.

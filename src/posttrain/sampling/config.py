@@ -238,13 +238,14 @@ class OnlineConfig(BaseConfig):
         default=None,
         metadata={"help": "Regex for vLLM structured outputs; None disables them."},
     )
-    vllm_lora_sync: bool = field(
-        default=False,
+    vllm_lora_sync: bool | None = field(
+        default=None,
         metadata={
             "help": "With a LoRA (PEFT) policy: vLLM serves the adapter (enable_lora; a server started "
             "with --enable-lora) and each weight push sends only the adapter, not the merged model; the "
-            "engine's base stays the trainer's. False: the adapters are merged into the base and "
-            "every weight is pushed."
+            "engine's base stays the trainer's. False: the adapters are merged into the base and every "
+            "weight is pushed. None (default): adapter-only in colocate mode where vLLM can serve the "
+            "adapter alone, the merged push otherwise."
         },
     )
     vllm_server_base_url: str | None = field(
@@ -435,7 +436,7 @@ class OnlineConfig(BaseConfig):
                     f"{name}={getattr(self, name)!r} shapes dynamic sampling, which is off; set "
                     f"dynamic_sampling=True, or leave {name} at {default!r}."
                 )
-        if self.vllm_lora_sync and not self.use_vllm:
+        if self.vllm_lora_sync is True and not self.use_vllm:
             raise ValueError(
                 "vllm_lora_sync=True pushes LoRA adapters to vLLM, but use_vllm=False; set use_vllm=True."
             )
