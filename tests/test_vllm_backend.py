@@ -506,6 +506,7 @@ def test_which_push_vllm_lora_sync_picks(setting, mode, options, expected):
         ({"modules_to_save": ["lm_head"]}, "it trains modules_to_save"),
         ({"bias": "lora_only"}, "it trains biases"),
         ({"r": 600}, "its rank 600 is above vLLM's largest, 512"),
+        ({"target_modules": ["q_proj", "lm_head"]}, "it adapts the embeddings or the output head"),
     ],
 )
 def test_adapter_sync_blocker_names_what_vllm_cannot_serve(options, reason):

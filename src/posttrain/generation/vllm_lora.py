@@ -59,8 +59,16 @@ def adapter_sync_blocker(model: torch.nn.Module) -> str | None:
             config.r > VLLM_LORA_RANKS[-1],
             f"its rank {config.r} is above vLLM's largest, {VLLM_LORA_RANKS[-1]}",
         ),
+        (_targets_outside_decoder(config), "it adapts the embeddings or the output head"),
     )
     return next((why for failed, why in checks if failed), None)
+
+
+def _targets_outside_decoder(config: Any) -> bool:
+    """Whether the adapter targets ``embed_tokens`` or ``lm_head`` (vLLM serves decoder linears)."""
+    targets = getattr(config, "target_modules", None) or ()
+    names = {targets} if isinstance(targets, str) else set(targets)
+    return any(n.rsplit(".", 1)[-1] in ("embed_tokens", "lm_head") for n in names)
 
 
 def lora_engine_kwargs(model: torch.nn.Module) -> dict[str, Any]:
