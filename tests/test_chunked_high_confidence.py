@@ -171,7 +171,10 @@ def test_chunked_equals_unchunked(many):
     for chunk_size in (1, 4):
         parts = chunked_run(z, targets, torch.float32, chunk_size=chunk_size, with_entropy=True)
         for name in whole:
-            torch.testing.assert_close(parts[name], whole[name], rtol=1e-5, atol=0)
+            # relative per element, and an absolute floor at float32 rounding of the tensor's largest
+            # entry: an entry 1e-11 of it moved by 3e-16 under AVX2 kernels (another summation order)
+            floor = 1e-7 * whole[name].abs().max().item()
+            torch.testing.assert_close(parts[name], whole[name], rtol=1e-5, atol=floor)
 
 
 def test_float64_head_stays_float64_and_exact():

@@ -296,7 +296,9 @@ _grpo({out!r}, build_tiny_tokenizer()).train()
 
 def test_a_real_sigkill_between_two_files(tmp_path):
     out = tmp_path / "killed"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    # the child's steps are compared bit for bit with this process's: the same number of threads
+    # (another count sums in another order; AVX2 kernels showed it in the last bits)
+    env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads()), "HF_HUB_OFFLINE": "1"}
     code = SIGKILL_CHILD.format(tests=os.path.dirname(__file__), out=str(out))
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
