@@ -156,6 +156,48 @@ def test_generation_is_a_tree_under_the_transformers_backend():
         visit(node, [])
 
 
+def _config_reads(path: Path) -> list[tuple[str, str]]:
+    """``args.name`` and ``getattr(args, "name", ...)`` reads in ``path`` (``args``, ``a`` or
+    ``self.args``), and ``family_option(..., "name")`` calls: (kind, name) pairs."""
+    reads = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
+            owner = node.value
+            if (isinstance(owner, ast.Name) and owner.id in ("args", "a")) or (
+                isinstance(owner, ast.Attribute) and owner.attr == "args"
+            ):
+                reads.append(("attribute", node.attr))
+        if not isinstance(node, ast.Call) or len(node.args) < 2 or not isinstance(node.args[1], ast.Constant):
+            continue
+        func, target = node.func, node.args[0]
+        is_config = (isinstance(target, ast.Name) and target.id in ("args", "a")) or (
+            isinstance(target, ast.Attribute) and target.attr == "args"
+        )
+        if isinstance(func, ast.Name) and func.id == "getattr" and is_config:
+            reads.append(("getattr", node.args[1].value))
+        elif isinstance(func, ast.Name) and func.id == "family_option":
+            reads.append(("family_option", node.args[1].value))
+    return reads
+
+
+def test_the_core_reads_only_declared_config_fields():
+    """``core/`` reads a config field by name only when ``BaseConfig`` declares it, or through
+    ``family_option`` when ``FAMILY_OPTIONS`` lists it (a field only some families have)."""
+    import dataclasses
+
+    from posttrain.core.config import FAMILY_OPTIONS, BaseConfig
+
+    declared = {f.name for f in dataclasses.fields(BaseConfig)}
+    stray = []
+    for path in sorted((SRC / "core").glob("*.py")):
+        for kind, name in _config_reads(path):
+            if (kind == "getattr" and name not in declared) or (
+                kind == "family_option" and name not in FAMILY_OPTIONS
+            ):
+                stray.append(f"{path.name}: {kind} {name!r}")
+    assert not stray, f"core reads config fields BaseConfig does not declare: {stray}"
+
+
 def test_the_grpo_trainer_stays_thin():
     source = (SRC / "grpo" / "trainer.py").read_text()
     assert len(source.splitlines()) < 500

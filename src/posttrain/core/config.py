@@ -26,10 +26,12 @@ from transformers.utils import is_torch_bf16_gpu_available, is_torch_xla_availab
 from posttrain.models.compat import HAS_ACTIVATION_CHECKPOINTING, checkpointing_enabled
 
 __all__ = [
+    "FAMILY_OPTIONS",
     "BaseConfig",
     "Rule",
     "UnbuiltOption",
     "choice_rules",
+    "family_option",
     "is_int",
     "is_num",
     "optional",
@@ -131,6 +133,31 @@ def bf16_supported(use_cpu: bool) -> bool:
 
 #: Fields the base config adds to every reference config (features the reference lost or lacks).
 BASE_EXTENSIONS = ("warmup_ratio",)
+
+#: The fields the core reads that only some families' configs declare, with what their absence
+#: means. The reference's configs differ here (SFT has no reference model to sync, the reward
+#: trainer no dropout switch), so these stay off ``BaseConfig``, whose field list each family's
+#: config would otherwise gain; the core reads them through ``family_option`` and reads no other
+#: field ``BaseConfig`` does not declare (``tests/test_layering.py``).
+FAMILY_OPTIONS: dict[str, Any] = {
+    "disable_dropout": False,  # GRPO, DPO, KTO, ... switch the policy's (and reference's) dropout off
+    "cast_lm_head_to_fp32": False,  # the online families' and SFT's float32 output head
+    "sync_ref_model": False,  # TR-DPO: with it, ref_model_sync_steps and ref_model_mixup_alpha
+    "router_aux_loss_coef": None,  # OfflineConfig's and OnlineConfig's MoE router loss weight
+    "activation_offloading": False,  # the configs that offer offloading the saved activations
+    # read only when sync_ref_model is set, so by a config that declares them with it:
+    "ref_model_sync_steps": None,
+    "ref_model_mixup_alpha": None,
+}
+
+
+def family_option(args: Any, name: str) -> Any:
+    """The ``FAMILY_OPTIONS`` field ``name`` of a config, or what its absence means.
+
+    Raises:
+        KeyError: ``name`` is not a ``FAMILY_OPTIONS`` field (declare it on ``BaseConfig`` instead).
+    """
+    return getattr(args, name, FAMILY_OPTIONS[name])
 
 
 @dataclass

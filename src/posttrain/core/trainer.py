@@ -36,6 +36,7 @@ from transformers import PreTrainedModel, Trainer, TrainerCallback
 from transformers.trainer_utils import TrainOutput, rotate_checkpoints
 
 from posttrain.core import checkpoints
+from posttrain.core.config import family_option
 from posttrain.models import distributed, loading
 from posttrain.models import peft as peft_utils
 from posttrain.models import reference as model_options
@@ -88,7 +89,7 @@ class BaseTrainer(Trainer):
         #: The MoE router loss's weight in force (``router_aux_loss_coef``; 0 for a dense model),
         #: added by ``_plus_aux_loss``. Reward models (one score per row) have none.
         self.aux_loss_coef = (
-            model_options.set_router_aux_loss_coef(self.model, args.router_aux_loss_coef)
+            model_options.set_router_aux_loss_coef(self.model, family_option(args, "router_aux_loss_coef"))
             if self._model_kind == "causal_lm"
             else 0.0
         )
@@ -140,11 +141,11 @@ class BaseTrainer(Trainer):
         loading.check_model_kind(policy, cls._model_kind)
         if peft_config is not None or peft_utils.is_peft_model(policy):
             policy = peft_utils.wrap_policy(policy, peft_config, checkpointing_enabled(args))
-        if getattr(args, "disable_dropout", False):
+        if family_option(args, "disable_dropout"):
             loading.disable_dropout(policy)
-        if getattr(args, "cast_lm_head_to_fp32", False):
+        if family_option(args, "cast_lm_head_to_fp32"):
             model_options.cast_lm_head_to_fp32(policy)
-        coef = getattr(args, "router_aux_loss_coef", None)
+        coef = family_option(args, "router_aux_loss_coef")
         if coef is not None and not model_options.is_moe(policy):
             model_options.set_router_aux_loss_coef(policy, coef)  # raises, before training
         return policy, source
@@ -204,7 +205,7 @@ class BaseTrainer(Trainer):
 
     def _offloading(self) -> contextlib.AbstractContextManager:
         """With ``activation_offloading``, the tensors saved for backward live in CPU memory."""
-        if self.args.activation_offloading:
+        if family_option(self.args, "activation_offloading"):
             return torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available())
         return contextlib.nullcontext()
 
@@ -238,7 +239,7 @@ class BaseTrainer(Trainer):
             )
         if ref_model is not None:
             ref_model = model_options.create_reference(ref_model.to(self.accelerator.device))
-            if getattr(a, "disable_dropout", False):
+            if family_option(a, "disable_dropout"):
                 loading.disable_dropout(ref_model)
             return ref_model
         if peft_utils.is_peft_model(self.model):
@@ -261,9 +262,7 @@ class BaseTrainer(Trainer):
         Raises:
             NotImplementedError: with FSDP2 or DeepSpeed, whose sharded parameters do not allow it.
         """
-        if getattr(self.args, "sync_ref_model", False) and (
-            self.is_fsdp_enabled or self.is_deepspeed_enabled
-        ):
+        if family_option(self.args, "sync_ref_model") and (self.is_fsdp_enabled or self.is_deepspeed_enabled):
             raise NotImplementedError(
                 "sync_ref_model=True is not supported with FSDP2 or DeepSpeed in posttrain: the reference is "
                 "mixed with the policy parameter by parameter, which sharded parameters do not allow. Train "
@@ -277,10 +276,12 @@ class BaseTrainer(Trainer):
         each checkpoint by ``_save_reference``.
         """
         a = self.args
-        if reference is None or not getattr(a, "sync_ref_model", False):
+        if reference is None or not family_option(a, "sync_ref_model"):
             return
-        if should_sync_reference(self.state.global_step, a.ref_model_sync_steps):
-            mix_into_reference(reference.parameters(), self.model.parameters(), a.ref_model_mixup_alpha)
+        if should_sync_reference(self.state.global_step, family_option(a, "ref_model_sync_steps")):
+            mix_into_reference(
+                reference.parameters(), self.model.parameters(), family_option(a, "ref_model_mixup_alpha")
+            )
 
     def create_accelerator_and_postprocess(self) -> None:
         """transformers' Accelerator; on CPU processes switched to the FSDP2 that ``fsdp`` asks for."""
@@ -502,7 +503,7 @@ class BaseTrainer(Trainer):
         state and calls this.
         """
         reference = getattr(self, "ref_model", None)
-        if reference is not None and getattr(self.args, "sync_ref_model", False):
+        if reference is not None and family_option(self.args, "sync_ref_model"):
             self._save_reference(folder, reference)
         return {}
 
