@@ -129,8 +129,15 @@ def plot(argv: list[str]) -> None:
     main_plot(argv)
 
 
+def sweep(argv: list[str]) -> None:
+    """Train several GRPO runs at once, each a LoRA adapter on one base model (posttrain sweep SWEEP.yaml)."""
+    from posttrain.cli.sweep import sweep as run_sweep
+
+    run_sweep(argv)
+
+
 def report(argv: list[str]) -> None:
-    """Write one self-contained HTML page of a run (posttrain report RUN_DIR [--out FILE])."""
+    """Write one self-contained HTML page of a run, or of a sweep's runs side by side (posttrain report DIR)."""
     from posttrain.observe.report import main_report
 
     main_report(argv)
@@ -144,6 +151,7 @@ COMMANDS: dict[str, Callable[[list[str]], Any]] = {
     "online-dpo": online_dpo,
     "a2po": a2po,
     "grpo-async": grpo_async,
+    "sweep": sweep,
     "distill": distill,
     "xtoken-projection": xtoken_projection,
     "sft": sft,

@@ -43,6 +43,9 @@ class OnlineScriptArguments:
         evaluate: measure the greedy accuracy on 100 held-out problems of the built-in task
             before and after training (drawn with the task's options; the training prompts
             leave them out).
+        use_peft: train a LoRA adapter (``peft``) instead of every weight; ``lora_r``,
+            ``lora_alpha``, ``lora_dropout`` and ``lora_target_modules`` describe it (TRL's
+            ``ModelConfig`` names and defaults).
     """
 
     model_name_or_path: str = field(
@@ -99,6 +102,37 @@ class OnlineScriptArguments:
             "help": "Print the built-in task's held-out accuracy before and after training (and leave "
             "the held-out problems out of the training prompts)."
         },
+    )
+    use_peft: bool = field(
+        default=False, metadata={"help": "Train a LoRA adapter instead of every weight (needs peft)."}
+    )
+    lora_r: int = field(default=16, metadata={"help": "LoRA rank (with --use_peft)."})
+    lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha (with --use_peft)."})
+    lora_dropout: float = field(default=0.05, metadata={"help": "LoRA dropout (with --use_peft)."})
+    lora_target_modules: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "Modules the adapter wraps (with --use_peft), or all-linear. Default: peft's choice for "
+            "the architecture (q_proj and v_proj for Llama)."
+        },
+    )
+
+
+def lora_config(script: OnlineScriptArguments) -> Any:
+    """The ``peft.LoraConfig`` the LoRA flags describe (``None`` without ``--use_peft``)."""
+    if not script.use_peft:
+        return None
+    from posttrain.models.peft import _import_peft
+
+    targets = script.lora_target_modules
+    if targets is not None and len(targets) == 1:
+        targets = targets[0]  # "all-linear" is a string to peft
+    return _import_peft().LoraConfig(
+        r=script.lora_r,
+        lora_alpha=script.lora_alpha,
+        lora_dropout=script.lora_dropout,
+        target_modules=targets,
+        task_type="CAUSAL_LM",
     )
 
 
@@ -181,8 +215,13 @@ def build_online_trainer(
         funcs = resolve_reward_funcs(script.reward_funcs, script.reward_model_name_or_path)
     heldout = _heldout(script, config)
     dataset = _dataset(script, heldout)
+    peft_config = lora_config(script)
     trainer = trainer_class(
-        model=script.model_name_or_path, reward_funcs=funcs, args=config, train_dataset=dataset
+        model=script.model_name_or_path,
+        reward_funcs=funcs,
+        args=config,
+        train_dataset=dataset,
+        **({"peft_config": peft_config} if peft_config is not None else {}),
     )
     trainer.heldout = heldout
     return trainer, config

@@ -111,6 +111,16 @@ def _check_unknown_flags(parser: argparse.ArgumentParser, argv: list[str], prog:
     )
 
 
+def _check_known(values: dict[str, Any], known: set[str], source: str, prog: str) -> None:
+    """Name the keys of ``values`` that are not flags of ``prog``, with a did-you-mean hint."""
+    unknown = sorted(str(k) for k in set(values) - known)
+    if unknown:
+        raise CLIError(
+            f"{source} has keys that are not flags of {prog}: {unknown}"
+            f"{did_you_mean(unknown[0], sorted(known))}; `{prog} --help` lists them."
+        )
+
+
 def _fixed_length_tuples(parser: argparse.ArgumentParser) -> None:
     """Flags of fields typed ``tuple[float, float]`` take that many values (``--reward_clip_range -1 1``).
 
@@ -137,6 +147,8 @@ def parse_config(
     command: str,
     summary: str,
     defaults: dict[str, Any] | None = None,
+    values: dict[str, Any] | None = None,
+    values_source: str | None = None,
 ) -> tuple[Any, Any]:
     """Parse a training subcommand's ``argv`` into its script arguments and its training config.
 
@@ -150,6 +162,9 @@ def parse_config(
         command: the subcommand's name (``grpo``); the messages name ``posttrain <command>``.
         summary: the first sentence of ``posttrain <command> --help``.
         defaults: flag values used when neither the recipe nor the command line sets them.
+        values: flag values that win over the recipe and ``defaults`` (``posttrain sweep``'s
+            per-run settings); each key must be a flag.
+        values_source: what ``values`` came from, for the message naming an unknown key.
 
     Returns:
         ``(script_args, config)``, instances of ``script_args_class`` and ``config_class``.
@@ -172,9 +187,12 @@ def parse_config(
     _fixed_length_tuples(parser)
     parser.set_defaults(**(defaults or {}))
     config_path, argv = _split_config(argv)
+    known = {action.dest for action in parser._actions} - {"help"}
     if config_path is not None:
-        known = {action.dest for action in parser._actions} - {"help"}
         parser.set_defaults(**_yaml_defaults(config_path, known, prog))
+    if values:
+        _check_known(values, known, values_source or "the settings", prog)
+        parser.set_defaults(**values)
     _check_unknown_flags(parser, argv, prog)
     script_args, config = parser.parse_args_into_dataclasses(args=argv)
     return script_args, config

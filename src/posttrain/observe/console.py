@@ -144,8 +144,9 @@ class RunLogCallback(TrainerCallback):
     ``tqdm.write``, so it lands above a progress bar instead of breaking it.
     """
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, label: str | None = None) -> None:
         self.path = Path(path)
+        self.label = label
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if not state.is_world_process_zero:
@@ -164,7 +165,8 @@ class RunLogCallback(TrainerCallback):
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with self.path.open("a", encoding="utf-8") as f:
             f.write(json_log_line(logs, state.global_step) + "\n")
-        tqdm.write(format_log_line(logs, state.global_step, state.max_steps))
+        line = format_log_line(logs, state.global_step, state.max_steps)
+        tqdm.write(f"[{self.label}] {line}" if self.label else line)
 
 
 class _BarOnlyProgressCallback(ProgressCallback):
@@ -174,7 +176,7 @@ class _BarOnlyProgressCallback(ProgressCallback):
         pass
 
 
-def use_compact_console(trainer: Any, path: str | Path) -> RunLogCallback:
+def use_compact_console(trainer: Any, path: str | Path, label: str | None = None) -> RunLogCallback:
     """Replace ``trainer``'s printing of each metric dict with :class:`RunLogCallback`.
 
     transformers' ``ProgressCallback`` is swapped for one that keeps its bars but no longer
@@ -184,6 +186,7 @@ def use_compact_console(trainer: Any, path: str | Path) -> RunLogCallback:
     Args:
         trainer: a ``transformers.Trainer``.
         path: the JSON Lines file that receives every logged dict (``output_dir/log.jsonl``).
+        label: printed in brackets before each line (a sweep's run name), or nothing.
 
     Returns:
         The installed callback.
@@ -192,6 +195,6 @@ def use_compact_console(trainer: Any, path: str | Path) -> RunLogCallback:
     if trainer.pop_callback(ProgressCallback) is not None:
         trainer.add_callback(_BarOnlyProgressCallback())
     trainer.pop_callback(PrinterCallback)
-    callback = RunLogCallback(path)
+    callback = RunLogCallback(path, label)
     trainer.add_callback(callback)
     return callback

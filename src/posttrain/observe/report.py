@@ -506,12 +506,16 @@ def write_report(
 
 
 def main_report(argv: list[str]) -> None:
-    """``posttrain report RUN_DIR [--out FILE] [--max-rows N]``."""
+    """``posttrain report RUN_DIR [--out FILE] [--max-rows N]`` (RUN_DIR a run's or a sweep's folder)."""
     parser = argparse.ArgumentParser(
         prog="posttrain report",
         description="Write one self-contained HTML page with a run's curves and completions.",
     )
-    parser.add_argument("run_dir", metavar="RUN_DIR", help="the output_dir of a training run")
+    parser.add_argument(
+        "run_dir",
+        metavar="RUN_DIR",
+        help="the output_dir of a training run, or a sweep's folder (runs compared)",
+    )
     parser.add_argument(
         "--out", metavar="FILE", default=None, help="output file (default: RUN_DIR/report.html)"
     )
@@ -523,8 +527,13 @@ def main_report(argv: list[str]) -> None:
         help=f"embed at most N completions, a uniform sample (default {DEFAULT_MAX_ROWS})",
     )
     args = parser.parse_args(argv)
+    from posttrain.observe.sweep_report import is_sweep_folder, write_sweep_report
+
     try:
-        path = write_report(args.run_dir, args.out, max_rows=args.max_rows)
+        if is_sweep_folder(args.run_dir):  # a sweep's folder: its runs side by side
+            path = write_sweep_report(args.run_dir, args.out)
+        else:
+            path = write_report(args.run_dir, args.out, max_rows=args.max_rows)
     except (FileNotFoundError, ValueError, ImportError, OSError) as err:
         print(f"posttrain report: {err}", file=sys.stderr)
         raise SystemExit(2) from err
