@@ -149,7 +149,9 @@ def test_sampled_runs_with_their_own_rewards_each_equal_the_run_trained_alone(tm
         )
         for name, reward, values in specs
     ]
-    sweep = GRPOSweep(build_tiny_model(tok), runs, peft_config=lora(), processing_class=tok)
+    sweep = GRPOSweep(
+        build_tiny_model(tok), runs, peft_config=lora(), processing_class=tok, shared_generation=False
+    )
     sweep.train()
     for name, reward, values in specs:
         trainer = sweep.trainers[name]
@@ -348,6 +350,7 @@ def test_posttrain_sweep_trains_each_run_and_the_report_compares_them(tmp_path, 
         ({"a1": {"learnin_rate": 1e-3}}, {}, "did you mean learning_rate"),
         ({"a1": {}}, {"shard": {}}, "unknown keys"),
         ({}, {}, "needs 'runs'"),
+        ({"a1": {}}, {"shared_generation": "yes"}, "must be true or false"),
     ],
 )
 def test_a_bad_sweep_file_is_named_before_training(tmp_path, tiny_model_dir, capsys, runs, extra, message):
@@ -385,3 +388,146 @@ def test_the_shipped_sweep_recipe_parses_into_grpo_runs():
             values={**spec["shared"], **flags},
         )
         assert config.learning_rate == flags["learning_rate"] and config.max_steps == 40
+
+
+def test_one_shared_call_samples_each_row_with_its_own_runs_adapter(tok):
+    """The shared call's rows of each run equal that run's adapter sampling alone (greedy: no draws)."""
+    from transformers import GenerationConfig
+
+    from posttrain.generation.transformers_backend import TransformersGenerator
+    from posttrain.sweep.generation import Request, SharedGeneration
+
+    model = peft.get_peft_model(build_tiny_model(tok), lora(lora_dropout=0.0), adapter_name="plain")
+    model.add_adapter("skewed", lora(lora_dropout=0.0))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B.skewed" in name:
+                param.normal_(0, 2.0)  # an adapter that changes the greedy completions
+    config = GenerationConfig(
+        do_sample=False, max_new_tokens=6, pad_token_id=tok.pad_token_id or 0, eos_token_id=tok.eos_token_id
+    )
+    encoded = [
+        tok(["Question 1: what is", "one two three four five"], return_tensors="pt", padding=True),
+        tok(["The sky is", "Write a short story about a cat"], return_tensors="pt", padding=True),
+    ]
+    alone = {}
+    for name, batch in zip(("plain", "skewed"), encoded, strict=True):
+        model.set_adapter(name)
+        alone[name] = TransformersGenerator(lambda: model, config).generate(
+            batch["input_ids"], batch["attention_mask"]
+        )
+    assert not torch.equal(alone["plain"].completion_ids, alone["skewed"].completion_ids)
+    shared = SharedGeneration(model, hand_over=lambda name: None)
+    requests = [
+        Request(
+            name,
+            TransformersGenerator(lambda: model, config),
+            batch["input_ids"],
+            batch["attention_mask"],
+            None,
+        )
+        for name, batch in zip(("plain", "skewed"), encoded, strict=True)
+    ]
+    shared.pending.extend(requests)
+    shared.serve()
+    assert shared.calls == 1 and shared.rows == 4
+    for request in requests:
+        want = alone[request.name].completion_ids
+        got = request.result.completion_ids[:, : want.shape[1]]
+        assert torch.equal(got, want), request.name
+
+
+def test_a_sweep_samples_all_its_runs_in_one_call_per_round(tmp_path, tok):
+    specs = [
+        ("tok5", prefers_token(5), {"seed": 3}),
+        ("tok6", prefers_token(6), {"seed": 4, "temperature": 0.7}),
+    ]
+    runs = [
+        SweepRun(
+            name, config(tmp_path, name, **values), reward_funcs=reward, train_dataset=standard_dataset()
+        )
+        for name, reward, values in specs
+    ]
+    sweep = GRPOSweep(
+        build_tiny_model(tok), runs, peft_config=lora(), processing_class=tok, shared_generation=True
+    )
+    calls = []
+    for trainer in sweep.trainers.values():
+        own = type(trainer.generator).generate
+        type(trainer.generator).generate = lambda self, *a, _own=own, **k: (
+            calls.append(a[0].shape[0]) or _own(self, *a, **k)
+        )
+        break
+    try:
+        outcomes = sweep.train()
+    finally:
+        type(sweep.trainers["tok5"].generator).generate = own
+    assert [o.status for o in outcomes.values()] == ["finished", "finished"]
+    # different temperatures: one call per run and round; the same settings share one call
+    assert calls == [8, 8] * 3 and sweep.generation.calls == 6
+    same = [
+        SweepRun(
+            name,
+            config(tmp_path / "same", name, seed=seed),
+            reward_funcs=prefers_token(5),
+            train_dataset=standard_dataset(),
+        )
+        for name, seed in (("s1", 1), ("s2", 2))
+    ]
+    together = GRPOSweep(
+        build_tiny_model(tok), same, peft_config=lora(), processing_class=tok, shared_generation=True
+    )
+    together.train()
+    assert together.generation.calls == 3 and together.generation.rows == 3 * 16
+    for name in ("s1", "s2"):
+        logged = [e for e in together.trainers[name].state.log_history if "reward" in e]
+        assert len(logged) == 3 and all("rewards/count_5/mean" in e for e in logged)
+
+
+def test_a_shared_call_that_raises_fails_its_caller_and_the_others_are_served_next(tok):
+    from transformers import GenerationConfig
+
+    from posttrain.generation.transformers_backend import TransformersGenerator
+    from posttrain.sweep.generation import Request, SharedGeneration
+
+    class Broken(TransformersGenerator):
+        def generate(self, *args, **kwargs):
+            raise RuntimeError("out of memory while sampling")
+
+    model = peft.get_peft_model(build_tiny_model(tok), lora(lora_dropout=0.0), adapter_name="one")
+    model.add_adapter("two", lora(lora_dropout=0.0))
+    config = GenerationConfig(
+        do_sample=False, max_new_tokens=4, pad_token_id=0, eos_token_id=tok.eos_token_id
+    )
+    hot = GenerationConfig(
+        do_sample=True, temperature=0.5, max_new_tokens=4, pad_token_id=0, eos_token_id=tok.eos_token_id
+    )
+    batch = tok(["Question 1: what is"], return_tensors="pt")
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    requests = [
+        Request("one", Broken(lambda: model, config), ids, mask, None),
+        Request("two", TransformersGenerator(lambda: model, hot), ids, mask, None),
+    ]
+    shared = SharedGeneration(model, hand_over=lambda name: None)
+    shared.pending.extend(requests)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        shared.serve("one")
+    assert shared.pending == [requests[1]]  # the caller's own request is dropped: its run fails
+    shared.serve("two")
+    assert requests[1].result is not None and requests[1].result.completion_ids.shape[0] == 1
+
+
+def test_posttrain_grpo_use_peft_trains_and_saves_a_lora_adapter(tmp_path, tiny_model_dir):
+    """`posttrain grpo --use_peft` with TRL's LoRA flags: only the adapter trains, and the folder holds it."""
+    from posttrain.cli.main import main
+
+    out = tmp_path / "lora-run"
+    main(["grpo", "--model_name_or_path", tiny_model_dir, "--use_peft", "true", "--lora_r", "4",
+          "--lora_target_modules", "q_proj", "v_proj", "--max_steps", "1", "--per_device_train_batch_size", "4",
+          "--num_generations", "4", "--max_completion_length", "8", "--task_size", "40", "--evaluate", "false",
+          "--dynamic_sampling", "false", "--use_cpu", "true", "--report_to", "none", "--output_dir", str(out),
+          "--save_strategy", "no"])  # fmt: skip
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["r"] == 4 and sorted(config["target_modules"]) == ["q_proj", "v_proj"]
+    assert (out / "adapter_model.safetensors").is_file() and not (out / "model.safetensors").exists()

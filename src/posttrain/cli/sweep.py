@@ -25,7 +25,7 @@ from typing import Any
 from posttrain.cli.options import CLIError, _read_recipe, one_paragraph
 
 #: The keys of a sweep file.
-SWEEP_KEYS = ("output_dir", "lora", "shared", "runs")
+SWEEP_KEYS = ("output_dir", "lora", "shared", "runs", "shared_generation")
 
 #: The LoRA settings a sweep file's ``lora`` mapping may give (``peft.LoraConfig`` fields).
 LORA_KEYS = ("r", "lora_alpha", "lora_dropout", "target_modules", "bias", "use_rslora", "init_lora_weights")
@@ -124,7 +124,12 @@ def _build(path: str, out: str | None) -> tuple[Any, dict[str, Any]]:
             )
         )
     lora = _import_peft().LoraConfig(task_type="CAUSAL_LM", **{**DEFAULT_LORA, **(spec.get("lora") or {})})
-    sweep = GRPOSweep(model_name, runs, peft_config=lora, output_dir=output_dir)
+    shared_generation = spec.get("shared_generation", False)
+    if not isinstance(shared_generation, bool):
+        raise CLIError(f"'shared_generation' in {path!r} must be true or false, not {shared_generation!r}.")
+    sweep = GRPOSweep(
+        model_name, runs, peft_config=lora, output_dir=output_dir, shared_generation=shared_generation
+    )
     return sweep, heldout
 
 

@@ -23,7 +23,9 @@ from typing import Any
 import torch
 from transformers import TrainerCallback, set_seed
 
+from posttrain.generation.transformers_backend import TransformersGenerator
 from posttrain.models import peft as peft_utils
+from posttrain.sweep.generation import SharedGeneration
 from posttrain.sweep.turns import RandomState, Turns
 
 #: Config fields that act on the shared base model, so every run of a sweep must give them the same value.
@@ -138,6 +140,11 @@ class GRPOSweep:
             goes to ``output_dir/sweep.json``. ``None``: each run keeps its own ``args.output_dir``
             and no summary file is written.
         trainer_class: the trainer of each run (``GRPOTrainer``, or a subclass of it).
+        shared_generation: sample every run's prompts in one generation call per round of
+            turns, each row with its run's adapter (:mod:`posttrain.sweep.generation`). False
+            (the default): each run samples alone in its turn, with the prompt-prefix sharing of a
+            lone run, drawing from its own random stream, so each run equals the same run trained
+            alone draw for draw. On a CPU the shared call is not faster yet (docs/sweeps.md).
 
     Raises:
         ValueError: no run, a repeated or unusable name, two runs writing to one folder, a run
@@ -154,6 +161,7 @@ class GRPOSweep:
         processing_class: Any = None,
         output_dir: str | None = None,
         trainer_class: type | None = None,
+        shared_generation: bool = False,
     ) -> None:
         if trainer_class is None:
             from posttrain import GRPOTrainer
@@ -177,6 +185,21 @@ class GRPOSweep:
         self._stop = threading.Event()
         self.trainers: dict[str, Any] = {}
         self._random: dict[str, RandomState] = {}
+        self._build_trainers(trainer_class)
+        #: The shared generation calls (None with ``shared_generation=False``).
+        self.generation: SharedGeneration | None = None
+        if shared_generation:
+            self.generation = SharedGeneration(self.model, self._hand_over_in_step)
+            for name, trainer in self.trainers.items():
+                if isinstance(getattr(trainer, "generator", None), TransformersGenerator):
+                    self.generation.attach(name, trainer.generator)
+        self._turns: Turns | None = None
+        self._seconds: dict[str, float] = {}
+        self._entered: dict[str, float] = {}
+
+    def _build_trainers(self, trainer_class: type) -> None:
+        """One trainer per run on the shared model, each built with its adapter active; its random
+        generators' state right after (as a lone run's when its ``train`` begins)."""
         sweep_class = _sweep_trainer_class(trainer_class)
         for index, run in enumerate(self.runs):
             self.model.set_adapter(run.name)
@@ -197,12 +220,7 @@ class GRPOSweep:
                     hook.remove()
                 trainer._trim_hooks = []
             self.trainers[run.name] = trainer
-            self._random[run.name] = (
-                RandomState.capture()
-            )  # as a lone run's, right after its trainer is built
-        self._turns: Turns | None = None
-        self._seconds: dict[str, float] = {}
-        self._entered: dict[str, float] = {}
+            self._random[run.name] = RandomState.capture()
 
     def _add_adapters(self, base: Any, default_config: Any, checkpointing: bool) -> Any:
         """The base model with one adapter per run, each created right after ``set_seed(run.args.seed)``.
@@ -247,6 +265,14 @@ class GRPOSweep:
         self._turns.pass_on(name)
         self._turns.wait(name)
         self._enter(name)
+
+    def _hand_over_in_step(self, name: str) -> None:
+        """``hand_over`` in the middle of a step (a generation request): the other runs' turns do
+        not count in this run's ``step_time``, which then holds its own work and any shared call it made."""
+        start = time.perf_counter()
+        self.hand_over(name)
+        trainer = self.trainers[name]
+        trainer._step_time -= time.perf_counter() - start
 
     def stop(self) -> None:
         """Ask every run to end after its current step, saving it (as on Ctrl-C during :meth:`train`)."""
