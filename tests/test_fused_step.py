@@ -330,3 +330,34 @@ def test_cuda_trainer_samples_through_the_graphed_step(tmp_path, tok, bf16):
     assert gen.path.fused_blocker is None, gen.path.fused_blocker
     assert gen.path.cuda_graph_blocker is None, gen.path.cuda_graph_blocker
     assert gen.autocast_dtype == (torch.bfloat16 if bf16 else None)
+
+
+@pytest.mark.parametrize("kind", ["onednn", "plain"])
+def test_step_with_lora_terms_per_row_block_equals_the_mixed_adapter_forward(tok, kind):
+    """A sweep's shared call: base products once for every row, each row block's adapter added."""
+    from peft import LoraConfig, get_peft_model
+
+    every = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    model = get_peft_model(family("llama", tok), LoraConfig(r=4, target_modules=every), adapter_name="wide")
+    model.add_adapter("narrow", LoraConfig(r=2, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.5)  # adapters that move the logits
+    model.eval()
+    core = model.get_base_model()
+    rows = len(MIXED)
+    blocks = [("wide", rows // 2), ("narrow", rows - rows // 2)]
+    names = [name for name, count in blocks for _ in range(count)]
+    assert (
+        fused_decoder_blocker(core, None if kind == "onednn" else "plain", None, ["wide", "narrow"]) is None
+    )
+    backend = None if kind == "onednn" else "plain"
+    with model._enable_peft_forward_hooks(adapter_names=names):
+        compare_steps(core, tok, lambda m, n: FusedDecoder(m, n, backend=backend, adapter_rows=blocks))
+    # without the terms the step is the base model's: far from the adapted forward
+    with model._enable_peft_forward_hooks(adapter_names=names), pytest.raises(AssertionError):
+        compare_steps(
+            core, tok, lambda m, n: FusedDecoder(m, n, backend=backend, adapter_rows=[("other", n)])
+        )

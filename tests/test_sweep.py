@@ -390,8 +390,15 @@ def test_the_shipped_sweep_recipe_parses_into_grpo_runs():
         assert config.learning_rate == flags["learning_rate"] and config.max_steps == 40
 
 
-def test_one_shared_call_samples_each_row_with_its_own_runs_adapter(tok):
-    """The shared call's rows of each run equal that run's adapter sampling alone (greedy: no draws)."""
+@pytest.mark.parametrize("new_tokens", [6, 40])
+def test_one_shared_call_samples_each_row_with_its_own_runs_adapter(tok, new_tokens):
+    """The shared call's rows of each run equal that run's adapter sampling alone (greedy: no draws).
+
+    40 new tokens repay packing the weights: the shared call then runs the fused step with each
+    row block's low-rank terms; 6 run the model's own modules with peft's mixed-adapter batches.
+    """
+    if tok.pad_token is None:  # as a trainer sets it
+        tok.pad_token = tok.eos_token
     from transformers import GenerationConfig
 
     from posttrain.generation.transformers_backend import TransformersGenerator
@@ -405,7 +412,7 @@ def test_one_shared_call_samples_each_row_with_its_own_runs_adapter(tok):
             if "lora_B.skewed" in name:
                 param.normal_(0, 2.0)  # an adapter that changes the greedy completions
     config = GenerationConfig(
-        do_sample=False, max_new_tokens=6, pad_token_id=tok.pad_token_id or 0, eos_token_id=tok.eos_token_id
+        do_sample=False, max_new_tokens=new_tokens, pad_token_id=tok.pad_token_id or 0, eos_token_id=None
     )
     encoded = [
         tok(["Question 1: what is", "one two three four five"], return_tensors="pt", padding=True),
@@ -432,6 +439,8 @@ def test_one_shared_call_samples_each_row_with_its_own_runs_adapter(tok):
     shared.pending.extend(requests)
     shared.serve()
     assert shared.calls == 1 and shared.rows == 4
+    fused = requests[0].generator.path.fused_blocker
+    assert (fused is None) == (new_tokens >= 32), fused
     for request in requests:
         want = alone[request.name].completion_ids
         got = request.result.completion_ids[:, : want.shape[1]]

@@ -42,8 +42,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -107,7 +107,10 @@ def rope_is_static(model: nn.Module) -> bool:
 
 
 def fused_decoder_blocker(
-    model: nn.Module, backend: str | None = None, autocast_dtype: torch.dtype | None = None
+    model: nn.Module,
+    backend: str | None = None,
+    autocast_dtype: torch.dtype | None = None,
+    lora_adapters: Sequence[str] | None = None,
 ) -> str | None:
     """Why ``FusedDecoder`` cannot run ``model``'s decode steps, or None when it can.
 
@@ -120,8 +123,14 @@ def fused_decoder_blocker(
             in (accelerate's ``bf16``/``fp16``); the wrapper is then accepted by the plain backend
             (whose steps run under the same autocast) and by the reduced copies (which never call
             the forward: their products are in their own precision).
+        lora_adapters: the model (the transformers model under a ``PeftModel``) carries LoRA
+            layers and these adapters are to be applied (``FusedDecoder(adapter_rows=...)``): a
+            plain LoRA layer (no DoRA, not merged, float32 or plain weights) then counts as its
+            base linear layer plus low-rank terms. None: any LoRA layer rules the step out.
     """
     backend = backend or default_backend(model)
+    if lora_adapters is not None and backend in REDUCED_BACKENDS:
+        return "LoRA terms with a reduced-precision copy"
     reason = _backend_blocker(backend) or _wrapping_blocker(model, backend, autocast_dtype)
     if reason is not None:
         return reason
@@ -137,6 +146,8 @@ def fused_decoder_blocker(
         linear_ok, what = (lambda m: _is_plain_linear(m, device)), "linear layer"
     if not linear_ok(head):
         return f"the LM head is not a plain {what}"
+    if lora_adapters is not None:
+        linear_ok = _lora_or(linear_ok, lora_adapters)
     embed = getattr(backbone, "embed_tokens", None)
     if type(embed) is not nn.Embedding or embed.weight.device != device:
         return "the input embedding is not a plain embedding beside the LM head"
@@ -147,6 +158,36 @@ def fused_decoder_blocker(
     return next(
         (r for layer in backbone.layers if (r := _layer_blocker(layer, linear_ok, what)) is not None), None
     )
+
+
+def is_lora_layer(module: object) -> bool:
+    """Whether ``module`` is a peft LoRA layer (a base layer with ``lora_A``/``lora_B`` beside it)."""
+    return hasattr(module, "lora_A") and hasattr(module, "lora_B") and hasattr(module, "base_layer")
+
+
+def _base_layer(module: nn.Module) -> nn.Module:
+    return module.base_layer if is_lora_layer(module) else module
+
+
+def _plain_lora(module: nn.Module, adapters: Sequence[str]) -> bool:
+    """A LoRA layer the step can apply as base product + ``scaling * B(A x)`` for ``adapters``."""
+    if getattr(module, "merged", False) or getattr(module, "disable_adapters", False):
+        return False
+    for name in adapters:
+        if name not in module.lora_A:
+            continue  # this adapter does not wrap the layer: the base product alone
+        if getattr(module, "use_dora", {}).get(name, False) or getattr(module, "lora_bias", {}).get(
+            name, False
+        ):
+            return False
+        if type(module.lora_A[name]) is not nn.Linear or type(module.lora_B[name]) is not nn.Linear:
+            return False
+    return True
+
+
+def _lora_or(linear_ok: Callable[[nn.Module], bool], adapters: Sequence[str]) -> Callable[[nn.Module], bool]:
+    """``linear_ok``, also true of a plain LoRA layer (for ``adapters``) whose base layer passes it."""
+    return lambda m: linear_ok(_base_layer(m)) and (not is_lora_layer(m) or _plain_lora(m, adapters))
 
 
 def _backend_blocker(backend: str | None) -> str | None:
@@ -209,6 +250,8 @@ class _Layer:
     down: torch.Tensor
     act: nn.Module
     scaling: float
+    #: LoRA terms per projection ("q", "k", "v", "o", "gate", "up", "down"): (rows, A, scaling * B)
+    lora: dict[str, list[tuple[slice, torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
 
 
 def _rms_norm(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
@@ -244,6 +287,10 @@ class FusedDecoder:
         autocast_dtype: the model's forward is wrapped in a mixed-precision autocast to this
             dtype: the plain backend runs every step under the same autocast; the reduced copies
             accept the wrapper and compute in their own precision.
+        adapter_rows: the model (the transformers model under a ``PeftModel``) has LoRA layers:
+            ``[(adapter, rows), ...]`` in row order, the adapter each block of rows samples with
+            (a sweep's shared call). Every product then multiplies the base weights once for all
+            rows and adds, per block, its adapter's ``scaling * B(A x)``.
     """
 
     def __init__(
@@ -252,14 +299,21 @@ class FusedDecoder:
         rows: int,
         backend: str | None = None,
         autocast_dtype: torch.dtype | None = None,
+        adapter_rows: Sequence[tuple[str, int]] | None = None,
     ) -> None:
         backend = backend or default_backend(model)
-        reason = fused_decoder_blocker(model, backend, autocast_dtype)
+        names = None if adapter_rows is None else [name for name, _ in adapter_rows]
+        reason = fused_decoder_blocker(model, backend, autocast_dtype, names)
         if reason is not None:
             raise ValueError(f"FusedDecoder cannot run this model: {reason}")
         self.backend = backend
         self.autocast_dtype = autocast_dtype
         self.rope_is_static = rope_is_static(model)
+        self.segments: list[tuple[str, slice]] = []
+        start = 0
+        for name, count in adapter_rows or ():
+            self.segments.append((name, slice(start, start + count)))
+            start += count
         backbone = model.model
         self.embed = backbone.embed_tokens.weight.detach()
         self.rotary = backbone.rotary_emb
@@ -268,15 +322,19 @@ class FusedDecoder:
         self.layers = [self._layer(layer, rows) for layer in backbone.layers]
         first = backbone.layers[0].self_attn
         self.head_dim = first.head_dim
-        self.q_width = first.q_proj.out_features
-        self.kv_width = first.k_proj.out_features
-        self.intermediate = backbone.layers[0].mlp.gate_proj.out_features
+        self.q_width = _base_layer(first.q_proj).out_features
+        self.kv_width = _base_layer(first.k_proj).out_features
+        self.intermediate = _base_layer(backbone.layers[0].mlp.gate_proj).out_features
 
     def _layer(self, layer: nn.Module, rows: int) -> _Layer:
         """One decoder layer's weights for this backend: packed ``[q; k; v]`` and ``[gate; up]``
         products for the CPU copies, the model's own tensors for the plain backend."""
         attn, mlp = layer.self_attn, layer.mlp
-        q, k, v = attn.q_proj, attn.k_proj, attn.v_proj
+        wrapped = {"q": attn.q_proj, "k": attn.k_proj, "v": attn.v_proj, "o": attn.o_proj}
+        wrapped.update(gate=mlp.gate_proj, up=mlp.up_proj, down=mlp.down_proj)
+        lora = {key: terms for key, module in wrapped.items() if (terms := self._lora_terms(module))}
+        base = {key: _base_layer(module) for key, module in wrapped.items()}
+        q, k, v = base["q"], base["k"], base["v"]
         biases = [None if p.bias is None else p.bias.detach() for p in (q, k, v)]
         if self.backend != "plain":  # packed copies: [q; k; v] and [gate; up] as one product each
             qkv = (self._weight(torch.cat([q.weight, k.weight, v.weight]), rows),)
@@ -290,24 +348,45 @@ class FusedDecoder:
                         ]
                     ),
                 )
-            gate_up = (self._weight(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), rows),)
+            gate_up = (self._weight(torch.cat([base["gate"].weight, base["up"].weight]), rows),)
         else:
             qkv = (q.weight.detach(), k.weight.detach(), v.weight.detach())
             qkv_bias = tuple(biases)
-            gate_up = (mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach())
+            gate_up = (base["gate"].weight.detach(), base["up"].weight.detach())
         return _Layer(
             norm_in=layer.input_layernorm,
             qkv=qkv,
             qkv_bias=qkv_bias,
             q_norm=getattr(attn, "q_norm", None),
             k_norm=getattr(attn, "k_norm", None),
-            o=self._weight(attn.o_proj.weight, rows),
+            o=self._weight(base["o"].weight, rows),
             norm_post=layer.post_attention_layernorm,
             gate_up=gate_up,
-            down=self._weight(mlp.down_proj.weight, rows),
+            down=self._weight(base["down"].weight, rows),
             act=mlp.act_fn,
             scaling=float(attn.scaling),
+            lora=lora,
         )
+
+    def _lora_terms(self, module: nn.Module) -> list[tuple[slice, torch.Tensor, torch.Tensor]]:
+        """``(rows, A, scaling * B)`` of each row block whose adapter wraps ``module`` (none: not LoRA)."""
+        if not self.segments or not is_lora_layer(module):
+            return []
+        return [
+            (
+                rows,
+                module.lora_A[name].weight.detach(),
+                module.lora_B[name].weight.detach() * module.scaling[name],
+            )
+            for name, rows in self.segments
+            if name in module.lora_A
+        ]
+
+    @staticmethod
+    def _add_lora(out: torch.Tensor, x: torch.Tensor, terms: list | None) -> None:
+        """Add each row block's low-rank term to the product ``out`` [N, O] of ``x`` [N, I], in place."""
+        for rows, a, b in terms or ():
+            out[rows] += (x[rows] @ a.t()) @ b.t()
 
     def _weight(self, weight: torch.Tensor, rows: int) -> torch.Tensor:
         if self.backend == "onednn":
@@ -347,7 +426,14 @@ class FusedDecoder:
             gate, up = gate_up[:, : self.intermediate], gate_up[:, self.intermediate :]
         else:
             gate, up = (self._linear(x, w) for w in layer.gate_up)
-        return self._linear(layer.act(gate) * up, layer.down)
+        if layer.lora:
+            self._add_lora(gate, x, layer.lora.get("gate"))
+            self._add_lora(up, x, layer.lora.get("up"))
+        inner = layer.act(gate) * up
+        out = self._linear(inner, layer.down)
+        if layer.lora:
+            self._add_lora(out, inner, layer.lora.get("down"))
+        return out
 
     def _rotated(
         self, layer: _Layer, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -422,13 +508,21 @@ class FusedDecoder:
             cos, sin = cos[:, None], sin[:, None]  # [N, 1, 1, d]
             bias = None
             for layer, cache in zip(self.layers, cache_layers, strict=True):
-                q, k, v = self._qkv(_rms_norm(h, layer.norm_in), layer)
+                x = _rms_norm(h, layer.norm_in)
+                q, k, v = self._qkv(x, layer)
+                if layer.lora:  # into the views of the packed product: the rotation reads them there
+                    for key, part in (("q", q), ("k", k), ("v", v)):
+                        self._add_lora(part, x, layer.lora.get(key))
                 q, k = self._rotated(layer, q, k, cos, sin)
                 v = v.reshape(v.shape[0], -1, 1, self.head_dim)
                 keys, values = cache.update(k, v)  # [N, kv_heads, L, d]
                 if bias is None:
                     bias = self._bias(key_mask, torch.promote_types(keys.dtype, q.dtype))
-                h = h + self._linear(self._attend(layer, q, keys, values, bias), layer.o)
+                attended = self._attend(layer, q, keys, values, bias)
+                o = self._linear(attended, layer.o)
+                if layer.lora:
+                    self._add_lora(o, attended, layer.lora.get("o"))
+                h = h + o
                 h = h + self._mlp(_rms_norm(h, layer.norm_post), layer)
             return self._linear(_rms_norm(h, self.final_norm), self.head)
 
@@ -460,6 +554,10 @@ class FusedDecoder:
             buffers: each layer's full key and value buffers [N, kv_heads, C, d].
             table: ``rotary_table(C)``.
         """
+        if self.segments:
+            raise NotImplementedError(
+                "a CUDA-graphed decode step with LoRA terms (FusedDecoder(adapter_rows=...))"
+            )
         rows, capacity = bias_rows.shape
         kv_heads = self.kv_width // self.head_dim
         group = self.q_width // self.kv_width

@@ -208,6 +208,9 @@ class TransformersGenerator:
         self.cuda_graph = cuda_graph
         self.autocast_dtype = autocast_dtype
         self.reduced: ReducedCopy | None = None  # the reduced-precision copy (None: float32)
+        #: ``[(adapter, rows), ...]`` while a sweep's shared call samples each block of rows with its
+        #: own LoRA adapter (``sweep/generation.py``): the fused step then adds the low-rank terms.
+        self.adapter_rows: list[tuple[str, int]] | None = None
         self.set_sampler_precision(sampler_precision)
         self.path = GenerationPath()
 
@@ -315,18 +318,24 @@ class TransformersGenerator:
                     fused_blocker=None, cuda_graph_blocker="the reduced-precision sampler runs on the CPU"
                 )
                 return self.reduced.decoder(model, rows, self.autocast_dtype)
+        adapters = None if self.adapter_rows is None else [name for name, _ in self.adapter_rows]
+        if adapters is not None:  # per-row LoRA adapters: the step runs the model under the PEFT wrapper
+            model = core_model(model)
         backend = default_backend(model)
         if not self.fused_step:
             fused_blocker = "fused_step=False"
         elif backend == "onednn" and not self._packing_pays(config):
             fused_blocker = "prepack_weights=False or too few new tokens to repay packing"
         else:
-            fused_blocker = fused_decoder_blocker(model, backend, self.autocast_dtype)
+            fused_blocker = fused_decoder_blocker(model, backend, self.autocast_dtype, adapters)
         self._note(fused_blocker=fused_blocker)
         if fused_blocker is not None:
             return None
-        fused = FusedDecoder(model, rows, backend, self.autocast_dtype)
+        fused = FusedDecoder(model, rows, backend, self.autocast_dtype, self.adapter_rows)
         device = model.get_output_embeddings().weight.device
+        if adapters is not None:
+            self._note(cuda_graph_blocker="LoRA terms per row block")
+            return fused
         graph_blocker = cuda_graph_blocker(fused, device) if self.cuda_graph else "cuda_graph=False"
         self._note(cuda_graph_blocker=graph_blocker)
         return GraphedDecodeStep(fused) if graph_blocker is None else fused

@@ -120,6 +120,9 @@ class SharedGeneration:
         generator = group[0].generator
         share_prefix = generator.share_prefix
         generator.share_prefix = False  # a prompt's cached prefix would hold one adapter's keys and values
+        generator.adapter_rows = [
+            (r.name, r.prompt_ids.shape[0]) for r in group
+        ]  # the fused step's LoRA terms
         was_training = self.model.training
         self.model.eval()  # peft takes per-row adapters in eval mode only
         try:
@@ -127,6 +130,7 @@ class SharedGeneration:
                 samples = type(generator).generate(generator, ids, mask, group[0].max_new_tokens)
         finally:
             generator.share_prefix = share_prefix
+            generator.adapter_rows = None
             self.model.train(was_training)
         self.calls += 1
         self.rows += len(adapters)
