@@ -540,3 +540,12 @@ def test_posttrain_grpo_use_peft_trains_and_saves_a_lora_adapter(tmp_path, tiny_
     config = json.loads((out / "adapter_config.json").read_text())
     assert config["r"] == 4 and sorted(config["target_modules"]) == ["q_proj", "v_proj"]
     assert (out / "adapter_model.safetensors").is_file() and not (out / "model.safetensors").exists()
+
+
+def test_lora_flags_without_use_peft_are_refused(tmp_path, tiny_model_dir, capsys):
+    from posttrain.cli.main import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["grpo", "--model_name_or_path", tiny_model_dir, "--lora_r", "8", "--output_dir", str(tmp_path)])
+    assert exit_info.value.code == 2
+    assert "--lora_r describe a LoRA adapter" in capsys.readouterr().err

@@ -121,6 +121,20 @@ class OnlineScriptArguments:
 def lora_config(script: OnlineScriptArguments) -> Any:
     """The ``peft.LoraConfig`` the LoRA flags describe (``None`` without ``--use_peft``)."""
     if not script.use_peft:
+        given = [
+            f"--{name}"
+            for name, default in (
+                ("lora_r", 16),
+                ("lora_alpha", 32),
+                ("lora_dropout", 0.05),
+                ("lora_target_modules", None),
+            )
+            if getattr(script, name) != default
+        ]
+        if given:
+            raise ValueError(
+                f"{', '.join(given)} describe a LoRA adapter, which only --use_peft true trains: add it."
+            )
         return None
     from posttrain.models.peft import _import_peft
 
