@@ -6,6 +6,7 @@ Usage (after ``bash benchmarks/setup.sh``)::
     benchmarks/.venv/bin/python benchmarks/compare.py --lengths 64 256 1024 --rounds 1 --steps 2
     benchmarks/.venv/bin/python benchmarks/compare.py --trainer rloo --rounds 2 --steps 4
     benchmarks/.venv/bin/python benchmarks/compare.py --bf16 0 1 --rounds 2 --steps 4  # bf16 beside float32
+    benchmarks/.venv/bin/python benchmarks/compare.py --lora_r 16 --rounds 2 --steps 4  # both train LoRA
     python benchmarks/compare.py --device cuda --bf16 1 --model /tmp/smollm2 --lengths 64 256
 
 ``--model`` takes any SmolLM2-135M folder (on a machine without the embedded package, one built
@@ -62,6 +63,7 @@ def run(
     bf16: int,
     trainer: str = "grpo",
     sampler_precision: str = "float32",
+    lora_r: int = 0,
 ) -> dict:
     cmd = [
         sys.executable,
@@ -75,6 +77,7 @@ def run(
         "--bf16", str(bf16),
         "--trainer", trainer,
         "--sampler_precision", sampler_precision,
+        "--lora_r", str(lora_r),
     ]  # fmt: skip
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
@@ -131,6 +134,9 @@ def main() -> None:
         default="float32",
         help="posttrain's GRPOConfig.sampler_precision for its runs (TRL samples as it does)",
     )
+    parser.add_argument(
+        "--lora_r", type=int, default=0, help="R > 0: both libraries train a LoRA adapter of rank R (grpo_step.py)"
+    )
     opts = parser.parse_args()
     model = opts.model or model_folder()
     table = []
@@ -150,6 +156,7 @@ def main() -> None:
                         bf16,
                         opts.trainer,
                         opts.sampler_precision,
+                        opts.lora_r,
                     )
                 )
         for bf16 in opts.bf16:
@@ -161,6 +168,7 @@ def main() -> None:
                 "device": opts.device,
                 "bf16": bool(bf16),
                 "sampler_precision": opts.sampler_precision,
+                "lora_r": opts.lora_r,
                 **{lib: s for lib, s in summary.items()},
             }
             if {"posttrain", "trl"} <= set(summary):

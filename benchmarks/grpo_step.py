@@ -6,7 +6,8 @@ reward functions and GRPOConfig values, and only the import differs.
 
 Anchor config (issue "Performance ahead of TRL"): SmolLM2-135M-Instruct in float32 on the CPU,
 one prompt per step, 8 completions of exactly N tokens (``min_new_tokens=N``), cheap rewards,
-``num_iterations=1``, ``beta=0``. ``--trainer rloo`` runs RLOOTrainer on the same config with
+``num_iterations=1``, ``beta=0``. ``--lora_r R`` trains a LoRA adapter instead (peft, rank R on
+every linear layer) in both libraries. ``--trainer rloo`` runs RLOOTrainer on the same config with
 RLOOConfig's own defaults (``beta=0.05``: a reference model, and the sampling policy's
 log-probs for the KL folded into the reward, in both libraries). ``--device cuda`` runs the same config on the GPU (the step
 clock then waits for the GPU's queue, and the JSON adds the GPU's peak allocated memory).
@@ -67,6 +68,15 @@ def anchor_kwargs(
     }  # fmt: skip
 
 
+def lora_config(rank: int):
+    """The LoRA adapter both libraries train with ``--lora_r``: every linear layer, alpha 2R."""
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=rank, lora_alpha=2 * rank, lora_dropout=0.05, target_modules="all-linear", task_type="CAUSAL_LM"
+    )
+
+
 def _time_generation(generator) -> dict:
     """Wrap a posttrain generator so each call's seconds are kept (``generation_times``), and a
     vLLM generator's weight pushes apart (``push_times``, inside the generation calls)."""
@@ -113,6 +123,12 @@ def main() -> None:
         "--sampler_precision",
         default="float32",
         help="posttrain's GRPOConfig.sampler_precision (float32, int8, fp16, bf16, auto); TRL ignores it",
+    )
+    parser.add_argument(
+        "--lora_r",
+        type=int,
+        default=0,
+        help="0: full fine-tuning; R: a LoRA adapter of rank R (alpha 2R, every linear layer), both libraries",
     )
     opts = parser.parse_args()
     cuda = opts.device == "cuda"
@@ -165,6 +181,7 @@ def main() -> None:
             args=args,
             train_dataset=dataset,
             callbacks=[clock],
+            **({"peft_config": lora_config(opts.lora_r)} if opts.lora_r else {}),
         )
         timings = _time_generation(getattr(trainer, "generator", None))
         trainer.train()
@@ -202,6 +219,7 @@ def main() -> None:
                 "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                 "threads": int(os.environ.get("OMP_NUM_THREADS", "0")) or None,
                 "parameter_dtype": str(next(trainer.model.parameters()).dtype),
+                "lora_r": opts.lora_r,
                 "use_vllm": bool(opts.use_vllm),
                 "vllm_eager": bool(opts.vllm_eager),
                 **timings,

@@ -4,7 +4,7 @@ Usage::
 
     benchmarks/.venv/bin/python benchmarks/profile_step.py --steps 4 [--completion_length 64]
         [--gradient_checkpointing 1] [--bf16 0] [--share_prompts 1] [--lean 1] [--fused 1] [--heap 0]
-        [--device cpu|cuda]
+        [--device cpu|cuda] [--lora_r 0]
 
 Wraps the trainer's phases with timers (generation, rewards and advantages, loss forward,
 backward, optimizer step) and prints, per phase, the median over the steps after the first
@@ -113,6 +113,7 @@ def main() -> None:
         "--fused", type=int, default=1, help="the lean loop's fused decode step (0: the model's forward)"
     )
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--lora_r", type=int, default=0, help="R > 0: train a LoRA adapter of rank R (grpo_step.py)")
     opts = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
@@ -122,7 +123,7 @@ def main() -> None:
         SYNC[0] = torch.cuda.synchronize
 
     from datasets import Dataset
-    from grpo_step import QUESTION, anchor_kwargs, digit_reward, length_reward
+    from grpo_step import QUESTION, anchor_kwargs, digit_reward, length_reward, lora_config
     from transformers import TrainerCallback
 
     from posttrain import GRPOConfig, GRPOTrainer
@@ -169,6 +170,7 @@ def main() -> None:
             args=args,
             train_dataset=dataset,
             callbacks=[Clock()],
+            peft_config=lora_config(opts.lora_r) if opts.lora_r else None,
         )
         trainer.generator.lean = bool(opts.lean)
         trainer.generator.fused_step = bool(opts.fused)

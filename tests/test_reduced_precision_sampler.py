@@ -312,3 +312,40 @@ def test_bf16_training_with_other_sampling_sources_keeps_the_policy(tok, monkeyp
     assert configure_sampler(generator, model, "float32") == "bf16" and generator.reduced.backend == "bf16"
     float32_generator = TransformersGenerator(lambda: model, config(tok.eos_token_id))
     assert configure_sampler(float32_generator, model, "float32") == "float32"  # float32 training
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_lora_policy_samples_from_a_copy_with_its_adapter_merged(tok, backend):
+    """A PEFT policy (one active LoRA adapter): the copy is the base weights with the adapter
+    merged in, so the sampler's log-probs are the adapted model's, not the base model's; an
+    optimizer step on the adapter rebuilds it."""
+    from test_fused_step import adapted
+
+    model = adapted(family("llama", tok), 0.2, r=4)
+    assert reduced_sampler_blocker(model, backend) is None
+    generator = TransformersGenerator(lambda: model, config(tok.eos_token_id), sampler_precision=backend)
+    ids, mask = helpers.left_pad([[11, 12, 13, 14]] * 4, PAD)
+    torch.manual_seed(0)
+    out = generator.generate(ids, mask)
+    assert generator.path.fused_blocker is None and generator.path.reduced_blocker is None
+    completion = out.completion_ids
+    eos = (completion == tok.eos_token_id).int()
+    live = (eos.cumsum(1) - eos) == 0  # up to and with the EOS
+
+    def gap() -> float:  # the largest distance to the model's own log-probs of the sampled tokens
+        with torch.no_grad():
+            logits = model(input_ids=torch.cat([ids, completion], 1)).logits[:, ids.shape[1] - 1 : -1]
+        own = torch.log_softmax(logits.float(), -1).gather(-1, completion[..., None])[..., 0]
+        return float((out.logps - own).abs()[live].max())
+
+    adapted_gap = gap()
+    with model.disable_adapter():
+        base_gap = gap()
+    assert adapted_gap < TOLERANCE[backend] * 10 < base_gap, (adapted_gap, base_gap)
+    with torch.no_grad():  # an optimizer step on the adapter, then the trainer's signal
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.mul_(0.5)
+    generator.weights_changed()
+    generator.generate(ids, mask)
+    assert generator.reduced.refreshes == 2

@@ -48,7 +48,8 @@ import torch
 from torch import nn
 
 from posttrain.generation import reduced_kernels
-from posttrain.generation.fused_step import FusedDecoder, fused_decoder_blocker
+from posttrain.generation.fused_step import FusedDecoder, fused_decoder_blocker, lone_lora_adapter
+from posttrain.generation.introspection import core_model
 from posttrain.generation.reduced_kernels import (  # noqa: F401  (re-exported)
     REDUCED_BACKENDS,
     SAMPLER_PRECISIONS,
@@ -116,11 +117,18 @@ class ReducedCopy:
                 trainer's ``bf16``/``fp16``), or None.
         """
         hint = rows if self.backend == "bf16" and onednn_bf16_packable() else 0
-        key = (id(model), hint, _fingerprint(model))
+        lone = lone_lora_adapter(model)
+        key = (id(model), hint, lone, _fingerprint(model))
         if self._decoder is None or self._stale or key != self._key:
             self._decoder = None  # free the old copy before building the new one
             start = time.perf_counter()
-            self._decoder = FusedDecoder(model, max(rows, 1), self.backend, autocast_dtype)
+            rows = max(rows, 1)
+            if lone is None:
+                self._decoder = FusedDecoder(model, rows, self.backend, autocast_dtype)
+            else:  # a PEFT policy: its adapter merged into the copy
+                self._decoder = FusedDecoder(
+                    core_model(model), rows, self.backend, autocast_dtype, [(lone, rows)]
+                )
             self.last_refresh_seconds = time.perf_counter() - start
             self.refreshes += 1
             self._key, self._stale = key, False
@@ -133,7 +141,8 @@ def reduced_sampler_blocker(
     """Why a reduced-precision sampler cannot run ``model``'s decode steps, or None.
 
     Args:
-        model: the policy, unwrapped (a PEFT model is not looked through).
+        model: the policy, unwrapped (a PEFT model with one active LoRA adapter: the copy holds
+            the base weights with the adapter merged in, ``FusedDecoder``).
         backend: ``"int8"``, ``"fp16"`` or ``"bf16"``.
         autocast_dtype: the mixed-precision autocast the policy's forward is wrapped in (the
             trainer's ``bf16``/``fp16``): accepted, since the copy never calls the forward.
@@ -142,6 +151,11 @@ def reduced_sampler_blocker(
     weight = getattr(head, "weight", None)
     if weight is None or weight.device.type != "cpu":
         return "the policy is not on the CPU (the reduced-precision sampler is a CPU path)"
+    lone = lone_lora_adapter(model)
+    if lone is not None:
+        return backend_blocker(backend) or fused_decoder_blocker(
+            core_model(model), backend, autocast_dtype, [lone]
+        )
     return backend_blocker(backend) or fused_decoder_blocker(model, backend, autocast_dtype)
 
 

@@ -36,7 +36,12 @@ from transformers import GenerationConfig
 from posttrain.generation.base import Samples
 from posttrain.generation.cuda_graph import GraphedDecodeStep, cuda_graph_blocker
 from posttrain.generation.decode import lean_generate, lean_generate_with_logps, lean_settings
-from posttrain.generation.fused_step import FusedDecoder, default_backend, fused_decoder_blocker
+from posttrain.generation.fused_step import (
+    FusedDecoder,
+    default_backend,
+    fused_decoder_blocker,
+    lone_lora_adapter,
+)
 from posttrain.generation.introspection import (  # noqa: F401  (re-exported)
     _forward_accepts,
     _only_full_attention_layers,
@@ -318,7 +323,10 @@ class TransformersGenerator:
                     fused_blocker=None, cuda_graph_blocker="the reduced-precision sampler runs on the CPU"
                 )
                 return self.reduced.decoder(model, rows, self.autocast_dtype)
-        adapters = None if self.adapter_rows is None else [name for name, _ in self.adapter_rows]
+        adapter_rows = self.adapter_rows
+        if adapter_rows is None and (lone := lone_lora_adapter(model)) is not None:
+            adapter_rows = [(lone, rows)]  # a lone PEFT run: its adapter for every row
+        adapters = None if adapter_rows is None else [name for name, _ in adapter_rows]
         if adapters is not None:  # per-row LoRA adapters: the step runs the model under the PEFT wrapper
             model = core_model(model)
         backend = default_backend(model)
@@ -331,9 +339,9 @@ class TransformersGenerator:
         self._note(fused_blocker=fused_blocker)
         if fused_blocker is not None:
             return None
-        fused = FusedDecoder(model, rows, backend, self.autocast_dtype, self.adapter_rows)
+        fused = FusedDecoder(model, rows, backend, self.autocast_dtype, adapter_rows)
         device = model.get_output_embeddings().weight.device
-        if adapters is not None:
+        if fused.segments:
             self._note(cuda_graph_blocker="LoRA terms per row block")
             return fused
         graph_blocker = cuda_graph_blocker(fused, device) if self.cuda_graph else "cuda_graph=False"
