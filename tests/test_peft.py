@@ -71,7 +71,8 @@ def _adapter_names(model):
 def test_lora_trains_only_the_adapter(tmp_path, tok):
     base = build_tiny_model(tok)
     base_before = _snapshot(base)
-    trainer = _trainer(tmp_path, tok, base, lora(), max_steps=2)
+    # 32 tokens: enough for the fused decode step, which samples with the adapter merged in
+    trainer = _trainer(tmp_path, tok, base, lora(), max_steps=2, max_completion_length=32)
     assert isinstance(trainer.model, peft.PeftModel)
     trainable = _adapter_names(trainer.model)
     assert trainable and all("lora_" in n for n in trainable)
@@ -85,6 +86,7 @@ def test_lora_trains_only_the_adapter(tmp_path, tok):
     assert all(not torch.equal(adapter_before[n], after[n]) for n in trainable)
     logs = _train_logs(trainer)
     assert len(logs) == 2 and all(math.isfinite(h["loss"]) for h in logs)
+    assert trainer.generator.path.fused_blocker is None, trainer.generator.path.describe()
 
 
 def test_dora_trains_only_the_adapter(tmp_path, tok):
@@ -331,6 +333,18 @@ def test_disable_dropout_reaches_the_adapter_dropout(tmp_path, tok):
     trainer = _trainer(tmp_path, tok, peft_config=lora(lora_dropout=0.2), disable_dropout=True, max_steps=1)
     dropouts = [m for m in trainer.model.modules() if isinstance(m, torch.nn.Dropout)]
     assert dropouts and all(m.p == 0.0 for m in dropouts)
+    trainer.train()
+
+
+def test_adapter_dropout_draws_through_the_cpu_dropout(tmp_path, tok):
+    """LoRA dropout keeps its probability and draws its masks with ops/dropout.py (3x faster)."""
+    from posttrain.ops.dropout import CpuDropout
+
+    trainer = _trainer(tmp_path, tok, peft_config=lora(lora_dropout=0.2), max_steps=1)
+    dropouts = [m for m in trainer.model.modules() if isinstance(m, torch.nn.Dropout)]
+    adapters = [m for m in dropouts if type(m) is CpuDropout]
+    assert len(adapters) == 2 * len(trainer.model.get_base_model().model.layers)  # q_proj, v_proj
+    assert all(m.p == 0.2 for m in adapters)
     trainer.train()
 
 

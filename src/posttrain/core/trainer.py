@@ -44,6 +44,7 @@ from posttrain.models.compat import checkpointing_enabled, checkpointing_kwargs
 from posttrain.models.reference import mix_into_reference, should_sync_reference
 from posttrain.observe.metrics import MetricStore
 from posttrain.ops import checkpointing, memory, sac
+from posttrain.ops.dropout import faster_lora_dropout
 
 REFERENCE_STATE = "reference_model.pt"
 PACKABLE_ATTENTION = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")
@@ -141,6 +142,7 @@ class BaseTrainer(Trainer):
         loading.check_model_kind(policy, cls._model_kind)
         if peft_config is not None or peft_utils.is_peft_model(policy):
             policy = peft_utils.wrap_policy(policy, peft_config, checkpointing_enabled(args))
+            faster_lora_dropout(policy)  # the same masks' distribution, 3x faster to draw on the CPU
         if family_option(args, "disable_dropout"):
             loading.disable_dropout(policy)
         if family_option(args, "cast_lm_head_to_fp32"):
