@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from posttrain.ops import chunked
+from posttrain.ops import chunked, topk
 
 N, V = 6, 1000  # token rows, vocabulary
 GAP = 25.0  # the argmax's lead over the rest: S ~ V * exp(-25) ~ 1e-8
@@ -194,7 +194,7 @@ def test_top_logprob_and_token_topk():
     hidden, weight = kernel_inputs(z, torch.float32)
     with torch.no_grad():
         logps, _, top = chunked.token_stats(hidden, weight, None, targets, TEMPERATURE, 4, with_top=True)
-        topk_logps, top_logps, top_ids = chunked.token_topk(hidden, weight, None, targets, TEMPERATURE, 3, 4)
+        topk_logps, top_logps, top_ids = topk.token_topk(hidden, weight, None, targets, TEMPERATURE, 3, 4)
     assert rel_err(top, want.max(dim=-1).values) < REL
     is_top = targets == z.argmax(dim=1)
     assert torch.equal(top == logps, is_top)  # the mean_token_accuracy test stays exact

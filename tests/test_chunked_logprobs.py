@@ -367,6 +367,102 @@ def test_the_trainers_bf16_autocast_keeps_the_chunked_path(tmp_path, tok):
     assert chunked._VERIFIED[chunked.causal_lm(trainer.model)] is True
 
 
+# ---- bf16 head products (bf16=True where bf16 is native) ----------------------------------------
+
+
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_bf16_products_give_float32_statistics_of_the_bf16_logits(with_entropy):
+    """``product_dtype=bf16``: the vocabulary products in bf16, the softmax statistics in float32.
+
+    The values equal float32 log-softmax of the bf16 product's logits; the gradients equal
+    autograd's through that same computation (bf16 products there too) within bf16 rounding; the
+    gradients come back in the inputs' float32. And the products did run in bf16: the values
+    differ from the float32 head's by bf16's rounding, not by float32's.
+    """
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(37, 24, generator=g, requires_grad=True)
+    weight = torch.randn(300, 24, generator=g).mul_(0.5).requires_grad_()
+    targets = torch.randint(0, 300, (37,), generator=g)
+    coef = torch.linspace(-1.0, 2.0, 37)
+
+    def loss(logps, entropy):
+        return (logps * coef).sum() + (ENTROPY_COEF * entropy.sum() if entropy is not None else 0)
+
+    logps, entropy = chunked.token_stats(
+        hidden,
+        weight,
+        None,
+        targets,
+        TEMPERATURE,
+        16,
+        with_entropy,
+        with_entropy,
+        product_dtype=torch.bfloat16,
+    )
+    got = torch.autograd.grad(loss(logps, entropy), (hidden, weight))
+    z = torch.nn.functional.linear(hidden.bfloat16(), weight.bfloat16()).float() / TEMPERATURE
+    logp = torch.log_softmax(z, dim=-1)
+    want_logps = logp.gather(1, targets[:, None]).squeeze(1)
+    want_entropy = -(logp.exp() * logp).sum(-1) if with_entropy else None
+    want = torch.autograd.grad(loss(want_logps, want_entropy), (hidden, weight))
+    torch.testing.assert_close(logps, want_logps, **EXACT)
+    if with_entropy:
+        torch.testing.assert_close(entropy, want_entropy, **EXACT)
+    for ours, theirs in zip(got, want, strict=True):
+        assert ours.dtype == torch.float32
+        torch.testing.assert_close(ours, theirs, rtol=2e-2, atol=2e-2 * theirs.abs().max().item())
+    fp32_logps, _ = chunked.token_stats(hidden, weight, None, targets, TEMPERATURE, 16)
+    gap = (logps - fp32_logps).abs().max().item()
+    assert 1e-4 < gap < 0.2  # bf16's rounding of the logits, not float32's
+
+
+def test_head_product_dtype_follows_bf16_autocast_where_bf16_is_native(tok, monkeypatch):
+    """bf16 only when the model's forward ran under bf16 autocast and the host multiplies bf16 natively."""
+    from posttrain.ops import precision
+
+    model = tiny(tok)
+    ids = torch.randint(0, model.config.vocab_size, (2, 5))
+
+    def after_forward(autocast: torch.dtype | None) -> torch.dtype | None:
+        with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+            chunked.run_with_hidden(model, input_ids=ids)
+        return chunked.head_product_dtype(model)
+
+    monkeypatch.setattr(precision, "native_bf16", lambda: True)
+    assert after_forward(torch.bfloat16) is torch.bfloat16
+    assert after_forward(None) is None
+    assert after_forward(torch.float16) is None  # float16's gradients need the loss scaler's range
+    monkeypatch.setattr(precision, "native_bf16", lambda: False)
+    assert after_forward(torch.bfloat16) is None  # emulated bf16 is slower than float32
+
+
+def test_the_trainers_bf16_loss_runs_the_head_in_bf16(tmp_path, tok, monkeypatch):
+    """GRPO with bf16=True on a (pretended) bf16 host: the chunked head gets bf16 products."""
+    from helpers import make_config, standard_dataset
+
+    from posttrain import GRPOTrainer
+    from posttrain.ops import precision
+
+    monkeypatch.setattr(precision, "native_bf16", lambda: True)
+    seen: list[torch.dtype | None] = []
+    original = chunked.token_stats
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("product_dtype"))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(chunked, "token_stats", spy)
+    trainer = GRPOTrainer(
+        model=tiny(tok),
+        reward_funcs=lambda completion_ids, **kw: [float(sum(c) % 3) for c in completion_ids],
+        args=make_config(tmp_path, bf16=True, max_steps=1),
+        train_dataset=standard_dataset(),
+        processing_class=tok,
+    )
+    trainer.train()
+    assert seen and set(seen) == {torch.bfloat16}
+
+
 # ---- PEFT, DDP, Mixture of Experts -----------------------------------------------------------
 
 

@@ -1,6 +1,6 @@
 """The reduced-precision products of the sampler, and what this CPU and torch build offer for them.
 
-A leaf of ``generation/`` (it imports only ``prepacked``): the fused decode step multiplies with
+A leaf of ``generation/`` (it imports only ``prepacked``, and ``ops.precision``'s host check): the fused decode step multiplies with
 these, and ``reduced_precision`` (the copy of the policy the sampler reads) builds on both.
 ``reduced_precision``'s docstring says what each precision costs and why.
 """
@@ -14,6 +14,7 @@ import torch
 from torch.nn import functional as F
 
 from posttrain.generation.prepacked import onednn_linear_available
+from posttrain.ops.precision import native_bf16  # noqa: F401  (re-exported; the LM head asks it too)
 
 #: Values of ``GRPOConfig.sampler_precision``.
 SAMPLER_PRECISIONS = ("float32", "int8", "fp16", "bf16", "auto")
@@ -23,18 +24,6 @@ REDUCED_BACKENDS = ("int8", "fp16", "bf16")
 
 
 # ---- what this CPU and torch build offer ------------------------------------------------------
-
-
-def native_bf16() -> bool:
-    """Whether this CPU has bf16 instructions (AVX512-BF16 or AMX), per PyTorch's CPU checks."""
-    capability = torch.backends.cpu.get_cpu_capability()
-    if not capability.startswith("AVX512"):
-        return False
-    checks = (
-        getattr(torch.cpu, "_is_avx512_bf16_supported", None),
-        getattr(torch.cpu, "_is_amx_tile_supported", None),
-    )
-    return any(callable(check) and check() for check in checks)
 
 
 @functools.cache

@@ -47,7 +47,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from posttrain.ops import support
+from posttrain.ops import precision
 
 DEFAULT_CHUNK_SIZE = 256
 """Token rows projected at once. One chunk's float32 logits take ``chunk_size * V * 4`` bytes (50 MB
@@ -203,8 +203,11 @@ class TokenStats(torch.autograd.Function):
         with_entropy: bool,
         entropy_grad: bool,
         with_top: bool = False,
+        product_dtype: torch.dtype | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         n, dtype = hidden.shape[0], _stats_dtype(weight.dtype)
+        ctx.dtypes = hidden.dtype, weight.dtype, bias.dtype if bias is not None else None
+        hidden, weight, bias = _in_product_dtype(product_dtype, hidden, weight, bias)
         logps = hidden.new_empty(targets.shape, dtype=dtype)  # [N] or [N, M]
         peak = hidden.new_empty(n, dtype=dtype)  # [N]: m
         rest = hidden.new_empty(n, dtype=dtype)  # [N]: S
@@ -235,9 +238,10 @@ class TokenStats(torch.autograd.Function):
         hidden, weight, bias, targets, peak, rest, argmax, entropy = ctx.saved_tensors
         if entropy.numel() == 0:
             grad_entropy = None
-        grad_h, grad_w, grad_b = _grad_buffers(ctx.needs_input_grad, hidden, weight, bias)
+        grad_h, grad_b = _grad_buffers(ctx.needs_input_grad, hidden, bias, ctx.dtypes)
+        grad_w = None  # [V, H]: the first chunk's product, the others added to it
         if grad_logps is None and grad_entropy is None:
-            return _finish(grad_h, grad_w, grad_b, weight, bias)
+            return _finish(grad_h, grad_w, grad_b, ctx.dtypes)
         chunk = ctx.chunk_size
         for start in range(0, hidden.shape[0], chunk):
             rows = slice(start, start + chunk)
@@ -254,19 +258,42 @@ class TokenStats(torch.autograd.Function):
                 grad_entropy[rows] if grad_entropy is not None else None,
                 ctx.temperature,
             )
-            _accumulate(g, hidden[rows], weight, rows, grad_h, grad_w, grad_b)
-        return _finish(grad_h, grad_w, grad_b, weight, bias)
+            grad_w = _accumulate(
+                g, hidden[rows], weight, rows, grad_h, grad_w, grad_b, ctx.needs_input_grad[1]
+            )
+        return _finish(grad_h, grad_w, grad_b, ctx.dtypes)
+
+
+def _in_product_dtype(
+    product_dtype: torch.dtype | None, *tensors: torch.Tensor | None
+) -> tuple[torch.Tensor | None, ...]:
+    """The head's inputs cast once to the dtype its products run in (``None``: left as they are).
+
+    Under ``bf16=True`` the model's own forward multiplies in bf16 (autocast) while the head's
+    inputs arrive in float32; casting them here runs the [c, H] x [H, V] products (forward, and
+    backward's recompute and two gradient products) in bf16 too, their outputs turned to float32
+    before any softmax statistic. Forward saves the cast copies, so backward does not cast again.
+    """
+    if product_dtype is None:
+        return tensors
+    return tuple(t.to(product_dtype) if t is not None and t.is_floating_point() else t for t in tensors)
 
 
 def _grad_buffers(
-    needs: tuple[bool, ...], hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """Zeroed gradient buffers for the inputs that need one; the head's in float32 (summed over chunks)."""
-    grad_h = torch.zeros_like(hidden) if needs[0] else None  # [N, H]
-    dtype = _stats_dtype(weight.dtype)
-    grad_w = torch.zeros_like(weight, dtype=dtype) if needs[1] else None  # [V, H]
-    grad_b = torch.zeros_like(bias, dtype=dtype) if bias is not None and needs[2] else None  # [V]
-    return grad_h, grad_w, grad_b
+    needs: tuple[bool, ...],
+    hidden: torch.Tensor,
+    bias: torch.Tensor | None,
+    dtypes: tuple[torch.dtype, torch.dtype, torch.dtype | None],
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Zeroed gradient buffers of the hidden states (their own dtype) and the bias (float32 or wider).
+
+    The weight's gradient gets none: the first chunk's product becomes it (``_accumulate``), which
+    spares zero-filling (and, where it is a fresh mapping, page-faulting twice) a [V, H] buffer.
+    """
+    grad_h = torch.zeros_like(hidden, dtype=dtypes[0]) if needs[0] else None  # [N, H]
+    if bias is None or not needs[2]:
+        return grad_h, None
+    return grad_h, torch.zeros_like(bias, dtype=_stats_dtype(dtypes[2]))  # [V]
 
 
 def _accumulate(
@@ -277,30 +304,35 @@ def _accumulate(
     grad_h: torch.Tensor | None,
     grad_w: torch.Tensor | None,
     grad_b: torch.Tensor | None,
-) -> None:
-    """Add one chunk's share: ``dh = g @ W``, ``dW += g^T @ h``, ``db += sum(g)``; g: [c, V], h: [c, H]."""
+    needs_w: bool,
+) -> torch.Tensor | None:
+    """Add one chunk's share: ``dh = g @ W``, ``dW += g^T @ h``, ``db += sum(g)``; g: [c, V], h: [c, H].
+
+    Returns the weight's gradient so far ([V, H], float32 or wider; ``None`` unless ``needs_w``).
+    """
     if grad_h is not None:
         grad_h[rows] = g @ weight  # [c, H]
-    if grad_w is not None:
-        if g.dtype == grad_w.dtype:
-            grad_w.addmm_(g.t(), h)  # [V, H]
-        else:
-            grad_w.add_(g.t() @ h)
     if grad_b is not None:
         grad_b.add_(g.sum(dim=0, dtype=grad_b.dtype))  # [V]
+    if not needs_w:
+        return None
+    if grad_w is None:  # the first chunk
+        return (g.t() @ h).to(_stats_dtype(g.dtype))
+    if g.dtype == grad_w.dtype:
+        return grad_w.addmm_(g.t(), h)
+    return grad_w.add_(g.t() @ h)  # bf16 products, summed in float32
 
 
 def _finish(
     grad_h: torch.Tensor | None,
     grad_w: torch.Tensor | None,
     grad_b: torch.Tensor | None,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
+    dtypes: tuple[torch.dtype, torch.dtype, torch.dtype | None],
 ) -> tuple[torch.Tensor | None, ...]:
     """Backward's return value: the buffers in their inputs' dtypes, ``None`` for the rest."""
-    grad_w = grad_w.to(weight.dtype) if grad_w is not None else None
-    grad_b = grad_b.to(bias.dtype) if grad_b is not None else None
-    return grad_h, grad_w, grad_b, None, None, None, None, None, None
+    grad_w = grad_w.to(dtypes[1]) if grad_w is not None else None
+    grad_b = grad_b.to(dtypes[2]) if grad_b is not None else None
+    return grad_h, grad_w, grad_b, None, None, None, None, None, None, None
 
 
 def token_stats(
@@ -313,6 +345,7 @@ def token_stats(
     with_entropy: bool = False,
     entropy_grad: bool = False,
     with_top: bool = False,
+    product_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None] | tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Log-probs and entropy of ``targets`` under ``softmax((hidden @ W^T + b) / temperature)``.
 
@@ -327,6 +360,9 @@ def token_stats(
         entropy_grad: let the entropy carry a gradient (otherwise it is detached).
         with_top: also return the top log-prob of each position (no gradient); the target is the
             argmax exactly where it equals the target's log-prob (``mean_token_accuracy``).
+        product_dtype: the dtype the vocabulary products run in (``head_product_dtype``: bf16
+            under ``bf16=True`` where bf16 products are native); ``None``: the head's own. The
+            softmax statistics are float32 either way.
 
     Returns:
         ``(logps, entropy)``, float32 with ``targets``' shape; ``entropy`` (and ``top``) have
@@ -349,76 +385,10 @@ def token_stats(
         with_entropy,
         entropy_grad,
         with_top,
+        product_dtype,
     )
     out = logps.view(targets.shape), (entropy.view(shape) if with_entropy else None)
     return (*out, top.view(shape)) if with_top else out
-
-
-@torch.no_grad()
-def token_topk(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    targets: torch.Tensor,
-    temperature: float,
-    k: int,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Each target's log-prob and the ``k`` most likely tokens of each position, without gradient.
-
-    Args:
-        hidden: [..., H] final hidden states in the head's dtype; targets: [...] token ids.
-
-    Returns:
-        ``(logps [...], top_logps [..., k], top_ids [..., k])``, log-probs in float32 or wider.
-    """
-    shape = targets.shape
-    flat_h, flat_t = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
-    dtype = _stats_dtype(weight.dtype)
-    logps = flat_h.new_empty(flat_t.shape[0], dtype=dtype)
-    top_logps = flat_h.new_empty(flat_t.shape[0], k, dtype=dtype)
-    top_ids = flat_t.new_empty(flat_t.shape[0], k)
-    for start in range(0, flat_t.shape[0], chunk_size):
-        rows = slice(start, start + chunk_size)
-        u = _scaled_logits(flat_h[rows], weight, bias, temperature)  # [c, V], z for now
-        top = u.topk(k, dim=-1)  # its first column: the row maximum m and the argmax a
-        peak = top.values[:, :1]  # [c, 1]
-        u.sub_(peak)  # z - m
-        target_u = u.gather(1, flat_t[rows].unsqueeze(1)).squeeze(1)  # [c]
-        # the accurate log-softmax of the module docstring: log p = u - log1p(S)
-        log_norm = torch.log1p(_sum_but_argmax(u.exp_(), top.indices[:, 0]))  # [c]
-        logps[rows] = target_u - log_norm
-        top_logps[rows], top_ids[rows] = (top.values - peak) - log_norm.unsqueeze(1), top.indices
-    return logps.view(shape), top_logps.view(*shape, k), top_ids.view(*shape, k)
-
-
-def token_topk_truncated(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    targets: torch.Tensor,
-    temperature: float,
-    k: int,
-    truncation: Any,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``token_topk`` on a truncated sampler (``ops/support.py``), without gradient.
-
-    Returns:
-        ``(logps [...], top_logps [..., k], top_ids [..., k], support [..., M])``: log-probs under
-        the softmax restricted to each position's support, and the support's ids (``-1`` padded).
-    """
-    shape = targets.shape
-    flat_h, flat_t = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
-    parts = [
-        support.truncated_topk(_scaled_logits(flat_h[s : s + chunk_size], weight, bias, temperature),
-                               flat_t[s : s + chunk_size], k, truncation)
-        for s in range(0, flat_t.shape[0], chunk_size)
-    ]  # fmt: skip
-    logps, top_logps, top_ids = (torch.cat([p[i] for p in parts]) for i in range(3))
-    ids = support.pad_support([p[3] for p in parts])
-    k = top_ids.shape[-1]
-    return logps.view(shape), top_logps.view(*shape, k), top_ids.view(*shape, k), ids.view(*shape, -1)
 
 
 # ---- which models, and their hidden states --------------------------------------------------
@@ -498,6 +468,25 @@ def head_input(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         if result is not None:
             hidden = result[0] if isinstance(result, tuple) else result
     return hidden.to(head.weight.dtype)
+
+
+def head_product_dtype(model: nn.Module) -> torch.dtype | None:
+    """The dtype ``token_stats`` should run ``model``'s vocabulary products in: bf16 or ``None``.
+
+    bf16 when the model's latest ``run_with_hidden`` forward ran under bf16 autocast (``bf16=True``:
+    accelerate wraps the forward, not the loss that calls the head afterwards) and bf16 products
+    are native on the head's device (a GPU; a CPU with AVX512-BF16 or AMX). The head then
+    multiplies in the precision the rest of the model did, as autocast would have run
+    ``lm_head``, but with float32 logits and statistics. ``None`` elsewhere: no autocast, float16
+    autocast (its gradients need the loss scaler's range), or a CPU that would emulate bf16.
+    """
+    lm = causal_lm(model)
+    if _AUTOCAST_SEEN.get(lm) is not torch.bfloat16:
+        return None
+    weight = lm.get_output_embeddings().weight
+    if weight.dtype != torch.float32 or not precision.fast_bf16(weight.device):
+        return None
+    return torch.bfloat16
 
 
 def run_with_hidden(model: nn.Module, **inputs: Any) -> tuple[Any, torch.Tensor]:

@@ -59,7 +59,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from posttrain.ops import chunked
+from posttrain.ops import chunked, topk
 from posttrain.ops.chunked import DEFAULT_CHUNK_SIZE
 
 __all__ = [
@@ -546,6 +546,6 @@ def top_ids(
     """The ``k`` most likely token ids at each position of one side: [N, k], without gradient."""
     if side.weight is not None:
         dummy = torch.zeros(side.hidden.shape[0], dtype=torch.long, device=side.hidden.device)
-        _, _, ids = chunked.token_topk(side.hidden, side.weight, side.bias, dummy, temperature, k, chunk_size)
+        _, _, ids = topk.token_topk(side.hidden, side.weight, side.bias, dummy, temperature, k, chunk_size)
         return ids
     return side.hidden.topk(k, dim=-1).indices

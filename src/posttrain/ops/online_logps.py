@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from posttrain.ops import checkpointing, chunked, shared_prefix, support
+from posttrain.ops import checkpointing, chunked, shared_prefix, support, topk
 from posttrain.ops.divergence import HeadInputs
 from posttrain.ops.sequence_stats import (
     entropy_from_logits,
@@ -135,7 +135,7 @@ def sampler_topk(
     found = _completion_hidden(model, inputs, prompt_ids, prompt_mask, completion_ids, completion_mask, True)
     if found is not None:
         head = chunked.causal_lm(model).get_output_embeddings()
-        return chunked.token_topk(
+        return topk.token_topk(
             chunked.head_input(model, found[1]),
             head.weight,
             head.bias,
@@ -175,7 +175,7 @@ def sampler_topk_truncated(
     found = _completion_hidden(model, inputs, prompt_ids, prompt_mask, completion_ids, completion_mask, True)
     if found is not None:
         head = chunked.causal_lm(model).get_output_embeddings()
-        return chunked.token_topk_truncated(
+        return topk.token_topk_truncated(
             chunked.head_input(model, found[1]), head.weight, head.bias, completion_ids, temperature, k,
             truncation, chunk_size,
         )  # fmt: skip
@@ -308,7 +308,7 @@ def _stats_output(
     head = chunked.causal_lm(model).get_output_embeddings()
     logps, entropy = chunked.token_stats(
         chunked.head_input(model, hidden), head.weight, head.bias, completion_ids, temperature,
-        chunk_size, with_entropy, entropy_grad,
+        chunk_size, with_entropy, entropy_grad, product_dtype=chunked.head_product_dtype(model),
     )  # fmt: skip
     return PolicyOutput(logps=logps, entropy=entropy, aux_loss=getattr(out, "aux_loss", None))
 

@@ -209,8 +209,9 @@ def _stats_from_hidden(
     if keep is not None:
         h, targets = h[keep], targets[keep]  # [M, H], [M]
     stats = chunked.token_stats(
-        h, head.weight, head.bias, targets, 1.0, chunk_size, with_entropy, False, with_top=with_top
-    )
+        h, head.weight, head.bias, targets, 1.0, chunk_size, with_entropy, False, with_top=with_top,
+        product_dtype=chunked.head_product_dtype(model),
+    )  # fmt: skip
     result = SequenceStats(stats[0], stats[1], stats[2] if with_top else None, getattr(out, "aux_loss", None))
     if with_logit_mean or with_log_sq_norm:
         result.logit_mean, result.log_sq_norm = _head_summaries(
