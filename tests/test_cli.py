@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import pytest
 
 from posttrain.cli.datasets import load_dataset_split
-from posttrain.cli.grpo import LAPTOP_DEFAULTS, _build_grpo, grpo
+from posttrain.cli.grpo import LAPTOP_DEFAULTS, _build_grpo, cpu_precision_defaults, grpo
 from posttrain.cli.main import COMMANDS, main
 from posttrain.cli.options import CLIError, given_fields, parse_config
 
@@ -204,6 +204,32 @@ def test_grpo_flags_reach_the_config(tmp_path, tiny_model_dir, recorder):
     assert [f.__name__ for f in recorder["funcs"]] == ["answer_accuracy_reward", "answer_format_reward"]
     assert recorder["trained"] and recorder["saved"] == str(tmp_path)
     assert recorder["resume"] is None
+
+
+@pytest.mark.parametrize("host_bf16", [True, False])
+def test_grpo_trains_in_bf16_where_the_cpu_has_bf16_instructions(
+    tmp_path, tiny_model_dir, recorder, monkeypatch, host_bf16
+):
+    """The measured CPU default: bf16 on a GPU-less host with bf16 instructions, float32 elsewhere;
+    a precision or device the user chose wins, and the run says which it took."""
+    import torch
+
+    monkeypatch.setattr("posttrain.ops.precision.native_bf16", lambda: host_bf16)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    base = ["grpo", "--model_name_or_path", tiny_model_dir, "--output_dir", str(tmp_path),
+            "--task_size", "40", "--evaluate", "false"]  # fmt: skip
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        main(base)
+    args = recorder["args"]
+    assert (args.bf16, args.use_cpu) == ((True, True) if host_bf16 else (False, False))
+    assert ("training in bf16, since this CPU" in out.getvalue()) is host_bf16
+    for chosen, bf16 in ((["--bf16", "false"], False), (["--fp16", "false"], False), (["--use_cpu"], True)):
+        with contextlib.redirect_stdout(io.StringIO()) as out:
+            main(base + chosen)
+        assert recorder["args"].bf16 is bf16, chosen  # --use_cpu: GRPOConfig's own bf16=None rule
+        assert "training in bf16, since this CPU" not in out.getvalue()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert cpu_precision_defaults([]) == {}  # a GPU: the trainer's own bf16=None rule
 
 
 def test_resume_from_checkpoint_true_means_the_latest(tmp_path, recorder):
@@ -435,7 +461,7 @@ def test_env_prints_versions_and_hardware(capsys):
     assert f"- transformers: {transformers.__version__}" in out
     for key in ("Python", "posttrain", "datasets", "accelerate", "peft", "vllm", "deepspeed", "math-verify",
                 "gguf", "Platform", "CPU count", "CPU vector instructions", "CPU bf16 instructions",
-                "CUDA available", "GPUs", "bf16 supported"):  # fmt: skip
+                "posttrain grpo precision", "CUDA available", "GPUs", "bf16 supported"):  # fmt: skip
         assert f"- {key}: " in out
 
 

@@ -98,14 +98,25 @@ def _cpu_precision() -> list[tuple[str, str]]:
     """The CPU's vector instructions and what ``bf16=True`` does with them (docs/performance.md)."""
     import torch
 
-    from posttrain.generation.reduced_kernels import native_bf16
+    from posttrain.cli.grpo import cpu_precision_defaults
+    from posttrain.ops.precision import native_bf16
 
     capability = torch.backends.cpu.get_cpu_capability()
     if native_bf16():
         bf16 = "yes (bf16=True samples from a bf16 copy through the fused decode step)"
     else:
         bf16 = "no (bf16=True runs CPU autocast, emulated: slower than float32)"
-    return [("CPU vector instructions", capability), ("CPU bf16 instructions", bf16)]
+    if cpu_precision_defaults([]).get("bf16"):
+        default = "bf16 (this CPU has bf16 instructions; --bf16 false for float32)"
+    elif torch.cuda.is_available():
+        default = "the trainer's bf16=None rule (a GPU is present)"
+    else:
+        default = "float32"
+    return [
+        ("CPU vector instructions", capability),
+        ("CPU bf16 instructions", bf16),
+        ("posttrain grpo precision", default),
+    ]
 
 
 def env(argv: list[str]) -> None:

@@ -161,7 +161,7 @@ def _task_options(script: OnlineScriptArguments) -> dict[str, Any]:
     }
 
 
-def _heldout(script: OnlineScriptArguments, config: Any) -> HeldOut | None:
+def heldout_problems(script: OnlineScriptArguments, config: Any) -> HeldOut | None:
     """The built-in task's held-out problems, or ``None`` (user data, ``--evaluate false``).
 
     100 different problems drawn like the training prompts (same worked examples, operands and
@@ -175,7 +175,7 @@ def _heldout(script: OnlineScriptArguments, config: Any) -> HeldOut | None:
     return HeldOut(problems, max_new_tokens=config.max_completion_length)
 
 
-def _dataset(script: OnlineScriptArguments, heldout: HeldOut | None) -> Any:
+def training_prompts(script: OnlineScriptArguments, heldout: HeldOut | None) -> Any:
     """The training prompts: ``dataset_name`` when given, else the built-in task without ``heldout``."""
     if script.dataset_name is not None:
         return load_dataset_split(script.dataset_name, script.dataset_config, script.dataset_train_split)
@@ -227,8 +227,8 @@ def build_online_trainer(
         funcs: list[Any] = []
     else:
         funcs = resolve_reward_funcs(script.reward_funcs, script.reward_model_name_or_path)
-    heldout = _heldout(script, config)
-    dataset = _dataset(script, heldout)
+    heldout = heldout_problems(script, config)
+    dataset = training_prompts(script, heldout)
     peft_config = lora_config(script)
     trainer = trainer_class(
         model=script.model_name_or_path,

@@ -90,7 +90,7 @@ def _build(path: str, out: str | None) -> tuple[Any, dict[str, Any]]:
     """The sweep described by the file, every run's trainer built, and each run's held-out problems."""
     from posttrain import GRPOConfig
     from posttrain.cli.grpo import LAPTOP_DEFAULTS
-    from posttrain.cli.online import OnlineScriptArguments, _dataset, _heldout
+    from posttrain.cli.online import OnlineScriptArguments, heldout_problems, training_prompts
     from posttrain.cli.options import parse_config
     from posttrain.cli.rewards import resolve_reward_funcs
     from posttrain.models.peft import _import_peft
@@ -117,10 +117,13 @@ def _build(path: str, out: str | None) -> tuple[Any, dict[str, Any]]:
             raise CLIError(f"run {name!r}: {one_paragraph(exc)}") from exc
         model_name = script.model_name_or_path
         funcs = resolve_reward_funcs(script.reward_funcs, script.reward_model_name_or_path)
-        heldout[str(name)] = _heldout(script, config)
+        heldout[str(name)] = heldout_problems(script, config)
         runs.append(
             SweepRun(
-                str(name), config, reward_funcs=funcs, train_dataset=_dataset(script, heldout[str(name)])
+                str(name),
+                config,
+                reward_funcs=funcs,
+                train_dataset=training_prompts(script, heldout[str(name)]),
             )
         )
     lora = _import_peft().LoraConfig(task_type="CAUSAL_LM", **{**DEFAULT_LORA, **(spec.get("lora") or {})})

@@ -4,7 +4,8 @@
 wrappers and autocast, its attention kind, and that every projection is a plain linear layer
 (or a plain LoRA layer over one, for the adapters the step is to apply). ``default_backend``
 picks the backend for the model's device; ``lone_lora_adapter`` finds the one adapter of a lone
-PEFT run, which the step merges into its copy of the weights.
+PEFT run, which the step merges into its copy of the weights, and ``decoder_target`` gives the
+model and ``adapter_rows`` the step is built from (the generator and the reduced copies ask it).
 """
 
 from __future__ import annotations
@@ -164,6 +165,16 @@ def lone_lora_adapter(model: nn.Module) -> str | None:
     if isinstance(active, str):
         active = [active]
     return active[0] if isinstance(active, (list, tuple)) and len(active) == 1 else None
+
+
+def decoder_target(model: nn.Module, rows: int) -> tuple[nn.Module, list[tuple[str, int]] | None]:
+    """The model a fused step runs for ``model``, and its ``adapter_rows``.
+
+    A lone PEFT run (``lone_lora_adapter``): the transformers model under the wrapper, with its
+    adapter for all ``rows``. Anything else: ``model`` itself, no adapters.
+    """
+    lone = lone_lora_adapter(model)
+    return (model, None) if lone is None else (core_model(model), [(lone, rows)])
 
 
 def _lora_or(linear_ok: Callable[[nn.Module], bool], adapters: Sequence[str]) -> Callable[[nn.Module], bool]:

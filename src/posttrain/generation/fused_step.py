@@ -53,10 +53,10 @@ from posttrain.generation import reduced_kernels
 from posttrain.generation.fused_blockers import (  # noqa: F401  (re-exported)
     FUSED_MODEL_TYPES,
     _base_layer,
+    decoder_target,
     default_backend,
     fused_decoder_blocker,
     is_lora_layer,
-    lone_lora_adapter,
     rope_is_static,
 )
 from posttrain.generation.reduced_kernels import REDUCED_BACKENDS

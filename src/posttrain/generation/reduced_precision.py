@@ -48,8 +48,7 @@ import torch
 from torch import nn
 
 from posttrain.generation import reduced_kernels
-from posttrain.generation.fused_step import FusedDecoder, fused_decoder_blocker, lone_lora_adapter
-from posttrain.generation.introspection import core_model
+from posttrain.generation.fused_step import FusedDecoder, decoder_target, fused_decoder_blocker
 from posttrain.generation.reduced_kernels import (  # noqa: F401  (re-exported)
     REDUCED_BACKENDS,
     SAMPLER_PRECISIONS,
@@ -117,18 +116,14 @@ class ReducedCopy:
                 trainer's ``bf16``/``fp16``), or None.
         """
         hint = rows if self.backend == "bf16" and onednn_bf16_packable() else 0
-        lone = lone_lora_adapter(model)
+        rows = max(rows, 1)
+        target, adapter_rows = decoder_target(model, rows)  # a PEFT policy: its adapter merged into the copy
+        lone = adapter_rows[0][0] if adapter_rows else None
         key = (id(model), hint, lone, _fingerprint(model))
         if self._decoder is None or self._stale or key != self._key:
             self._decoder = None  # free the old copy before building the new one
             start = time.perf_counter()
-            rows = max(rows, 1)
-            if lone is None:
-                self._decoder = FusedDecoder(model, rows, self.backend, autocast_dtype)
-            else:  # a PEFT policy: its adapter merged into the copy
-                self._decoder = FusedDecoder(
-                    core_model(model), rows, self.backend, autocast_dtype, [(lone, rows)]
-                )
+            self._decoder = FusedDecoder(target, rows, self.backend, autocast_dtype, adapter_rows)
             self.last_refresh_seconds = time.perf_counter() - start
             self.refreshes += 1
             self._key, self._stale = key, False
@@ -151,12 +146,9 @@ def reduced_sampler_blocker(
     weight = getattr(head, "weight", None)
     if weight is None or weight.device.type != "cpu":
         return "the policy is not on the CPU (the reduced-precision sampler is a CPU path)"
-    lone = lone_lora_adapter(model)
-    if lone is not None:
-        return backend_blocker(backend) or fused_decoder_blocker(
-            core_model(model), backend, autocast_dtype, [lone]
-        )
-    return backend_blocker(backend) or fused_decoder_blocker(model, backend, autocast_dtype)
+    target, adapter_rows = decoder_target(model, 0)
+    adapters = [name for name, _ in adapter_rows] if adapter_rows else None
+    return backend_blocker(backend) or fused_decoder_blocker(target, backend, autocast_dtype, adapters)
 
 
 def check_sampler_sources(precision: str, tools: Any, rollout_func: Any, environment_factory: Any) -> None:

@@ -38,9 +38,9 @@ from posttrain.generation.cuda_graph import GraphedDecodeStep, cuda_graph_blocke
 from posttrain.generation.decode import lean_generate, lean_generate_with_logps, lean_settings
 from posttrain.generation.fused_step import (
     FusedDecoder,
+    decoder_target,
     default_backend,
     fused_decoder_blocker,
-    lone_lora_adapter,
 )
 from posttrain.generation.introspection import (  # noqa: F401  (re-exported)
     _forward_accepts,
@@ -323,12 +323,11 @@ class TransformersGenerator:
                     fused_blocker=None, cuda_graph_blocker="the reduced-precision sampler runs on the CPU"
                 )
                 return self.reduced.decoder(model, rows, self.autocast_dtype)
-        adapter_rows = self.adapter_rows
-        if adapter_rows is None and (lone := lone_lora_adapter(model)) is not None:
-            adapter_rows = [(lone, rows)]  # a lone PEFT run: its adapter for every row
+        if self.adapter_rows is not None:  # per-row LoRA adapters: the model under the PEFT wrapper
+            model, adapter_rows = core_model(model), self.adapter_rows
+        else:  # a lone PEFT run: its adapter for every row
+            model, adapter_rows = decoder_target(model, rows)
         adapters = None if adapter_rows is None else [name for name, _ in adapter_rows]
-        if adapters is not None:  # per-row LoRA adapters: the step runs the model under the PEFT wrapper
-            model = core_model(model)
         backend = default_backend(model)
         if not self.fused_step:
             fused_blocker = "fused_step=False"

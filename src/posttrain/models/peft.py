@@ -124,7 +124,9 @@ def is_quantized(model: Any) -> bool:
     return getattr(model, "hf_quantizer", None) is not None
 
 
-def wrap_policy(policy: Any, peft_config: Any, gradient_checkpointing: bool) -> Any:
+def wrap_policy(
+    policy: Any, peft_config: Any, gradient_checkpointing: bool, adapter_name: str = "default"
+) -> Any:
     """The policy ready for adapter training.
 
     A quantized model is first prepared for k-bit training (``peft.prepare_model_for_kbit_training``:
@@ -137,6 +139,7 @@ def wrap_policy(policy: Any, peft_config: Any, gradient_checkpointing: bool) -> 
         gradient_checkpointing: whether activations will be recomputed in the backward pass;
             the frozen embeddings' outputs must then require a gradient, or none reaches the
             adapters through the checkpointed layers.
+        adapter_name: the name of the adapter ``peft_config`` adds (a sweep names it after its run).
 
     Returns:
         A ``PeftModel`` whose only trainable parameters are the adapter's.
@@ -150,7 +153,7 @@ def wrap_policy(policy: Any, peft_config: Any, gradient_checkpointing: bool) -> 
             policy = _import_peft().prepare_model_for_kbit_training(policy, use_gradient_checkpointing=False)
         with warnings.catch_warnings():  # peft reads a transformers attribute deprecated in v5
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-            policy = _import_peft().get_peft_model(policy, peft_config)
+            policy = _import_peft().get_peft_model(policy, peft_config, adapter_name=adapter_name)
     if not any(p.requires_grad for p in policy.parameters()):
         raise ValueError(
             "The PeftModel passed as model has no trainable parameters: its adapter was loaded frozen. "

@@ -228,20 +228,14 @@ class GRPOSweep:
         A run's adapter then starts as a lone ``GRPOTrainer(peft_config=...)``'s does after
         ``set_seed(seed)``: the same initial weights.
         """
-        peft = peft_utils._import_peft()
         model = None
         for run in self.runs:
             config = run.peft_config if run.peft_config is not None else default_config
             set_seed(run.args.seed)
-            if model is None:
-                if peft_utils.is_quantized(base):
-                    base = peft.prepare_model_for_kbit_training(base, use_gradient_checkpointing=False)
-                peft_utils.keep_4bit_layers_differentiable(base)
-                model = peft.get_peft_model(base, config, adapter_name=run.name)
+            if model is None:  # the lone run's setup, its adapter named after the run
+                model = peft_utils.wrap_policy(base, config, checkpointing, adapter_name=run.name)
             else:
                 model.add_adapter(run.name, config)
-        if checkpointing:
-            model.enable_input_require_grads()
         return model
 
     # ---- turns --------------------------------------------------------------------------------
