@@ -346,20 +346,25 @@ def test_bf16_logits_are_judged_at_bf16_precision(tok):
         )
 
 
-def test_the_trainers_bf16_autocast_keeps_the_chunked_path(tmp_path, tok):
-    """bf16=True: accelerate wraps the forward in autocast and casts the logits back to float32;
-    the check must still judge them at bf16 precision (it sent every such run to full logits)."""
+def bf16_grpo(tmp_path, tok):
+    """A one-step GRPOTrainer with ``bf16=True`` on the tiny model."""
     from helpers import make_config, standard_dataset
 
     from posttrain import GRPOTrainer
 
-    trainer = GRPOTrainer(
+    return GRPOTrainer(
         model=tiny(tok),
         reward_funcs=lambda completion_ids, **kw: [float(sum(c) % 3) for c in completion_ids],
         args=make_config(tmp_path, bf16=True, max_steps=1),
         train_dataset=standard_dataset(),
         processing_class=tok,
     )
+
+
+def test_the_trainers_bf16_autocast_keeps_the_chunked_path(tmp_path, tok):
+    """bf16=True: accelerate wraps the forward in autocast and casts the logits back to float32;
+    the check must still judge them at bf16 precision (it sent every such run to full logits)."""
+    trainer = bf16_grpo(tmp_path, tok)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.train()
@@ -438,9 +443,6 @@ def test_head_product_dtype_follows_bf16_autocast_where_bf16_is_native(tok, monk
 
 def test_the_trainers_bf16_loss_runs_the_head_in_bf16(tmp_path, tok, monkeypatch):
     """GRPO with bf16=True on a (pretended) bf16 host: the chunked head gets bf16 products."""
-    from helpers import make_config, standard_dataset
-
-    from posttrain import GRPOTrainer
     from posttrain.ops import precision
 
     monkeypatch.setattr(precision, "native_bf16", lambda: True)
@@ -452,14 +454,7 @@ def test_the_trainers_bf16_loss_runs_the_head_in_bf16(tmp_path, tok, monkeypatch
         return original(*args, **kwargs)
 
     monkeypatch.setattr(chunked, "token_stats", spy)
-    trainer = GRPOTrainer(
-        model=tiny(tok),
-        reward_funcs=lambda completion_ids, **kw: [float(sum(c) % 3) for c in completion_ids],
-        args=make_config(tmp_path, bf16=True, max_steps=1),
-        train_dataset=standard_dataset(),
-        processing_class=tok,
-    )
-    trainer.train()
+    bf16_grpo(tmp_path, tok).train()
     assert seen and set(seen) == {torch.bfloat16}
 
 
