@@ -15,7 +15,7 @@ from conftest import build_tiny_model, build_tiny_tokenizer
 
 from posttrain.models import reference as model_options
 from posttrain.models.compat import enable_model_checkpointing
-from posttrain.ops import chunked
+from posttrain.ops import chunked, head_forward
 from posttrain.ops.logprobs import completion_logps
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")
@@ -320,7 +320,7 @@ def test_a_plain_model_passes_the_first_call_check_silently(tok):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         logps_of(model, batch(len(tok)), 5)
-    assert chunked._VERIFIED[model] is True
+    assert head_forward._VERIFIED[model] is True
 
 
 def test_bf16_logits_are_judged_at_bf16_precision(tok):
@@ -369,7 +369,7 @@ def test_the_trainers_bf16_autocast_keeps_the_chunked_path(tmp_path, tok):
         warnings.simplefilter("always")
         trainer.train()
     assert not [w for w in caught if "computes its logits differently" in str(w.message)]
-    assert chunked._VERIFIED[chunked.causal_lm(trainer.model)] is True
+    assert head_forward._VERIFIED[chunked.causal_lm(trainer.model)] is True
 
 
 # ---- bf16 head products (bf16=True where bf16 is native) ----------------------------------------

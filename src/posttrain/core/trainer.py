@@ -43,7 +43,7 @@ from posttrain.models import reference as model_options
 from posttrain.models.compat import checkpointing_enabled, checkpointing_kwargs
 from posttrain.models.reference import mix_into_reference, should_sync_reference
 from posttrain.observe.metrics import MetricStore
-from posttrain.ops import checkpointing, memory, sac
+from posttrain.ops import checkpointing, memory, sac, workspace
 from posttrain.ops.dropout import faster_lora_dropout
 
 REFERENCE_STATE = "reference_model.pt"
@@ -536,7 +536,10 @@ class BaseTrainer(Trainer):
                 self.state = done
                 self._load_from_checkpoint(resume_from_checkpoint)
                 return TrainOutput(done.global_step, 0.0, {})
-        return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
+        try:
+            return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
+        finally:
+            workspace.release()  # the chunked head's kept scratch buffers (ops/workspace.py)
 
     def _use_selective_checkpointing(self) -> None:
         """Turn ``selective`` of the checkpointing kwargs into SAC's ``context_fn`` (``ops/sac.py``).

@@ -34,44 +34,66 @@ model's router loss (``aux_loss``) exactly as in the naive path; gradient checkp
 decoder layers is unaffected. The one projected position doubles as a check: the first time a
 model is seen, its own logits there are compared with ``lm_head(hidden)``; a model that
 transforms its logits in a way ``supports_chunked`` does not know of is then sent, with a
-warning, to the naive path for good.
+warning, to the naive path for good; after it passed, the head is not run in that forward at
+all. Those model-facing parts live in ``ops/head_forward.py`` (re-exported here).
+
+The chunk's temporaries (its logits, their exponentials, a bf16 product's raw output and the
+bf16 copy of the weight and of its gradient's products) are kept scratch buffers
+(``ops/workspace.py``): every chunk, call and step touches the same pages instead of fresh ones.
 """
 
 from __future__ import annotations
 
-import warnings
-import weakref
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from posttrain.ops import precision
+from posttrain.ops import workspace
+from posttrain.ops.head_forward import (  # noqa: F401  (re-exported: callers reach them here)
+    causal_lm,
+    head_input,
+    head_product_dtype,
+    logits_match_head,
+    run_with_hidden,
+    supports_chunked,
+    vocab_size,
+)
 
 DEFAULT_CHUNK_SIZE = 256
 """Token rows projected at once. One chunk's float32 logits take ``chunk_size * V * 4`` bytes (50 MB
-for SmolLM2's V = 49152), and forward holds two such buffers at most, backward one (two with the
-entropy's gradient). On the embedded model 256 rows gave 16 % less peak step memory than 1024 at
+for SmolLM2's V = 49152), and the head keeps two such scratch buffers (the logits and, for the
+entropy, their exponentials) between calls. On the embedded model 256 rows gave 16 % less peak step memory than 1024 at
 T = 1024 (``benchmarks/logprobs_memory.py``), and a [256, H] x [H, V] product is still a large matmul."""
-
-# config fields of transformers models whose logits are not plainly lm_head(hidden)
-_LOGIT_TRANSFORMS: dict[str, Callable[[Any], bool]] = {
-    "final_logit_softcapping": lambda v: v is not None and v != 0,  # Gemma 2/3: cap * tanh(z / cap)
-    "logit_scale": lambda v: v is not None and v != 1,  # Cohere: z * logit_scale
-    "logits_scaling": lambda v: v is not None and v != 1,  # Granite: z / logits_scaling
-}
-
 
 # ---- the kernel ----------------------------------------------------------------------------
 
 
 def _scaled_logits(
-    h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    temperature: float,
+    reuse: bool = False,
 ) -> torch.Tensor:
-    """``(h @ W^T + b) / temperature`` in float32 (float64 stays float64): [c, H] -> [c, V]."""
-    z = nn.functional.linear(h, weight, bias)
-    z = z.to(_stats_dtype(z.dtype))  # a fresh tensor either way: safe to divide in place
+    """``(h @ W^T + b) / temperature`` in float32 (float64 stays float64): [c, H] -> [c, V].
+
+    A fresh tensor, or with ``reuse`` the ``"head_logits"`` scratch buffer (``ops/workspace.py``):
+    the caller then lets it die before the next call. Either way safe to change in place.
+    """
+    if not reuse:
+        z = nn.functional.linear(h, weight, bias)
+        z = z.to(_stats_dtype(z.dtype))  # a fresh tensor either way: safe to divide in place
+        return z.div_(temperature) if temperature != 1.0 else z
+    shape, stats = (h.shape[0], weight.shape[0]), _stats_dtype(weight.dtype)
+    z = workspace.scratch("head_logits", shape, stats, h.device)
+    product = z if weight.dtype == stats else workspace.scratch("head_product", shape, weight.dtype, h.device)
+    if bias is None:
+        torch.mm(h, weight.t(), out=product)
+    else:
+        torch.addmm(bias, h, weight.t(), out=product)
+    if product is not z:  # a bf16 (or float16) product: its logits widened before any statistic
+        z.copy_(product)
     return z.div_(temperature) if temperature != 1.0 else z
 
 
@@ -99,12 +121,12 @@ def _chunk_stats(
         the entropy [c] (``None`` unless ``with_entropy``) and the top log-prob ``-log1p(S)``
         [c] (``None`` unless ``with_top``).
     """
-    u = _scaled_logits(h, weight, bias, temperature)  # [c, V], z for now
+    u = _scaled_logits(h, weight, bias, temperature, reuse=True)  # [c, V], z for now
     peak, argmax = u.max(dim=-1)  # [c], [c]
     u.sub_(peak.unsqueeze(1))  # u = z - m <= 0, exactly 0 at the argmax
     logps = u.gather(1, _as_columns(targets))  # [c, M]: u_y for now
     # exp in place unless the entropy still needs u: one [c, V] buffer, two with the entropy
-    e = u.exp() if with_entropy else u.exp_()  # [c, V]
+    e = torch.exp(u, out=_exp_buffer(u)) if with_entropy else u.exp_()  # [c, V]
     rest = _sum_but_argmax(e, argmax)  # [c]: S
     log_norm = torch.log1p(rest)  # [c]: lse - m, and -log p_a
     logps = logps.sub_(log_norm.unsqueeze(1)).view(targets.shape)  # [c] or [c, M]
@@ -151,11 +173,11 @@ def _chunk_grad_logits(
     g_lp = g_cols.sum(dim=1) if g_cols is not None else None  # [c]: every target's -p part at once
     g_ent = grad_entropy / temperature if grad_entropy is not None else None  # [c]
     p_top = 1 / (1 + rest)  # [c]: p_a, and p_j = exp(u_j) * p_top
-    u = _scaled_logits(h, weight, bias, temperature).sub_(peak.unsqueeze(1))  # [c, V]: z - m
+    u = _scaled_logits(h, weight, bias, temperature, reuse=True).sub_(peak.unsqueeze(1))  # [c, V]: z - m
     if g_ent is None:
         grad = u.exp_().mul_((-g_lp * p_top).unsqueeze(1))  # d log p_y / dz = onehot(y) - p: the -p part
     else:
-        probs = u.exp()  # [c, V]: p * (1 + S)
+        probs = torch.exp(u, out=_exp_buffer(u))  # [c, V]: p * (1 + S)
         # -g_ent * p * (log p + H) - g_lp * p = exp(u) * (alpha * u + beta), log p = u - log1p(S)
         # (no -g_lp part when only the entropy has a gradient)
         h_shift = entropy - torch.log1p(rest)  # [c]: H + log p - u
@@ -171,7 +193,15 @@ def _chunk_grad_logits(
     if g_ent is not None:
         at_top += alpha * h_shift  # -g_ent * p_a * (log p_a + H), log p_a = -log1p(S)
     grad.scatter_(1, column, at_top.unsqueeze(1).to(grad.dtype))
-    return grad.to(weight.dtype)
+    if grad.dtype == weight.dtype:
+        return grad
+    # the product's dtype, over the raw product's buffer (consumed by now)
+    return workspace.scratch("head_product", grad.shape, weight.dtype, grad.device).copy_(grad)
+
+
+def _exp_buffer(u: torch.Tensor) -> torch.Tensor:
+    """The scratch buffer for ``exp(u)`` when ``u`` is still needed: [c, V] like ``u``."""
+    return workspace.scratch("head_exp", tuple(u.shape), u.dtype, u.device)
 
 
 def _as_columns(values: torch.Tensor) -> torch.Tensor:
@@ -207,6 +237,8 @@ class TokenStats(torch.autograd.Function):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         n, dtype = hidden.shape[0], _stats_dtype(weight.dtype)
         ctx.dtypes = hidden.dtype, weight.dtype, bias.dtype if bias is not None else None
+        ctx.product_dtype = product_dtype
+        saved_weight = weight  # backward casts it again (into the scratch buffer) rather than keep a copy
         hidden, weight, bias = _in_product_dtype(product_dtype, hidden, weight, bias)
         logps = hidden.new_empty(targets.shape, dtype=dtype)  # [N] or [N, M]
         peak = hidden.new_empty(n, dtype=dtype)  # [N]: m
@@ -224,7 +256,7 @@ class TokenStats(torch.autograd.Function):
                 entropy[rows] = ent
             if tp is not None:
                 top[rows] = tp
-        ctx.save_for_backward(hidden, weight, bias, targets, peak, rest, argmax, entropy)
+        ctx.save_for_backward(hidden, saved_weight, bias, targets, peak, rest, argmax, entropy)
         ctx.temperature, ctx.chunk_size = temperature, chunk_size
         ctx.set_materialize_grads(False)
         # one call: each call replaces the set of non-differentiable outputs
@@ -236,6 +268,7 @@ class TokenStats(torch.autograd.Function):
         ctx: Any, grad_logps: torch.Tensor | None, grad_entropy: torch.Tensor | None, grad_top: Any = None
     ):
         hidden, weight, bias, targets, peak, rest, argmax, entropy = ctx.saved_tensors
+        weight = _product_weight(weight, ctx.product_dtype)
         if entropy.numel() == 0:
             grad_entropy = None
         grad_h, grad_b = _grad_buffers(ctx.needs_input_grad, hidden, bias, ctx.dtypes)
@@ -265,18 +298,35 @@ class TokenStats(torch.autograd.Function):
 
 
 def _in_product_dtype(
-    product_dtype: torch.dtype | None, *tensors: torch.Tensor | None
-) -> tuple[torch.Tensor | None, ...]:
-    """The head's inputs cast once to the dtype its products run in (``None``: left as they are).
+    product_dtype: torch.dtype | None,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The head's inputs cast to the dtype its products run in (``None``: left as they are).
 
     Under ``bf16=True`` the model's own forward multiplies in bf16 (autocast) while the head's
     inputs arrive in float32; casting them here runs the [c, H] x [H, V] products (forward, and
     backward's recompute and two gradient products) in bf16 too, their outputs turned to float32
-    before any softmax statistic. Forward saves the cast copies, so backward does not cast again.
+    before any softmax statistic. Forward saves the cast hidden states and bias; the weight goes
+    through ``_product_weight`` in forward and again in backward.
     """
     if product_dtype is None:
-        return tensors
-    return tuple(t.to(product_dtype) if t is not None and t.is_floating_point() else t for t in tensors)
+        return hidden, weight, bias
+    if bias is not None and bias.is_floating_point():
+        bias = bias.to(product_dtype)
+    return hidden.to(product_dtype), _product_weight(weight, product_dtype), bias
+
+
+def _product_weight(weight: torch.Tensor, product_dtype: torch.dtype | None) -> torch.Tensor:
+    """``weight`` [V, H] in the products' dtype, cast into the ``"head_weight"`` scratch buffer.
+
+    Not kept from forward to backward: the cast (3 ms for SmolLM2's head into the kept pages)
+    costs less than holding a [V, H] copy alive, and a fresh copy's page faults, each step.
+    """
+    if product_dtype is None or weight.dtype == product_dtype:
+        return weight
+    return workspace.scratch("head_weight", tuple(weight.shape), product_dtype, weight.device).copy_(weight)
 
 
 def _grad_buffers(
@@ -316,11 +366,16 @@ def _accumulate(
         grad_b.add_(g.sum(dim=0, dtype=grad_b.dtype))  # [V]
     if not needs_w:
         return None
-    if grad_w is None:  # the first chunk
-        return (g.t() @ h).to(_stats_dtype(g.dtype))
-    if g.dtype == grad_w.dtype:
-        return grad_w.addmm_(g.t(), h)
-    return grad_w.add_(g.t() @ h)  # bf16 products, summed in float32
+    stats = _stats_dtype(g.dtype)
+    if g.dtype == stats:
+        return (
+            (g.t() @ h) if grad_w is None else grad_w.addmm_(g.t(), h)
+        )  # the first chunk's product starts it
+    # bf16 products into a kept buffer, summed in float32
+    product = torch.mm(
+        g.t(), h, out=workspace.scratch("head_weight_grad", tuple(weight.shape), g.dtype, g.device)
+    )
+    return product.to(stats) if grad_w is None else grad_w.add_(product)
 
 
 def _finish(
@@ -389,171 +444,3 @@ def token_stats(
     )
     out = logps.view(targets.shape), (entropy.view(shape) if with_entropy else None)
     return (*out, top.view(shape)) if with_top else out
-
-
-# ---- which models, and their hidden states --------------------------------------------------
-
-
-def causal_lm(model: nn.Module) -> nn.Module:
-    """The transformers model inside DDP / DeepSpeed / PEFT wrappers (the one with the LM head)."""
-    while True:
-        if hasattr(model, "get_base_model"):  # PeftModel
-            model = model.get_base_model()
-        elif not hasattr(model, "get_output_embeddings") and isinstance(
-            getattr(model, "module", None), nn.Module
-        ):
-            model = model.module  # DistributedDataParallel, DeepSpeedEngine, FSDP (v1)
-        else:
-            return model
-
-
-def vocab_size(model: nn.Module) -> int:
-    """The number of logits the model's LM head produces (wrappers looked through)."""
-    return int(causal_lm(model).get_output_embeddings().weight.shape[0])
-
-
-def _is_sharded(model: nn.Module, weight: torch.Tensor) -> bool:
-    """Whether the head's weight is partitioned (FSDP, DeepSpeed ZeRO-3): not whole outside forward."""
-    wrappers = []
-    while isinstance(getattr(model, "module", None), nn.Module):
-        wrappers.append(type(model).__name__)
-        model = model.module
-    dtensor = type(weight).__name__ == "DTensor" or type(weight.data).__name__ == "DTensor"
-    return (
-        dtensor or hasattr(weight, "ds_id") or weight.numel() == 0 or "FullyShardedDataParallel" in wrappers
-    )
-
-
-def _plain_linear_head(head: Any) -> bool:
-    """An ``nn.Linear`` itself (not LoRA, quantized or offloaded), with at most input pre-hooks."""
-    return (
-        type(head) is nn.Linear
-        and not hasattr(head, "_hf_hook")  # accelerate offloading / device maps replace forward
-        and not head._forward_hooks
-        and not head._forward_pre_hooks_with_kwargs
-    )
-
-
-def supports_chunked(model: nn.Module) -> bool:
-    """Whether the chunked path computes exactly what ``model(...).logits`` would.
-
-    True for a transformers causal LM (plain, inside DDP, or a ``PeftModel`` whose adapters do not
-    touch the LM head) whose logits are ``lm_head(decoder(x).last_hidden_state)``: the head is a
-    plain ``nn.Linear``, tied to the input embeddings or not, possibly cast to float32 by
-    ``cast_lm_head_to_fp32`` (its input pre-hooks are applied to the hidden states). Mixture-of-
-    Experts models qualify: their router loss comes from the same forward call.
-
-    False (the naive full-logits path is used) for: logits transformed after the head (Gemma's
-    ``final_logit_softcapping``, Cohere's ``logit_scale``, Granite's ``logits_scaling``); an LM head
-    that is wrapped (LoRA on ``lm_head``, ``modules_to_save``, quantized, offloaded) or has output
-    hooks; a sharded head weight (FSDP, DeepSpeed ZeRO-3); a model without ``get_decoder``. A
-    model that transforms its logits some other way is caught at its first call (module docstring).
-    """
-    lm = causal_lm(model)
-    config = getattr(lm, "config", None)
-    if config is None or not hasattr(lm, "get_output_embeddings") or not hasattr(lm, "get_decoder"):
-        return False
-    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    if any(test(getattr(text_config, name, None)) for name, test in _LOGIT_TRANSFORMS.items()):
-        return False
-    head = lm.get_output_embeddings()
-    return _plain_linear_head(head) and not _is_sharded(model, head.weight)
-
-
-def head_input(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    """``hidden`` as the LM head sees it: its input pre-hooks applied (the float32 cast), in its dtype."""
-    head = causal_lm(model).get_output_embeddings()
-    for hook in head._forward_pre_hooks.values():
-        result = hook(head, (hidden,))
-        if result is not None:
-            hidden = result[0] if isinstance(result, tuple) else result
-    return hidden.to(head.weight.dtype)
-
-
-def head_product_dtype(model: nn.Module) -> torch.dtype | None:
-    """The dtype ``token_stats`` should run ``model``'s vocabulary products in: bf16 or ``None``.
-
-    bf16 when the model's latest ``run_with_hidden`` forward ran under bf16 autocast (``bf16=True``:
-    accelerate wraps the forward, not the loss that calls the head afterwards) and bf16 products
-    are native on the head's device (a GPU; a CPU with AVX512-BF16 or AMX). The head then
-    multiplies in the precision the rest of the model did, as autocast would have run
-    ``lm_head``, but with float32 logits and statistics. ``None`` elsewhere: no autocast, float16
-    autocast (its gradients need the loss scaler's range), or a CPU that would emulate bf16.
-    """
-    lm = causal_lm(model)
-    if _AUTOCAST_SEEN.get(lm) is not torch.bfloat16:
-        return None
-    weight = lm.get_output_embeddings().weight
-    if weight.dtype != torch.float32 or not precision.fast_bf16(weight.device):
-        return None
-    return torch.bfloat16
-
-
-def run_with_hidden(model: nn.Module, **inputs: Any) -> tuple[Any, torch.Tensor]:
-    """Call ``model(**inputs, logits_to_keep=1)`` and catch the decoder's final hidden states.
-
-    Returns:
-        The model's output (its ``logits`` cover the last position only) and the hidden
-        states [B, L, H] of every position.
-    """
-    captured: list[torch.Tensor] = []
-    lm = causal_lm(model)
-
-    def keep(module: nn.Module, args: Any, output: Any) -> None:
-        hidden = getattr(output, "last_hidden_state", None)
-        hidden = hidden if hidden is not None else output[0]
-        captured.append(hidden)
-        # the head's product runs under the same autocast (accelerate wraps the whole forward
-        # and casts the logits back to float32, so their dtype does not tell)
-        device = hidden.device.type
-        _AUTOCAST_SEEN[lm] = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
-
-    handle = causal_lm(model).get_decoder().register_forward_hook(keep)
-    try:
-        out = model(**inputs, logits_to_keep=1)
-    finally:
-        handle.remove()
-    if not captured:
-        raise RuntimeError(f"{type(causal_lm(model)).__name__}.get_decoder() was not called in forward.")
-    return out, captured[-1]
-
-
-_VERIFIED: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
-#: the autocast dtype the model's latest ``run_with_hidden`` forward ran under (None: none)
-_AUTOCAST_SEEN: weakref.WeakKeyDictionary[nn.Module, torch.dtype | None] = weakref.WeakKeyDictionary()
-
-
-def logits_match_head(model: nn.Module, out: Any, hidden: torch.Tensor) -> bool:
-    """Once per model: whether its own last-position logits equal ``lm_head(hidden)`` there.
-
-    Args:
-        model: the model called by ``run_with_hidden``.
-        out: its output; ``out.logits`` is [B, 1, V].
-        hidden: [B, L, H] the captured hidden states.
-
-    Returns:
-        The verdict, remembered for the model; a ``False`` also warns once.
-    """
-    lm = causal_lm(model)
-    if lm in _VERIFIED:
-        return _VERIFIED[lm]
-    head = lm.get_output_embeddings()
-    with torch.no_grad():
-        ours = nn.functional.linear(
-            head_input(model, hidden[:, -1]), head.weight, head.bias
-        ).float()  # [B, V]
-        theirs = out.logits[:, -1].float()  # [B, V]
-        # bf16 logits (autocast) come from a bf16 product, ours from a float32 one (or another
-        # bf16 kernel): judge them at the precision they were computed in, not the weights'
-        dtypes = [head.weight.dtype, out.logits.dtype, _AUTOCAST_SEEN.get(lm) or head.weight.dtype]
-        precision = max(torch.finfo(d).eps for d in dtypes)
-        tol = 8 * precision
-        ok = bool(torch.allclose(ours, theirs, rtol=tol, atol=tol * float(theirs.abs().max())))
-    _VERIFIED[lm] = ok
-    if not ok:
-        warnings.warn(
-            f"{type(lm).__name__} computes its logits differently from lm_head(hidden_states); its completion "
-            "log-probs are taken from full logits instead of the chunked path (more memory).",
-            stacklevel=3,
-        )
-    return ok
