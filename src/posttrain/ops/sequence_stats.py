@@ -264,10 +264,12 @@ def sparse_tied_embedding_grad(model: torch.nn.Module) -> Iterator[None]:
     """While scoring, a trained input embedding tied to the LM head yields a sparse gradient.
 
     The embedding's backward otherwise builds a dense ``[V, H]`` gradient (113 MB for SmolLM2)
-    only to add it to the head's; a sparse one (the looked-up rows) is added into the head's dense
-    gradient in place by autograd, which sums both before the weight's single accumulation. So the
-    weight's ``.grad`` stays dense and equal, and the end of backward no longer holds a second
-    vocabulary-sized gradient. Only for a tied weight (the head's dense contribution is always
+    only to add it to the head's; a sparse one (the looked-up rows) is added to the head's dense
+    gradient by autograd, which sums both before the weight's single accumulation. So the weight's
+    ``.grad`` stays dense and equal, and no zero-filled vocabulary-sized gradient is built. (The
+    sum is out of place in torch 2.13: autograd adds in place only into a first-arriving gradient
+    it can take over, and the head's arrives first from a Python ``Function``; measured in session
+    27, BENCHMARKS.md.) Only for a tied weight (the head's dense contribution is always
     there to add into) and an unwrapped model (DDP and sharding reduce gradients themselves).
     """
     lm = chunked.causal_lm(model)
