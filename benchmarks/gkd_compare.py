@@ -3,13 +3,14 @@
 Usage (after ``bash benchmarks/setup.sh``)::
 
     benchmarks/.venv/bin/python benchmarks/gkd_compare.py --rounds 2 --steps 3 --lengths 256 1024
+    benchmarks/.venv/bin/python benchmarks/gkd_compare.py --bf16 0 1 --lengths 256  # bf16 beside float32
 
 For each conversation length, each library runs in a fresh process (``gkd_step.py``),
 alternating (posttrain, TRL, posttrain, ...) so drifts of a shared machine hit both alike. Every
 step is off-policy (``lmbda=0``: the dataset's completions, nothing generated) with the
 generalised JSD (``beta=0.5``); the student and a separately loaded teacher are both the
 embedded SmolLM2-135M-Instruct in float32 on the CPU (the teacher sharpened, see
-``gkd_step.py``). The first step of every run is warm-up and left out. Ratios are posttrain /
+``gkd_step.py``), trained in float32 or, with ``--bf16 1``, under bf16 autocast (both libraries). The first step of every run is warm-up and left out. Ratios are posttrain /
 TRL (below 1 is better). The step-1 losses of both libraries are printed with the completion
 tokens each divides by.
 """
@@ -38,12 +39,15 @@ def main() -> None:
     parser.add_argument("--gradient_checkpointing", type=int, default=1)
     parser.add_argument("--teacher_sharpen", type=float, default=1.5)
     parser.add_argument("--model", default=None, help="model folder (default: the embedded SmolLM2)")
+    parser.add_argument(
+        "--bf16", type=int, nargs="+", default=[0], help="0 float32, 1 bf16 autocast; both: side by side"
+    )
     opts = parser.parse_args()
     model = opts.model or model_folder()
     machine = host()
     load_before = os.getloadavg()
     table = []
-    for length in opts.lengths:
+    for length, bf16 in [(n, b) for n in opts.lengths for b in opts.bf16]:
         runs: dict[str, list[dict]] = {"posttrain": [], "trl": []}
         for _ in range(opts.rounds):
             for lib in runs:
@@ -65,6 +69,8 @@ def main() -> None:
                             str(opts.gradient_checkpointing),
                             "--teacher_sharpen",
                             str(opts.teacher_sharpen),
+                            "--bf16",
+                            str(bf16),
                         ],
                     )  # fmt: skip
                 )
@@ -76,7 +82,7 @@ def main() -> None:
             for key in ("row_tokens", "loss_tokens", "last_loss_tokens"):
                 summary[lib][key] = r[0][key]
         row = {
-            "host": machine, "length": length, "batch_size": opts.batch_size, **summary,
+            "host": machine, "length": length, "bf16": bool(bf16), "batch_size": opts.batch_size, **summary,
             "ratio": {k: p[k] / t[k] for k in ("step_time_s", "peak_rss_mb")},
         }  # fmt: skip
         table.append(row)
@@ -86,12 +92,12 @@ def main() -> None:
     print(f"Host: {machine['cpu']}, {machine['cores']} cores, PyTorch CPU capability {machine['isa']}")
     print(f"Load average (1, 5, 15 min) before: {load_before}, after: {load_after}")
     print()
-    print("| tokens per row | metric | posttrain | TRL | posttrain / TRL |")
-    print("|---|---|---|---|---|")
+    print("| tokens per row | bf16 | metric | posttrain | TRL | posttrain / TRL |")
+    print("|---|---|---|---|---|---|")
     for row in table:
         for key in ("step_time_s", "peak_rss_mb"):
             print(
-                f"| {row['length']} | {key} | {row['posttrain'][key]:.1f} | "
+                f"| {row['length']} | {int(row['bf16'])} | {key} | {row['posttrain'][key]:.1f} | "
                 f"{row['trl'][key]:.1f} | {row['ratio'][key]:.2f} |"
             )
     print()

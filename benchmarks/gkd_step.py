@@ -77,6 +77,7 @@ def main() -> None:
     parser.add_argument("--batch_size", type=int, default=2)
     parser.add_argument("--gradient_checkpointing", type=int, default=1)
     parser.add_argument("--teacher_sharpen", type=float, default=1.5)
+    parser.add_argument("--bf16", type=int, default=0, help="GKDConfig(bf16=...): autocast of both libraries")
     opts = parser.parse_args()
 
     import torch
@@ -128,7 +129,7 @@ def main() -> None:
             max_new_tokens=opts.length,
             gradient_checkpointing=bool(opts.gradient_checkpointing),
             learning_rate=2e-5,
-            bf16=False,
+            bf16=bool(opts.bf16),
             use_cpu=True,
             logging_steps=1,
             save_strategy="no",
@@ -154,6 +155,7 @@ def main() -> None:
                 "length": opts.length,
                 "batch_size": opts.batch_size,
                 "gradient_checkpointing": bool(opts.gradient_checkpointing),
+                "bf16": bool(opts.bf16),
                 "step_times": step_times,
                 "losses": Recorded.losses,
                 **trained,
