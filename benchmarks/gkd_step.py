@@ -186,8 +186,7 @@ def trained_tokens(trainer, library: str, row: dict) -> dict:
     split = distill_data.as_prompt_completion(__import__("datasets").Dataset.from_list([row]), False)[0]
     a = trainer.args
     rollout = distill_data.dataset_rollout(
-        [split], trainer._tokenizer, trainer._eos_token_ids, a.max_completion_length, a.max_length,
-        a.chat_template_kwargs,
+        [split], trainer._tokenizer, trainer._eos_token_ids, a.max_length, a.chat_template_kwargs,
     )  # fmt: skip
     completion = rollout.completion_ids[0][: int(rollout.completion_mask[0].sum())]
     return {

@@ -349,3 +349,44 @@ def test_a_lora_policy_samples_from_a_copy_with_its_adapter_merged(tok, backend)
     generator.weights_changed()
     generator.generate(ids, mask)
     assert generator.reduced.refreshes == 2
+
+
+@pytest.mark.parametrize("family", ["rloo", "online_dpo", "a2po"])
+@pytest.mark.parametrize("host_has_bf16", [True, False])
+def test_other_online_families_sample_from_a_bf16_copy_under_bf16(
+    tmp_path, monkeypatch, family, host_has_bf16
+):
+    """RLOO, online DPO and A*-PO under ``bf16=True``: on a CPU with bf16 instructions the decode
+    steps run a bf16 copy through the fused step, as GRPO's do (under autocast they had cast every
+    weight at every token: RLOO's bf16 step was 1.34x its float32 step on an AVX512-BF16 host,
+    BENCHMARKS.md session 27); elsewhere, and in float32 training, the policy itself samples."""
+    from test_a2po import a2po_trainer
+    from test_online_dpo import dpo_trainer
+    from test_rloo import rloo_trainer
+
+    monkeypatch.setattr(reduced_kernels, "native_bf16", lambda: host_has_bf16)
+    build = {
+        "rloo": lambda bf16: rloo_trainer(tmp_path / str(bf16), script=None, bf16=bf16),
+        "online_dpo": lambda bf16: dpo_trainer(tmp_path / str(bf16), script=None, config={"bf16": bf16}),
+        "a2po": lambda bf16: a2po_trainer(tmp_path / str(bf16), generator=None, bf16=bf16),
+    }[family]
+    generator = build(True).generator
+    assert generator.autocast_dtype is torch.bfloat16
+    if host_has_bf16:
+        assert generator.reduced is not None and generator.reduced.backend == "bf16"
+    else:
+        assert generator.reduced is None
+    assert build(False).generator.reduced is None  # float32 training: the policy samples
+
+
+def test_rloo_trains_under_bf16_on_the_bf16_copy(tmp_path, monkeypatch):
+    from test_rloo import rloo_trainer
+
+    monkeypatch.setattr(reduced_kernels, "native_bf16", lambda: True)
+    trainer = rloo_trainer(tmp_path, script=None, bf16=True, max_steps=2)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    generator = trainer.generator
+    assert generator.path.taken.startswith("lean") and generator.path.fused_blocker is None
+    assert generator.reduced.refreshes == 2
+    assert any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters())

@@ -77,6 +77,8 @@ class A2POTrainer(OnlineTrainer):
         callbacks, optimizers, peft_config, quantization_config: as ``GRPOTrainer``.
     """
 
+    _bf16_sampler_copy = True  # its loss never reads the sampler's log-probs
+
     _tag_names = ["posttrain", "a2po"]
     loss_is_scaled_for_ga = True  # compute_loss divides by the accumulated batch itself
 

@@ -67,6 +67,8 @@ class OnlineDPOTrainer(OnlineTrainer):
         peft_config, callbacks, optimizers, quantization_config: as ``GRPOTrainer``.
     """
 
+    _bf16_sampler_copy = True  # its loss never reads the sampler's log-probs
+
     _tag_names = ["posttrain", "online-dpo"]
     loss_is_scaled_for_ga = True  # compute_loss divides by the accumulated batch itself
 

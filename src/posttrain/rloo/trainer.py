@@ -59,6 +59,8 @@ class RLOOTrainer(OnlineTrainer):
         tools, rollout_func, environment_factory: as ``GRPOTrainer`` (``docs/agents.md``).
     """
 
+    _bf16_sampler_copy = True  # its loss never reads the sampler's log-probs
+
     _tag_names = ["posttrain", "rloo"]
     loss_is_scaled_for_ga = True  # compute_loss divides by the accumulated batch itself
 

@@ -26,6 +26,7 @@ from posttrain.data import formats
 from posttrain.data.sampling import online_dataloader
 from posttrain.data.vision import image_processor_of
 from posttrain.generation.base import Generator
+from posttrain.generation.reduced_precision import configure_sampler
 from posttrain.models import peft as peft_utils
 from posttrain.models.loading import image_placeholder_ids, is_vision_model
 from posttrain.observe.completions import COMPLETIONS_FILE, IMAGES_FOLDER, CompletionLog
@@ -143,6 +144,9 @@ class OnlineTrainer(BaseTrainer):
             a, self.accelerator, lambda: self.model, self._tokenizer, self._eos_token_ids,
             suppress=image_placeholder_ids(self.model),
         )  # fmt: skip
+        if self._bf16_sampler_copy:  # under bf16=True on a bf16 CPU: the decode steps on a bf16 copy
+            own_sampling = self.agent is None and self.rollout_func is None
+            configure_sampler(generator, self.accelerator.unwrap_model(self.model), "float32", own_sampling)
         return OnlineSampler(
             tokenizer=self._tokenizer,
             generator=generator,
@@ -182,6 +186,12 @@ class OnlineTrainer(BaseTrainer):
 
     #: whether the family learns from rewards (distillation learns from a teacher: rewards optional)
     _reward_required: bool = True
+
+    #: whether ``bf16=True`` on a CPU with bf16 instructions samples from a bf16 copy of the weights
+    #: (``reduced_precision.trainer_precision_sampler``: the products autocast would run, without
+    #: casting every weight again at every token); for families that do not read the sampler's
+    #: log-probs, so only the speed changes. GRPO sets its sampler itself (``sampler_precision``).
+    _bf16_sampler_copy: bool = False
 
     @property
     def _judged(self) -> bool:
