@@ -16,6 +16,9 @@ class OnlineFamilyHooks(FamilyHooks, Protocol):
 
     #: Whether the family needs reward functions (distillation: no; SDPO: yes).
     _reward_required: ClassVar[bool]
+    #: Whether bf16=True on a bf16 CPU samples from a bf16 copy (a loss that never reads the
+    #: sampler's log-probs: RLOO, online DPO, A*-PO; GRPO sets its sampler itself).
+    _bf16_sampler_copy: ClassVar[bool]
 
     @property
     def _judged(self) -> bool:
