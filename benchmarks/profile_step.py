@@ -33,18 +33,21 @@ from typing import Any
 
 CURRENT = {"phase": "setup"}
 SYNC: list[Any] = [lambda: None]  # torch.cuda.synchronize with --device cuda
+FAULTS: collections.defaultdict[str, int] = collections.defaultdict(int)  # minor page faults per phase
 
 
 def timed(store: dict[str, float], name: str, fn: Any) -> Any:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         SYNC[0]()
         start, outer = time.perf_counter(), CURRENT["phase"]
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         CURRENT["phase"] = name
         try:
             return fn(*args, **kwargs)
         finally:
             SYNC[0]()
             store[name] += time.perf_counter() - start
+            FAULTS[name] += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
             CURRENT["phase"] = outer
 
     return wrapper
@@ -141,13 +144,16 @@ def main() -> None:
     dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": question}]] * 64})
     phases: dict[str, float] = collections.defaultdict(float)
     per_step: list[dict[str, float]] = []
+    faults: list[dict[str, int]] = []
 
     class Clock(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
             CURRENT["step"] = state.global_step
             SYNC[0]()
             phases.clear()
+            FAULTS.clear()
             phases["_start"] = time.perf_counter()
+            FAULTS["_start"] = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
         def on_step_end(self, args, state, control, **kwargs):
             SYNC[0]()
@@ -156,6 +162,8 @@ def main() -> None:
             row["other"] = total - sum(row.values())
             row["step"] = total
             per_step.append(row)
+            step_faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - FAULTS.pop("_start")
+            faults.append({**FAULTS, "step": step_faults})
 
     n = opts.completion_length
     with tempfile.TemporaryDirectory() as out:
@@ -206,7 +214,18 @@ def main() -> None:
     summary["generation_path"] = getattr(path, "taken", None)
     summary["fused_blocker"] = getattr(path, "fused_blocker", None)
     summary["cuda_graph_blocker"] = getattr(path, "cuda_graph_blocker", None)
-    print(json.dumps({"options": vars(opts), "median_s": summary, "peak_rss_by_phase_mb": peaks}))
+    measured_faults = faults[1:] or faults
+    fault_summary = {k: statistics.median(r.get(k, 0) for r in measured_faults) for k in measured_faults[0]}
+    print(
+        json.dumps(
+            {
+                "options": vars(opts),
+                "median_s": summary,
+                "median_minor_faults": fault_summary,
+                "peak_rss_by_phase_mb": peaks,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -545,3 +545,23 @@ def test_a_dataset_completion_is_tokenised_as_sft_tokenises_it() -> None:
         assert mine == trained
         assert mine[-len(newline) :] == newline and tok.eos_token_id in mine  # the template's tail after EOS
     assert rollout.is_terminated.all()
+
+
+def test_gkd_in_bf16_multiplies_the_heads_in_bf16(tmp_path, monkeypatch) -> None:
+    """bf16=True on a (pretended) bf16 host: the teacher's forward runs under the student's
+    autocast (as the reference's prepared teacher does), and both heads' vocabulary products in
+    bf16, as the rest of each forward did (ops/divergence_head.py)."""
+    import posttrain.distill.distillation as module
+    from posttrain.ops import precision
+
+    monkeypatch.setattr(precision, "native_bf16", lambda: True)
+    seen: list[tuple] = []
+    original = module.token_divergence
+
+    def spy(student, teacher, *args, **kwargs):
+        seen.append((student.product_dtype, teacher.product_dtype))
+        return original(student, teacher, *args, **kwargs)
+
+    monkeypatch.setattr(module, "token_divergence", spy)
+    distill_trainer(tmp_path, cls=GKDTrainer, config=GKDConfig, bf16=True, max_steps=1).train()
+    assert seen and set(seen) == {(torch.bfloat16, torch.bfloat16)}

@@ -245,7 +245,7 @@ def _problem(seed: int, dtype: torch.dtype = torch.float32, bias: bool = True):
 def _recomputed(hs, w, b, ht, wt, beta, temperature, chunk, upstream):
     """Values and gradients with nothing built in forward: every gradient from backward's recompute."""
     leaves = [x.clone().requires_grad_() if x is not None else None for x in (hs, w, b)]
-    div, _ = TokenDivergence.apply(*leaves, ht, wt, None, beta, temperature, chunk, None, False)
+    div, _ = TokenDivergence.apply(*leaves, ht, wt, None, beta, temperature, chunk, None, False, (None, None))
     (div * upstream).sum().backward()
     return div.detach(), [x.grad if x is not None else None for x in leaves]
 
@@ -434,3 +434,85 @@ def test_loss_weights_of_the_wrong_shape_are_named() -> None:
     a = HeadInputs(torch.zeros(3, 5, requires_grad=True))
     with pytest.raises(ValueError, match=r"loss_weights has shape \(2,\); it needs one weight per position"):
         token_divergence(a, HeadInputs(torch.zeros(3, 5)), 0.5, loss_weights=torch.ones(2))
+
+
+# ---- bf16 products and scratch buffers ----------------------------------------------------------
+
+
+def _heads(seed: int = 3, n: int = 37, h: int = 16, v: int = 300) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(*shape, generator=g) * scale for shape, scale in [((n, h), 1), ((v, h), 0.5)] * 2]
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("uniform", [True, False])
+def test_bf16_products_are_the_bf16_linear_layers_logits(beta, uniform) -> None:
+    """``product_dtype=bf16``: each side's logits are what a bf16 ``linear`` gives (bf16-rounded
+    hidden states, weight and output; float32 statistics after it), and the student's gradient is
+    within bf16's rounding of autograd's through that layer, on the fused pass (a token sum) and on
+    backward's recompute (any other upstream gradient)."""
+    hs, ws, ht, wt = _heads()
+    coef = torch.ones(hs.shape[0]) if uniform else torch.linspace(0.2, 1.8, hs.shape[0])
+
+    def run(dtype):
+        xs, w = hs.clone().requires_grad_(), ws.clone().requires_grad_()
+        if dtype is None:  # the reference: autograd through a bf16 linear layer's logits
+            bf16 = [
+                torch.nn.functional.linear(x.bfloat16(), m.bfloat16()).float() for x, m in [(xs, w), (ht, wt)]
+            ]
+            student, teacher = HeadInputs(bf16[0]), HeadInputs(bf16[1])
+        else:
+            student, teacher = HeadInputs(xs, w, None, dtype), HeadInputs(ht, wt, None, dtype)
+        div, entropy = token_divergence(student, teacher, beta, 0.7, chunk_size=16)
+        return div, entropy, torch.autograd.grad((div * coef).sum(), (xs, w))
+
+    div, entropy, grads = run(torch.bfloat16)
+    want_div, want_entropy, want_grads = run(None)
+    torch.testing.assert_close(div, want_div, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(entropy, want_entropy, rtol=1e-5, atol=1e-6)
+    for ours, theirs in zip(grads, want_grads, strict=True):
+        assert ours.dtype == torch.float32
+        torch.testing.assert_close(ours, theirs, rtol=2e-2, atol=2e-2 * theirs.abs().max().item())
+    fp32, _ = token_divergence(HeadInputs(hs, ws), HeadInputs(ht, wt), beta, 0.7, chunk_size=16)
+    assert (div - fp32).abs().max().item() > 1e-4  # the products did run in bf16
+
+
+def test_each_side_keeps_its_own_product_dtype() -> None:
+    """A bf16 student against a float32 teacher: only the student's products are rounded."""
+    hs, ws, ht, wt = _heads(seed=5)
+    mixed, _ = token_divergence(
+        HeadInputs(hs, ws, None, torch.bfloat16), HeadInputs(ht, wt), 0.5, chunk_size=8
+    )
+    bf16_logits = torch.nn.functional.linear(hs.bfloat16(), ws.bfloat16()).float()
+    want, _ = token_divergence(HeadInputs(bf16_logits), HeadInputs(ht, wt), 0.5, chunk_size=8)
+    torch.testing.assert_close(mixed, want, rtol=1e-5, atol=1e-6)
+
+
+def test_the_engine_reuses_its_scratch_buffers_and_leaves_no_stale_values() -> None:
+    """A second call of the same shape allocates no new buffer, and a call after a call on other
+    inputs gives the first call's values bit for bit (no chunk reads another's leftovers)."""
+    from posttrain.ops import workspace
+
+    workspace.release()
+    first, other = _heads(seed=7), _heads(seed=8)
+
+    def run(heads, dtype):
+        xs, w, xt, wtt = heads
+        xs, w = xs.clone().requires_grad_(), w.clone().requires_grad_()
+        div, _ = token_divergence(
+            HeadInputs(xs, w, None, dtype), HeadInputs(xt, wtt, None, dtype), 0.3, chunk_size=16
+        )
+        return (div, *torch.autograd.grad(div.sum(), (xs, w)))
+
+    try:
+        for dtype in (None, torch.bfloat16):
+            a = run(first, dtype)
+            held = workspace.held_bytes()
+            assert held > 0
+            run(other, dtype)
+            again = run(first, dtype)
+            assert workspace.held_bytes() == held
+            for x, y in zip(a, again, strict=True):
+                assert torch.equal(x, y)
+    finally:
+        workspace.release()

@@ -263,7 +263,7 @@ class DistillationTrainer(TeacherStudentTrainer):
         for teacher_model, rows in self._teacher_groups(inputs):
             sub = r if rows is None else select_rows(r, rows)
             sub_keep = keep if rows is None else keep & rows.unsqueeze(1)
-            with torch.no_grad():
+            with torch.no_grad(), self.accelerator.autocast():  # the student's precision (bf16=True)
                 if self._served:
                     teacher = teachers.served_logps(
                         teacher_model, sub, keep[rows] if rows is not None else keep, self._loss_temperature

@@ -406,7 +406,7 @@ class GOLDTrainer(GKDTrainer):
             *_pad_rows([row.prompt_ids for row in rows], pad_t, True, device),
             *_pad_rows([row.completion_ids for row in rows], pad_t, False, device),
         )
-        with torch.no_grad():
+        with torch.no_grad(), self.accelerator.autocast():  # the student's precision (bf16=True)
             teacher, _ = _head_inputs(self.teacher_model, t_ids, pad_t)
         lengths = r.completion_mask.sum(dim=1).tolist()
         sides = []
@@ -432,7 +432,7 @@ class GOLDTrainer(GKDTrainer):
     def _student_nll(student: HeadInputs, completion_ids: torch.Tensor, keep: torch.Tensor) -> _Nll:
         """The student's NLL summed over the kept completion tokens (with gradient), and their number."""
         width = completion_ids.shape[1]
-        side = HeadInputs(student.hidden[:, :width], student.weight, student.bias).rows(keep)
+        side = HeadInputs(student.hidden[:, :width], student.weight, student.bias, student.product_dtype).rows(keep)
         count = int(keep.sum())
         if count == 0:
             return _Nll(student.hidden.sum() * 0.0, 0)

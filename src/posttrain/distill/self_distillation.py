@@ -110,7 +110,7 @@ class SelfTeacherTrainer(TeacherStudentTrainer):
             metric = self._token_means({"d": torch.zeros(1, device=mask.device)}, 0)["d"]
             return student.hidden.sum() * 0.0 + torch.zeros(mask.shape[0], device=mask.device), metric
         sub = r if rows is None else select_rows(r, rows)
-        with torch.no_grad(), self._teacher() as teacher_model:
+        with torch.no_grad(), self.accelerator.autocast(), self._teacher() as teacher_model:
             prompt_ids = inputs.teacher_prompt_ids if rows is None else inputs.teacher_prompt_ids[rows]
             prompt_mask = inputs.teacher_prompt_mask if rows is None else inputs.teacher_prompt_mask[rows]
             teacher, _ = completion_head_inputs(

@@ -75,18 +75,20 @@ def _scaled_logits(
     bias: torch.Tensor | None,
     temperature: float,
     reuse: bool = False,
+    name: str = "head_logits",
 ) -> torch.Tensor:
     """``(h @ W^T + b) / temperature`` in float32 (float64 stays float64): [c, H] -> [c, V].
 
-    A fresh tensor, or with ``reuse`` the ``"head_logits"`` scratch buffer (``ops/workspace.py``):
-    the caller then lets it die before the next call. Either way safe to change in place.
+    A fresh tensor, or with ``reuse`` the scratch buffer ``name`` (``ops/workspace.py``; a
+    lower-precision product passes through ``"head_product"``): the caller then lets it die before
+    the next call with that name. Either way safe to change in place.
     """
     if not reuse:
         z = nn.functional.linear(h, weight, bias)
         z = z.to(_stats_dtype(z.dtype))  # a fresh tensor either way: safe to divide in place
         return z.div_(temperature) if temperature != 1.0 else z
     shape, stats = (h.shape[0], weight.shape[0]), _stats_dtype(weight.dtype)
-    z = workspace.scratch("head_logits", shape, stats, h.device)
+    z = workspace.scratch(name, shape, stats, h.device)
     product = z if weight.dtype == stats else workspace.scratch("head_product", shape, weight.dtype, h.device)
     if bias is None:
         torch.mm(h, weight.t(), out=product)

@@ -53,14 +53,13 @@ these against float64.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
 
 from posttrain.ops import chunked, topk
 from posttrain.ops.chunked import DEFAULT_CHUNK_SIZE
+from posttrain.ops.divergence_head import HeadInputs, head_products, in_products, scratch_like, side_logits
 
 __all__ = [
     "DIVERGENCES",
@@ -147,13 +146,15 @@ def _log_mixture_ratio(delta: torch.Tensor, beta: float) -> torch.Tensor:
 
 
 def _log_mixture_ratio_(delta: torch.Tensor, beta: float) -> torch.Tensor:
-    """``_log_mixture_ratio`` into a new buffer, with in-place steps and no autograd (the kernel's)."""
+    """``_log_mixture_ratio`` into the ``"div_work"`` scratch buffer, with in-place steps and no
+    autograd (the kernel's)."""
+    out = scratch_like(delta, "div_work")
     if beta <= 0.5:
         over = bool(delta.amax() > _EXP_SAFE)
-        ratio = delta.clamp(max=_EXP_SAFE).expm1_().mul_(beta).log1p_()
+        ratio = torch.clamp(delta, max=_EXP_SAFE, out=out).expm1_().mul_(beta).log1p_()
         return ratio.add_((delta - _EXP_SAFE).clamp_(min=0.0)) if over else ratio
     floored = delta.clamp(min=-_EXP_SAFE) if bool(delta.amin() < -_EXP_SAFE) else delta
-    return torch.neg(floored).expm1_().mul_(1.0 - beta).log1p_().add_(floored)
+    return torch.neg(floored, out=out).expm1_().mul_(1.0 - beta).log1p_().add_(floored)
 
 
 def _divergence(s: torch.Tensor, t: torch.Tensor, beta: float) -> torch.Tensor:
@@ -170,13 +171,13 @@ def _divergence(s: torch.Tensor, t: torch.Tensor, beta: float) -> torch.Tensor:
     return beta * kl_tm + (1.0 - beta) * kl_sm
 
 
-def _log_probs_(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(log p, p)`` of [c, V] logits, ``z`` overwritten with ``log p``; normalised with the argmax
-    excluded, as ``log_softmax`` (``p`` of the argmax is ``1 / (1 + S)``, of the others
-    ``exp(z - max) / (1 + S)``)."""
+def _log_probs_(z: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(log p, p)`` of [c, V] logits, ``z`` overwritten with ``log p`` and ``p`` in the scratch
+    buffer ``name``; normalised with the argmax excluded, as ``log_softmax`` (``p`` of the argmax
+    is ``1 / (1 + S)``, of the others ``exp(z - max) / (1 + S)``)."""
     top, where = z.max(dim=-1, keepdim=True)
     u = z.sub_(top)
-    p = u.exp()
+    p = torch.exp(u, out=scratch_like(u, name))
     rest = p.scatter_(-1, where, 0.0).sum(dim=-1, keepdim=True)  # S
     u.sub_(torch.log1p(rest))
     inv = (1.0 + rest).reciprocal_()
@@ -195,7 +196,8 @@ def _chunk(
 
     Args:
         z_s, z_t: [c, V] student and teacher logits divided by the temperature, float32 or wider;
-            both are overwritten.
+            both are overwritten. Its other [c, V] tensors are scratch buffers (``ops/workspace.py``),
+            the gradient among them: dead at the next call.
         beta: 0 forward KL, 1 reverse KL, else the generalised JSD.
         with_grad: also return the gradient.
 
@@ -204,16 +206,16 @@ def _chunk(
         ``k = _grad_factor(beta)``, a constant left for the caller to apply on a small tensor
         ([c, H] or [N]) rather than on [c, V].
     """
-    s, p = _log_probs_(z_s)
-    t, q = _log_probs_(z_t)
+    s, p = _log_probs_(z_s, "div_student_p")
+    t, q = _log_probs_(z_t, "div_teacher_p")
     delta = t.sub_(s)  # t - s
     entropy = s.mul_(p).sum(dim=-1).neg_()  # torch's sums accumulate in blocks: exact over V terms
     if beta == 0.0:  # KL(T || S); gradient p - q
-        div = (q * delta).sum(dim=-1)
+        div = torch.mul(q, delta, out=scratch_like(q, "div_work")).sum(dim=-1)
         if not with_grad:
             return div, entropy, None
         # p - q = sign(delta) * max(p, q) * expm1(-|delta|): each factor exact, nothing cancels
-        g = delta.abs().neg_().expm1_().mul_(torch.maximum(p, q, out=q))
+        g = torch.abs(delta, out=scratch_like(q, "div_work")).neg_().expm1_().mul_(torch.maximum(p, q, out=q))
         return div, entropy, g.copysign_(delta.neg_())
     if beta == 1.0:  # KL(S || T); gradient p (s - t - KL) = -(p delta + p KL)
         p_delta = delta.mul_(p)
@@ -239,35 +241,9 @@ def divergence_from_logps(
     return _divergence(student_logps, teacher_logps, beta)
 
 
-@dataclass
-class HeadInputs:
-    """One model's side of a divergence: what its LM head turns into next-token logits.
-
-    Attributes:
-        hidden: [N, H] final hidden states in the head's dtype, or [N, V] logits when ``weight`` is
-            ``None`` (a model whose logits are not plainly ``lm_head(hidden)``).
-        weight: [V, H] the LM head's weight, or ``None``.
-        bias: [V] the LM head's bias, or ``None``.
-    """
-
-    hidden: torch.Tensor
-    weight: torch.Tensor | None = None
-    bias: torch.Tensor | None = None
-
-    @property
-    def vocab_size(self) -> int:
-        """V: the number of logits per position."""
-        return self.weight.shape[0] if self.weight is not None else self.hidden.shape[-1]
-
-    def rows(self, keep: torch.Tensor) -> HeadInputs:
-        """The positions where ``keep`` ([...] bool, the hidden states' leading shape) is true."""
-        return HeadInputs(self.hidden[keep], self.weight, self.bias)
-
-
-def _scaled(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, temperature: float):
-    """``(x @ W^T + b) / temperature`` (or ``x / temperature`` for logits) in float32 or wider."""
-    z = nn.functional.linear(x, weight, bias) if weight is not None else x.clone()
-    z = z.to(torch.promote_types(z.dtype, torch.float32))
+def _scaled(x: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``x / temperature`` for [N, V] logits, in float32 or wider (a new tensor)."""
+    z = x.to(torch.promote_types(x.dtype, torch.float32), copy=True)
     return z.div_(temperature) if temperature != 1.0 else z
 
 
@@ -283,12 +259,13 @@ def _gradient_pass(
     chunk_size: int,
     weights: torch.Tensor | None,
     want: tuple[bool, bool, bool],
+    dtypes: tuple[torch.dtype | None, torch.dtype | None],
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Project chunk by chunk; write the divergence and entropy into ``out``, and build the gradients.
 
     Args:
-        s_x, s_w, s_b, t_x, t_w, t_b, beta, temperature, chunk_size: as ``TokenDivergence``.
+        s_x, s_w, s_b, t_x, t_w, t_b, beta, temperature, chunk_size, dtypes: as ``TokenDivergence``.
         weights: [N] the weight of each position's divergence in the head's gradient (``None``: 1).
         want: whether to build the gradient of the student's hidden states, head weight, head bias.
         out: ``(divergence [N], entropy [N])`` to fill, or ``None`` (a recompute in backward).
@@ -309,11 +286,13 @@ def _gradient_pass(
         gw = torch.zeros_like(s_w, dtype=acc)
     if want_b:
         gb = torch.zeros_like(s_b, dtype=acc)
+    student = in_products(s_w, s_b, dtypes[0], "head_weight")
+    teacher = in_products(t_w, t_b, dtypes[1], "div_teacher_weight")
     for start in range(0, n, chunk_size):
         rows = slice(start, start + chunk_size)
-        z_s = _scaled(s_x[rows], s_w, s_b, temperature)
-        z_t = _scaled(t_x[rows], t_w, t_b, temperature).to(z_s.dtype)
-        div, entropy, g = _chunk(z_s, z_t, beta, want_x or want_w or want_b)
+        z_s = side_logits(s_x[rows], student, temperature, "div_student_logits")
+        z_t = side_logits(t_x[rows], teacher, temperature, "div_teacher_logits")
+        div, entropy, g = _chunk(z_s, z_t.to(z_s.dtype), beta, want_x or want_w or want_b)
         if out is not None:
             out[0][rows], out[1][rows] = div, entropy
         if g is None:
@@ -321,15 +300,10 @@ def _gradient_pass(
         if s_w is None:  # logits given: their gradient is g
             gx[rows] = g
             continue
-        if gx is not None:
-            gx[rows] = g.to(s_w.dtype) @ s_w
-        if gw is not None or gb is not None:
-            w_rows = weights[rows].to(acc) if weights is not None else None
-            if gw is not None:
-                x = s_x[rows].to(acc)
-                gw.addmm_(g.t(), x * w_rows.unsqueeze(-1) if w_rows is not None else x)
-            if gb is not None:
-                gb.add_(g.t() @ w_rows if w_rows is not None else g.sum(dim=0))
+        w_rows = weights[rows].to(acc) if weights is not None and (gw is not None or gb is not None) else None
+        if gb is not None:
+            gb.add_(g.t() @ w_rows if w_rows is not None else g.sum(dim=0))
+        head_products(g, s_x[rows], student[0], w_rows, gx[rows] if gx is not None else None, gw)
     return gx, gw, gb
 
 
@@ -354,7 +328,8 @@ class TokenDivergence(torch.autograd.Function):
 
     Inputs: student hidden [N, H] (or logits [N, V]), its head weight [V, H] (or ``None``) and bias,
     the teacher's three the same way, then beta, temperature, chunk_size, the loss's weights [N]
-    (or ``None``) and ``fuse``. Outputs: divergence [N] and the student's entropy [N] (not
+    (or ``None``), ``fuse`` and ``dtypes`` (the student's and the teacher's ``product_dtype``;
+    the student's gradient products run in the student's). Outputs: divergence [N] and the student's entropy [N] (not
     differentiable), float32 or wider.
 
     With ``fuse`` (``token_divergence`` sets it when autograd records), forward also builds the
@@ -381,6 +356,7 @@ class TokenDivergence(torch.autograd.Function):
         chunk_size: int,
         weights: torch.Tensor | None,
         fuse: bool,
+        dtypes: tuple[torch.dtype | None, torch.dtype | None],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         n = s_x.shape[0]
         dtype = torch.promote_types(s_x.dtype if s_w is None else s_w.dtype, torch.float32)
@@ -393,10 +369,11 @@ class TokenDivergence(torch.autograd.Function):
             fuse and s_b is not None and needs[2],
         )
         gx, gw, gb = _gradient_pass(
-            s_x, s_w, s_b, t_x, t_w, t_b, beta, temperature, chunk_size, weights, want, (div, entropy)
+            s_x, s_w, s_b, t_x, t_w, t_b, beta, temperature, chunk_size, weights, want, dtypes, (div, entropy)
         )
         ctx.save_for_backward(s_x, s_w, s_b, t_x, t_w, t_b)
         ctx.beta, ctx.temperature, ctx.chunk_size, ctx.weights = beta, temperature, chunk_size, weights
+        ctx.dtypes = dtypes
         ctx.fused = (gx, gw, gb) if any(want) else None
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(entropy)
@@ -409,7 +386,7 @@ class TokenDivergence(torch.autograd.Function):
         needs = ctx.needs_input_grad
         want = [needs[0], s_w is not None and needs[1], s_b is not None and needs[2]]
         if grad_div is None or not any(want):
-            return (None,) * 11
+            return (None,) * 12
         grad_div = grad_div.to(torch.promote_types(grad_div.dtype, torch.float32))
         scale = grad_div * (_grad_factor(ctx.beta) / ctx.temperature)  # d loss / d z_S,i = scale_i g_i
         gx = gw = gb = None
@@ -426,14 +403,25 @@ class TokenDivergence(torch.autograd.Function):
                     gw = gb = None
         if any(want):  # recompute each chunk; the head's sums weighted by the upstream gradient itself
             rx, rw, rb = _gradient_pass(
-                s_x, s_w, s_b, t_x, t_w, t_b, ctx.beta, ctx.temperature, ctx.chunk_size, scale, tuple(want)
+                s_x,
+                s_w,
+                s_b,
+                t_x,
+                t_w,
+                t_b,
+                ctx.beta,
+                ctx.temperature,
+                ctx.chunk_size,
+                scale,
+                tuple(want),
+                ctx.dtypes,
             )
             gx = rx if want[0] else gx
             gw, gb = (rw, rb) if want[1] or want[2] else (gw, gb)
         grad_x = gx.mul_(scale.unsqueeze(-1).to(gx.dtype)).to(s_x.dtype) if gx is not None else None
         grad_w = gw.to(s_w.dtype) if gw is not None else None
         grad_b = gb.to(s_b.dtype) if gb is not None else None
-        return grad_x, grad_w, grad_b, None, None, None, None, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None, None, None, None, None
 
 
 def token_divergence(
@@ -487,6 +475,7 @@ def token_divergence(
         chunk_size,
         weights,
         fuse,
+        (student.product_dtype, teacher.product_dtype),
     )
 
 
@@ -532,10 +521,18 @@ def target_logps(
         [N] or [N, K] log-probs, float32 or wider.
     """
     if side.weight is not None:
-        logps, _ = chunked.token_stats(side.hidden, side.weight, side.bias, targets, temperature, chunk_size)
+        logps, _ = chunked.token_stats(
+            side.hidden,
+            side.weight,
+            side.bias,
+            targets,
+            temperature,
+            chunk_size,
+            product_dtype=side.product_dtype,
+        )
         return logps
     many = targets if targets.dim() == 2 else targets.unsqueeze(-1)
-    logps = log_softmax(_scaled(side.hidden, None, None, temperature)).gather(-1, many)
+    logps = log_softmax(_scaled(side.hidden, temperature)).gather(-1, many)
     return logps if targets.dim() == 2 else logps.squeeze(-1)
 
 

@@ -213,7 +213,8 @@ def completion_head_inputs(
     if found is not None:
         out, predicting = found
         head = chunked.causal_lm(model).get_output_embeddings()
-        side = HeadInputs(chunked.head_input(model, predicting), head.weight, head.bias)
+        dtype = chunked.head_product_dtype(model)
+        side = HeadInputs(chunked.head_input(model, predicting), head.weight, head.bias, dtype)
         return side, getattr(out, "aux_loss", None)
     T = completion_ids.shape[1]
     out = model(**inputs, logits_to_keep=T + 1)
