@@ -432,7 +432,9 @@ class GOLDTrainer(GKDTrainer):
     def _student_nll(student: HeadInputs, completion_ids: torch.Tensor, keep: torch.Tensor) -> _Nll:
         """The student's NLL summed over the kept completion tokens (with gradient), and their number."""
         width = completion_ids.shape[1]
-        side = HeadInputs(student.hidden[:, :width], student.weight, student.bias, student.product_dtype).rows(keep)
+        side = HeadInputs(
+            student.hidden[:, :width], student.weight, student.bias, student.product_dtype
+        ).rows(keep)
         count = int(keep.sum())
         if count == 0:
             return _Nll(student.hidden.sum() * 0.0, 0)
