@@ -582,3 +582,22 @@ def test_untied_embedding_keeps_a_dense_gradient(tok):
     model.get_input_embeddings().register_forward_pre_hook(lambda m, args: seen.append(m.sparse))
     grads(model, batch(len(tok)), chunk_size=16)
     assert seen == [False] and not model.get_input_embeddings().weight.grad.is_sparse
+
+
+def test_bf16_reference_scores_in_the_policys_precision(tmp_path, tok):
+    """bf16=True with a KL: the reference model runs under the policy's autocast, so the first
+    step's KL (the policy still equals its reference) is exactly 0, not bf16's rounding."""
+    from helpers import make_config, standard_dataset
+
+    from posttrain import GRPOTrainer
+
+    trainer = GRPOTrainer(
+        model=tiny(tok),
+        reward_funcs=lambda completion_ids, **kw: [float(sum(c) % 3) for c in completion_ids],
+        args=make_config(tmp_path, bf16=True, beta=0.1, max_steps=2),
+        train_dataset=standard_dataset(),
+        processing_class=tok,
+    )
+    trainer.train()
+    kls = [entry["kl"] for entry in trainer.state.log_history if "kl" in entry]
+    assert kls[0] == 0.0 and kls[1] > 0.0

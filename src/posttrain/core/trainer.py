@@ -250,10 +250,16 @@ class BaseTrainer(Trainer):
 
     @contextlib.contextmanager
     def _as_reference(self) -> Iterator[torch.nn.Module]:
-        """The model to score the reference with: ``self.ref_model``, else the adapters-off policy."""
+        """The model to score the reference with: ``self.ref_model``, else the adapters-off policy.
+
+        A separate ``ref_model`` runs under the policy's autocast (``bf16=True``), as accelerate's
+        wrapper runs the policy's forward: the two score in one precision, so their KL is 0 where
+        they are equal, not bf16's rounding.
+        """
         reference = getattr(self, "ref_model", None)
         if reference is not None:
-            yield reference
+            with self.accelerator.autocast():
+                yield reference
             return
         with peft_utils.adapters_disabled(self.model) as base:
             yield base
