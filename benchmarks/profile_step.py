@@ -8,7 +8,7 @@ Usage::
 
 Wraps the trainer's phases with timers (generation, rewards and advantages, loss forward,
 backward, optimizer step) and prints, per phase, the median over the steps after the first
-(warm-up), the peak RSS, and the largest anonymous and file-backed resident memory seen in each
+(warm-up) of its wall time and of its minor page faults (``median_minor_faults``), the peak RSS, and the largest anonymous and file-backed resident memory seen in each
 phase (sampled every 5 ms). ``--heap 1`` adds, per phase, the most bytes glibc's malloc had in
 use (heap and mmapped blocks, ``mallinfo2``) and the heap's size and free bytes at that moment:
 resident memory above what malloc has in use is freed heap that stays resident. Same config
