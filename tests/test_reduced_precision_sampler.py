@@ -301,6 +301,63 @@ def test_bf16_training_samples_from_a_bf16_copy_where_the_cpu_has_bf16(
         assert generator.reduced is None and logged == []
 
 
+@pytest.mark.parametrize("host_has_bf16", [True, False])
+def test_bf16_lora_training_samples_and_is_evaluated_in_float32(tmp_path, tok, monkeypatch, host_has_bf16):
+    """A LoRA policy under ``bf16=True``: accelerate wraps the ``PeftModel``'s forward in autocast,
+    not the model under it. The fused step took that inner model for its float32 copy while the
+    prompts' prefill ran the wrapped forward and left a bf16 cache, which oneDNN's float32 product
+    refused: ``posttrain grpo --use_peft`` failed in its evaluation after training on a bf16 host,
+    and in training's sampling where the host has no bf16. Now the wrapped PEFT forward rules the
+    float32 step out, and the held-out evaluation sets the wrapper aside (the model in float32,
+    as before training, through the fused step)."""
+    from datasets import Dataset
+    from peft import LoraConfig
+
+    from posttrain.generation.fused_blockers import peft_wrapper_blocker
+    from posttrain.ops.padding import left_pad
+    from posttrain.rewards import evaluate
+
+    monkeypatch.setattr(reduced_kernels, "native_bf16", lambda: host_has_bf16)
+    args = helpers.make_config(tmp_path, bf16=True, max_steps=1, max_completion_length=8)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "gate_proj"])
+    trainer = helpers.make_trainer(
+        tok, first_token_reward, args, model=build_tiny_model(tok), peft_config=lora
+    )
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*(autocast|bf16|mixed precision).*")
+        trainer.train()
+    model = trainer.model
+    wrapper = model.__dict__["forward"]  # accelerate's autocast around the PEFT model
+    assert "PEFT model's forward is wrapped" in peft_wrapper_blocker(model, "onednn", None)
+    assert peft_wrapper_blocker(model, "plain", torch.bfloat16) is None  # the step under the same autocast
+    ids, mask = left_pad(
+        [tok("What is 2 + 2?")["input_ids"], tok("And 3 + 1?")["input_ids"]], tok.pad_token_id
+    )
+    wrapped = TransformersGenerator(lambda: model, config(tok.eos_token_id, new_tokens=40, top_k=1))
+    wrapped.generate(ids, mask)  # no autocast given: the model's forward at each step
+    assert "PEFT model's forward is wrapped" in wrapped.path.fused_blocker
+
+    seen, paths = [], []
+    monkeypatch.setattr(evaluate, "answer_format_reward", lambda completions: [0.0] * len(completions))
+    monkeypatch.setattr(evaluate, "answer_accuracy_reward", lambda c, s: seen.extend(c) or [])
+    generate = evaluate.TransformersGenerator.generate
+
+    def spy(self, *args, **kwargs):
+        out = generate(self, *args, **kwargs)
+        paths.append((self.path.taken, self.path.fused_blocker))
+        return out
+
+    monkeypatch.setattr(evaluate.TransformersGenerator, "generate", spy)
+    data = Dataset.from_dict({"prompt": ["What is 2 + 2?", "And 3 + 1?"], "solution": ["4", "4"]})
+    evaluate.task_accuracy(model, tok, data, max_new_tokens=40)
+    assert paths == [("lean", None)]  # the fused step, float32
+    assert model.__dict__["forward"] is wrapper  # the wrapper is back for training
+    del model.forward  # the PEFT model's own float32 forward: the same greedy completions
+    out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=40,
+                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)  # fmt: skip
+    assert seen == tok.batch_decode(out[:, ids.shape[1] :], skip_special_tokens=True)
+
+
 def test_bf16_training_with_other_sampling_sources_keeps_the_policy(tok, monkeypatch):
     """Tools, environments and ``rollout_func`` get no bf16 copy: their turns would reach it
     without its log-probs (the IS correction would not see the copy's mismatch)."""

@@ -198,14 +198,34 @@ def _wrapping_blocker(model: nn.Module, backend: str, autocast_dtype: torch.dtyp
         return f"model type {getattr(config, 'model_type', None)!r}"
     if core_model(model) is not model:
         return "a wrapped model (PEFT)"
-    known_wrapper = autocast_dtype is not None and (backend == "plain" or backend in REDUCED_BACKENDS)
-    if "forward" in model.__dict__ and not known_wrapper:
+    if _forward_replaced(model, backend, autocast_dtype):
         return "the model's forward is wrapped (mixed-precision autocast, hooks)"
     if torch.is_autocast_enabled("cpu"):
         return "CPU autocast"
     if not _only_full_attention_layers(model):
         return "sliding-window attention"
     return None
+
+
+def peft_wrapper_blocker(
+    model: nn.Module, backend: str | None, autocast_dtype: torch.dtype | None
+) -> str | None:
+    """Why the PEFT wrapper around a model rules the fused step out, or None (no wrapper, or a plain one).
+
+    The step runs the transformers model under the wrapper (``decoder_target``), but a call's
+    prefill runs the wrapper's forward: one that accelerate wrapped in a mixed-precision autocast
+    leaves a bf16 or fp16 cache, which the float32 step cannot read unless it runs under the
+    same autocast (``autocast_dtype``, as ``fused_decoder_blocker`` accepts it).
+    """
+    if core_model(model) is model or not _forward_replaced(model, backend, autocast_dtype):
+        return None
+    return "the PEFT model's forward is wrapped (mixed-precision autocast, hooks)"
+
+
+def _forward_replaced(model: nn.Module, backend: str | None, autocast_dtype: torch.dtype | None) -> bool:
+    """Whether ``model``'s forward is an instance attribute the step does not know how to follow."""
+    known_wrapper = autocast_dtype is not None and (backend == "plain" or backend in REDUCED_BACKENDS)
+    return "forward" in model.__dict__ and not known_wrapper
 
 
 def _layer_blocker(layer: nn.Module, linear_ok: Callable[[nn.Module], bool], what: str) -> str | None:

@@ -36,6 +36,7 @@ from transformers import GenerationConfig
 from posttrain.generation.base import Samples
 from posttrain.generation.cuda_graph import GraphedDecodeStep, cuda_graph_blocker
 from posttrain.generation.decode import lean_generate, lean_generate_with_logps, lean_settings
+from posttrain.generation.fused_blockers import peft_wrapper_blocker
 from posttrain.generation.fused_step import (
     FusedDecoder,
     decoder_target,
@@ -323,6 +324,7 @@ class TransformersGenerator:
                     fused_blocker=None, cuda_graph_blocker="the reduced-precision sampler runs on the CPU"
                 )
                 return self.reduced.decoder(model, rows, self.autocast_dtype)
+        outer = model
         if self.adapter_rows is not None:  # per-row LoRA adapters: the model under the PEFT wrapper
             model, adapter_rows = core_model(model), self.adapter_rows
         else:  # a lone PEFT run: its adapter for every row
@@ -334,7 +336,9 @@ class TransformersGenerator:
         elif backend == "onednn" and not self._packing_pays(config):
             fused_blocker = "prepack_weights=False or too few new tokens to repay packing"
         else:
-            fused_blocker = fused_decoder_blocker(model, backend, self.autocast_dtype, adapters)
+            fused_blocker = peft_wrapper_blocker(
+                outer, backend, self.autocast_dtype
+            ) or fused_decoder_blocker(model, backend, self.autocast_dtype, adapters)
         self._note(fused_blocker=fused_blocker)
         if fused_blocker is not None:
             return None

@@ -3,6 +3,7 @@ the task's answer reward. The default runs print it before and after training.""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -26,7 +27,9 @@ def task_accuracy(
     """Greedy completions of every prompt of ``dataset``, scored against its ``solution`` column.
 
     Args:
-        model: a causal LM (evaluated in eval mode; its mode is restored).
+        model: a causal LM (evaluated in eval mode; its mode is restored). A forward that
+            accelerate wrapped in mixed precision (a trainer's ``bf16``) is set aside for the
+            evaluation: the model is measured in its weights' precision, as before training.
         tokenizer: its tokenizer (pad token set).
         dataset: rows with ``prompt`` (standard or conversational) and ``solution``.
         max_new_tokens: the most tokens of a completion.
@@ -39,6 +42,7 @@ def task_accuracy(
     """
     was_training = model.training
     model.eval()
+    restore_forward = _set_aside_mixed_precision(model)
     config = _greedy_config(tokenizer, max_new_tokens)
     device = next(model.parameters()).device
     # The training sampler's fast paths (the lean loop, the fused CPU step, the prompts' common
@@ -56,9 +60,33 @@ def task_accuracy(
                 bar.update(len(prompts))
     finally:
         model.train(was_training)
+        restore_forward()
         if bar is not None:
             bar.close()
     return _accuracy_and_format(completions, list(dataset["solution"]))
+
+
+def _set_aside_mixed_precision(model: Any) -> Callable[[], None]:
+    """Run ``model``'s own forward until the returned function is called.
+
+    A trainer with ``bf16``/``fp16`` has accelerate wrap the model's forward in an autocast when
+    training starts. The evaluation sets that wrapper aside, so a model is measured in its
+    weights' precision after training as before it (when it was not wrapped yet), and the
+    greedy decoding keeps the fused decode step, which a wrapped forward rules out.
+    """
+    wrapper = model.__dict__.get("forward")
+    original = model.__dict__.get("_original_forward")
+    if wrapper is None or original is None:
+        return lambda: None
+    if getattr(original, "__func__", None) is type(model).forward and original.__self__ is model:
+        del model.forward  # the class's forward again: an instance attribute would look wrapped
+    else:
+        model.forward = original
+
+    def restore() -> None:
+        model.forward = wrapper
+
+    return restore
 
 
 def _greedy_config(tokenizer: Any, max_new_tokens: int) -> GenerationConfig:
