@@ -343,6 +343,31 @@ def test_posttrain_sweep_trains_each_run_and_the_report_compares_them(tmp_path, 
     assert page.count("<img") >= 2 and "slow" in page and "fast" in page and "finished" in page
 
 
+@pytest.mark.parametrize("host_bf16", [True, False])
+def test_sweep_runs_take_posttrain_grpos_cpu_precision(tmp_path, tiny_model_dir, monkeypatch, capsys, host_bf16):
+    """Each run starts from `posttrain grpo`'s no-argument settings, its CPU precision included:
+    bf16 on a GPU-less host with bf16 instructions (the separate runs a sweep replaces train so);
+    a precision the file sets wins, for every run alike."""
+    import torch
+    import yaml
+
+    from posttrain.cli.sweep import _build
+
+    monkeypatch.setattr("posttrain.ops.precision.native_bf16", lambda: host_bf16)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    sweep_file = write_sweep_file(tmp_path / "sweep.yaml", tiny_model_dir)
+    spec = yaml.safe_load(sweep_file.read_text())
+    del spec["shared"]["use_cpu"]
+    sweep_file.write_text(yaml.safe_dump(spec))
+    built, _ = _build(str(sweep_file), None)
+    assert {(t.args.bf16, t.args.use_cpu) for t in built.trainers.values()} == {(host_bf16, host_bf16)}
+    assert ("posttrain sweep: training in bf16, since this CPU" in capsys.readouterr().out) is host_bf16
+    spec["runs"]["fast"]["bf16"] = False  # one run's choice: no default for any run
+    sweep_file.write_text(yaml.safe_dump(spec))
+    built, _ = _build(str(sweep_file), None)
+    assert {t.args.bf16 for t in built.trainers.values()} == {False}
+
+
 @pytest.mark.parametrize(
     ("runs", "extra", "message"),
     [

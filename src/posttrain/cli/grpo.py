@@ -47,15 +47,30 @@ def cpu_precision_defaults(argv: list[str]) -> dict[str, Any]:
     Args:
         argv: the command's arguments (flags and ``--config`` recipe keys count as chosen).
     """
+    return cpu_precision_choice(given_fields(argv))
+
+
+def cpu_precision_choice(given: set[str]) -> dict[str, Any]:
+    """``cpu_precision_defaults`` for a run whose chosen fields are ``given`` (``posttrain sweep``'s
+    runs: the keys of its ``shared`` and ``runs`` mappings)."""
     import torch
 
     from posttrain.ops.precision import native_bf16
 
-    if given_fields(argv) & {"bf16", "fp16", "use_cpu", "use_vllm"}:
+    if given & {"bf16", "fp16", "use_cpu", "use_vllm"}:
         return {}
     if torch.cuda.is_available() or not native_bf16():
         return {}
     return {"bf16": True, "use_cpu": True}
+
+
+def announce_cpu_bf16(command: str) -> None:
+    """Say that ``command`` trains in bf16 by the CPU rule, and how to train in float32."""
+    print(
+        f"posttrain {command}: training in bf16, since this CPU has bf16 instructions "
+        "(docs/performance.md, 'bf16 on the CPU'). Pass --bf16 false to train in float32.",
+        flush=True,
+    )
 
 
 #: The script arguments, shared with ``posttrain rloo`` (the reference's name for GRPO's).
@@ -76,11 +91,7 @@ def _build_grpo(argv: list[str]) -> tuple[Any, Any]:
 
     defaults = {**LAPTOP_DEFAULTS, **cpu_precision_defaults(argv)}
     if defaults.get("bf16"):
-        print(
-            "posttrain grpo: training in bf16, since this CPU has bf16 instructions "
-            "(docs/performance.md, 'bf16 on the CPU'). Pass --bf16 false to train in float32.",
-            flush=True,
-        )
+        announce_cpu_bf16("grpo")
     try:
         return build(defaults)
     except ValueError as error:

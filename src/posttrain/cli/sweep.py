@@ -10,8 +10,8 @@ own flags (any flag of ``posttrain grpo``)::
       lr-1e-4: {learning_rate: 1.0e-4}
       lr-3e-4: {learning_rate: 3.0e-4}
 
-Each run starts from ``posttrain grpo``'s no-argument settings, then ``shared``, then its own
-flags; it writes to ``output_dir/<name>`` (``log.jsonl``, checkpoints, the adapter,
+Each run starts from ``posttrain grpo``'s no-argument settings (bf16 on a GPU-less CPU with bf16
+instructions, unless the file sets a precision), then ``shared``, then its own flags; it writes to ``output_dir/<name>`` (``log.jsonl``, checkpoints, the adapter,
 ``accuracy.json``), and ``output_dir/sweep.json`` sums the runs up. ``posttrain report
 output_dir`` compares them on one page. See docs/sweeps.md.
 """
@@ -89,7 +89,7 @@ def read_sweep_file(path: str) -> dict[str, Any]:
 def _build(path: str, out: str | None) -> tuple[Any, dict[str, Any]]:
     """The sweep described by the file, every run's trainer built, and each run's held-out problems."""
     from posttrain import GRPOConfig
-    from posttrain.cli.grpo import LAPTOP_DEFAULTS
+    from posttrain.cli.grpo import LAPTOP_DEFAULTS, announce_cpu_bf16, cpu_precision_choice
     from posttrain.cli.online import OnlineScriptArguments, heldout_problems, training_prompts
     from posttrain.cli.options import parse_config
     from posttrain.cli.rewards import resolve_reward_funcs
@@ -100,6 +100,10 @@ def _build(path: str, out: str | None) -> tuple[Any, dict[str, Any]]:
     output_dir = out or spec.get("output_dir") or os.path.splitext(os.path.basename(path))[0]
     shared = dict(spec.get("shared") or {})
     runs, heldout, model_name = [], {}, None
+    given = set(shared).union(*(set(flags or {}) for flags in spec["runs"].values()))
+    precision = cpu_precision_choice(given)  # as `posttrain grpo`'s runs, alike for every run
+    if precision.get("bf16"):
+        announce_cpu_bf16("sweep")
     for name, flags in spec["runs"].items():
         values = {**shared, **(flags or {}), "output_dir": os.path.join(output_dir, str(name))}
         try:
@@ -109,7 +113,11 @@ def _build(path: str, out: str | None) -> tuple[Any, dict[str, Any]]:
                 GRPOConfig,
                 command="grpo",
                 summary="Train with GRPO.",
-                defaults={**LAPTOP_DEFAULTS, "disable_tqdm": True},  # lines labelled by run, no bars
+                defaults={
+                    **LAPTOP_DEFAULTS,
+                    **precision,
+                    "disable_tqdm": True,
+                },  # lines labelled by run, no bars
                 values=values,
                 values_source=f"run {name!r} of the sweep file {path!r}",
             )
