@@ -344,7 +344,9 @@ def test_posttrain_sweep_trains_each_run_and_the_report_compares_them(tmp_path, 
 
 
 @pytest.mark.parametrize("host_bf16", [True, False])
-def test_sweep_runs_take_posttrain_grpos_cpu_precision(tmp_path, tiny_model_dir, monkeypatch, capsys, host_bf16):
+def test_sweep_runs_take_posttrain_grpos_cpu_precision(
+    tmp_path, tiny_model_dir, monkeypatch, capsys, host_bf16
+):
     """Each run starts from `posttrain grpo`'s no-argument settings, its CPU precision included:
     bf16 on a GPU-less host with bf16 instructions (the separate runs a sweep replaces train so);
     a precision the file sets wins, for every run alike."""
