@@ -320,15 +320,17 @@ def _in_product_dtype(
     return hidden.to(product_dtype), _product_weight(weight, product_dtype), bias
 
 
-def _product_weight(weight: torch.Tensor, product_dtype: torch.dtype | None) -> torch.Tensor:
-    """``weight`` [V, H] in the products' dtype, cast into the ``"head_weight"`` scratch buffer.
+def _product_weight(
+    weight: torch.Tensor, product_dtype: torch.dtype | None, name: str = "head_weight"
+) -> torch.Tensor:
+    """``weight`` [V, H] in the products' dtype, cast into the scratch buffer ``name``.
 
     Not kept from forward to backward: the cast (3 ms for SmolLM2's head into the kept pages)
     costs less than holding a [V, H] copy alive, and a fresh copy's page faults, each step.
     """
     if product_dtype is None or weight.dtype == product_dtype:
         return weight
-    return workspace.scratch("head_weight", tuple(weight.shape), product_dtype, weight.device).copy_(weight)
+    return workspace.scratch(name, tuple(weight.shape), product_dtype, weight.device).copy_(weight)
 
 
 def _grad_buffers(
@@ -368,15 +370,20 @@ def _accumulate(
         grad_b.add_(g.sum(dim=0, dtype=grad_b.dtype))  # [V]
     if not needs_w:
         return None
-    stats = _stats_dtype(g.dtype)
-    if g.dtype == stats:
-        return (
-            (g.t() @ h) if grad_w is None else grad_w.addmm_(g.t(), h)
-        )  # the first chunk's product starts it
-    # bf16 products into a kept buffer, summed in float32
-    product = torch.mm(
-        g.t(), h, out=workspace.scratch("head_weight_grad", tuple(weight.shape), g.dtype, g.device)
-    )
+    return add_weight_product(grad_w, g.t(), h)  # the first chunk's product starts it
+
+
+def add_weight_product(grad_w: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``grad_w + a @ b`` in place (``a @ b`` itself when ``grad_w`` is None), summed in float32 or wider.
+
+    A bf16 product lands in the kept ``"head_weight_grad"`` scratch buffer before the float32
+    sum, so no fresh [V, H] block is mapped for it chunk after chunk.
+    """
+    stats = _stats_dtype(a.dtype)
+    if a.dtype == stats:
+        return (a @ b) if grad_w is None else grad_w.addmm_(a, b)
+    shape = (a.shape[0], b.shape[1])
+    product = torch.mm(a, b, out=workspace.scratch("head_weight_grad", shape, a.dtype, a.device))
     return product.to(stats) if grad_w is None else grad_w.add_(product)
 
 

@@ -71,8 +71,7 @@ def in_products(
     """A head's weight and bias in its products' dtype: the weight cast into the scratch buffer ``name``."""
     if weight is None or dtype is None or weight.dtype == dtype:
         return weight, bias
-    weight = workspace.scratch(name, tuple(weight.shape), dtype, weight.device).copy_(weight)
-    return weight, bias.to(dtype) if bias is not None else None
+    return chunked._product_weight(weight, dtype, name), bias.to(dtype) if bias is not None else None
 
 
 def head_products(
@@ -96,9 +95,4 @@ def head_products(
     if gw is None:
         return
     x = (x.to(w_rows.dtype) * w_rows.unsqueeze(-1)).to(g.dtype) if w_rows is not None else x.to(g.dtype)
-    if g.dtype == gw.dtype:
-        gw.addmm_(g.t(), x)
-    else:
-        gw.add_(
-            torch.mm(g.t(), x, out=workspace.scratch("head_weight_grad", tuple(gw.shape), g.dtype, g.device))
-        )
+    chunked.add_weight_product(gw, g.t(), x)
