@@ -177,6 +177,63 @@ def _close_logs(a, b):
     return True
 
 
+def test_each_run_releases_its_threads_openmp_team_when_it_hands_over(tmp_path, tok, monkeypatch):
+    """Each run trains in its own thread, and a docked OpenMP team per thread made every run's
+    steps slower (ops/threads.py): the setup's thread releases its team before the runs start,
+    and each run releases its own at the end of every turn, in its own thread."""
+    import threading
+
+    from posttrain.sweep import runner
+
+    released = []
+    monkeypatch.setattr(
+        runner, "release_thread_pool", lambda: released.append(threading.current_thread().name) or True
+    )
+    runs = [
+        SweepRun(
+            name,
+            config(tmp_path, name, max_steps=2),
+            reward_funcs=length_reward,
+            train_dataset=standard_dataset(),
+        )
+        for name in ("run-a", "run-b")
+    ]
+    sweep = GRPOSweep(build_tiny_model(tok), runs, peft_config=lora(), processing_class=tok)
+    sweep.train()
+    assert released == [threading.main_thread().name] + ["posttrain-sweep-run-a", "posttrain-sweep-run-b"] * 2
+
+
+def test_bf16_runs_share_one_sampler_copy_and_one_set_of_scratch_buffers(tmp_path, tok, monkeypatch):
+    """Under bf16 on a bf16 CPU each run samples from a bf16 copy with its adapter merged in. The
+    runs share one copy, rebuilt at every turn (the other run's step changed the weights), and
+    one set of scratch buffers: only the run holding the turn computes."""
+    from posttrain.generation import reduced_kernels
+    from posttrain.ops import workspace
+
+    monkeypatch.setattr(reduced_kernels, "native_bf16", lambda: True)
+    runs = [
+        SweepRun(
+            name,
+            config(tmp_path, name, max_steps=2, bf16=True),
+            reward_funcs=length_reward,
+            train_dataset=standard_dataset(),
+        )  # fmt: skip
+        for name in ("run-a", "run-b")
+    ]
+    sweep = GRPOSweep(build_tiny_model(tok), runs, peft_config=lora(), processing_class=tok)
+    copies = {id(trainer.generator.reduced) for trainer in sweep.trainers.values()}
+    assert len(copies) == 1 and sweep.trainers["run-a"].generator.reduced is not None
+    pools = []
+    entered = sweep._enter
+    monkeypatch.setattr(sweep, "_enter", lambda name: (entered(name), pools.append(id(workspace._pool()))))
+    sweep.train()
+    assert sweep.trainers["run-a"].generator.reduced.refreshes == 4  # one per turn: 2 runs x 2 steps
+    assert len(pools) == 4 and set(pools) == {id(sweep._scratch)}  # each turn, in each run's thread
+    for trainer in sweep.trainers.values():
+        logged = [e for e in trainer.state.log_history if "sampling/sampling_logp_difference/mean" in e]
+        assert len(logged) == 2 and all(e["sampling/sampling_logp_difference/mean"] < 0.1 for e in logged)
+
+
 def test_a_run_that_raises_stops_alone(tmp_path, tok):
     def breaks_at_second_call(completion_ids, **kwargs):
         breaks_at_second_call.calls += 1

@@ -17,7 +17,8 @@ that outlives the call (an output, a tensor saved for backward) may be, or view,
 tensor; and two live scratch tensors need two names. The buffers are per thread (a trainer's
 generation thread and its training thread never share one), CPU only (CUDA's caching allocator
 already reuses its blocks: there ``scratch`` returns a fresh ``torch.empty``), and stay allocated
-until ``release`` is called from the thread that made them.
+until ``release`` is called from the thread that made them. Threads that take turns may share
+one set (``adopt``).
 """
 
 from __future__ import annotations
@@ -56,6 +57,16 @@ def scratch(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch
         pool.pop(key, None)  # the smaller one goes before the larger one is allocated
         buffer = pool[key] = torch.empty(numel, dtype=dtype, device=device)
     return buffer[:numel].view(shape)
+
+
+def adopt(pool: dict | None = None) -> dict:
+    """Make the calling thread's scratch buffers ``pool`` (a new one when None); returns it.
+
+    For threads that never compute at the same time, such as a sweep's runs taking turns: handing
+    each the same pool keeps one set of buffers instead of one per thread.
+    """
+    _LOCAL.pool = {} if pool is None else pool
+    return _LOCAL.pool
 
 
 def held_bytes() -> int:

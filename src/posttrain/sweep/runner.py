@@ -25,6 +25,8 @@ from transformers import TrainerCallback, set_seed
 
 from posttrain.generation.transformers_backend import TransformersGenerator
 from posttrain.models import peft as peft_utils
+from posttrain.ops import workspace
+from posttrain.ops.threads import release_thread_pool
 from posttrain.sweep.generation import SharedGeneration
 from posttrain.sweep.turns import RandomState, Turns
 
@@ -186,6 +188,9 @@ class GRPOSweep:
         self.trainers: dict[str, Any] = {}
         self._random: dict[str, RandomState] = {}
         self._build_trainers(trainer_class)
+        self._share_sampler_copies()
+        #: the runs' scratch buffers: one set, since only the run holding the turn computes
+        self._scratch: dict = {}
         #: The shared generation calls (None with ``shared_generation=False``).
         self.generation: SharedGeneration | None = None
         if shared_generation:
@@ -222,6 +227,20 @@ class GRPOSweep:
             self.trainers[run.name] = trainer
             self._random[run.name] = RandomState.capture()
 
+    def _share_sampler_copies(self) -> None:
+        """One reduced-precision sampler copy (bf16 training on a bf16 CPU) for every run.
+
+        Each run's generator would keep its own copy of the weights (SmolLM2: 270 MB in bf16), but
+        a copy holds one adapter's weights merged in, and a run's turn starts after another run's
+        step changed them, so each turn rebuilds it anyway; the copy is built on first use.
+        """
+        shared: dict[str, Any] = {}
+        for trainer in self.trainers.values():
+            generator = getattr(trainer, "generator", None)
+            copy = getattr(generator, "reduced", None)
+            if copy is not None:
+                generator.reduced = shared.setdefault(copy.backend, copy)
+
     def _add_adapters(self, base: Any, default_config: Any, checkpointing: bool) -> Any:
         """The base model with one adapter per run, each created right after ``set_seed(run.args.seed)``.
 
@@ -245,10 +264,14 @@ class GRPOSweep:
         self.model.set_adapter(name)
         self.model.zero_grad(set_to_none=True)
         self._random[name].restore()
+        workspace.adopt(self._scratch)
         self._entered[name] = time.perf_counter()
 
     def _leave(self, name: str) -> None:
+        """Give up the shared model: the run's generators saved, its thread's OpenMP team released
+        (``ops/threads.py``: a docked team of each run's thread made every run's steps slower)."""
         self._random[name] = RandomState.capture()
+        release_thread_pool()
         now = time.perf_counter()
         self._seconds[name] = self._seconds.get(name, 0.0) + now - self._entered.pop(name, now)
 
@@ -302,6 +325,7 @@ class GRPOSweep:
             )
             for name in names
         ]
+        release_thread_pool()  # the setup's team, in this thread, would slow the runs' teams
         for thread in threads:
             thread.start()
         try:
