@@ -474,19 +474,14 @@ def test_the_shipped_sweep_recipe_parses_into_grpo_runs():
         assert config.learning_rate == flags["learning_rate"] and config.max_steps == 40
 
 
-@pytest.mark.parametrize("new_tokens", [6, 40])
-def test_one_shared_call_samples_each_row_with_its_own_runs_adapter(tok, new_tokens):
-    """The shared call's rows of each run equal that run's adapter sampling alone (greedy: no draws).
-
-    40 new tokens repay packing the weights: the shared call then runs the fused step with each
-    row block's low-rank terms; 6 run the model's own modules with peft's mixed-adapter batches.
-    """
+def two_adapters(tok, new_tokens):
+    """A PEFT model with adapters "plain" and "skewed", a greedy config, a batch of prompts for each,
+    and each adapter's own completions (sampled alone)."""
     if tok.pad_token is None:  # as a trainer sets it
         tok.pad_token = tok.eos_token
     from transformers import GenerationConfig
 
     from posttrain.generation.transformers_backend import TransformersGenerator
-    from posttrain.sweep.generation import Request, SharedGeneration
 
     model = peft.get_peft_model(build_tiny_model(tok), lora(lora_dropout=0.0), adapter_name="plain")
     model.add_adapter("skewed", lora(lora_dropout=0.0))
@@ -498,37 +493,72 @@ def test_one_shared_call_samples_each_row_with_its_own_runs_adapter(tok, new_tok
     config = GenerationConfig(
         do_sample=False, max_new_tokens=new_tokens, pad_token_id=tok.pad_token_id or 0, eos_token_id=None
     )
-    encoded = [
-        tok(["Question 1: what is", "one two three four five"], return_tensors="pt", padding=True),
-        tok(["The sky is", "Write a short story about a cat"], return_tensors="pt", padding=True),
-    ]
+    encoded = {
+        "plain": tok(["Question 1: what is", "one two three four five"], return_tensors="pt", padding=True),
+        "skewed": tok(["The sky is", "Write a short story about a cat"], return_tensors="pt", padding=True),
+    }
     alone = {}
-    for name, batch in zip(("plain", "skewed"), encoded, strict=True):
+    for name, batch in encoded.items():
         model.set_adapter(name)
         alone[name] = TransformersGenerator(lambda: model, config).generate(
             batch["input_ids"], batch["attention_mask"]
         )
     assert not torch.equal(alone["plain"].completion_ids, alone["skewed"].completion_ids)
+    return model, config, encoded, alone
+
+
+def serve_shared(model, config, encoded, precision="float32"):
+    """One shared call for both adapters' requests; the requests, served."""
+    from posttrain.generation.transformers_backend import TransformersGenerator
+    from posttrain.sweep.generation import Request, SharedGeneration
+
     shared = SharedGeneration(model, hand_over=lambda name: None)
-    requests = [
-        Request(
-            name,
-            TransformersGenerator(lambda: model, config),
-            batch["input_ids"],
-            batch["attention_mask"],
-            None,
-        )
-        for name, batch in zip(("plain", "skewed"), encoded, strict=True)
-    ]
+    requests = []
+    for name, batch in encoded.items():
+        generator = TransformersGenerator(lambda: model, config)
+        generator.set_sampler_precision(precision, asked=False)
+        requests.append(Request(name, generator, batch["input_ids"], batch["attention_mask"], None))
     shared.pending.extend(requests)
     shared.serve()
     assert shared.calls == 1 and shared.rows == 4
-    fused = requests[0].generator.path.fused_blocker
-    assert (fused is None) == (new_tokens >= 32), fused
+    return requests
+
+
+def assert_each_row_is_its_adapters(requests, alone):
     for request in requests:
         want = alone[request.name].completion_ids
         got = request.result.completion_ids[:, : want.shape[1]]
         assert torch.equal(got, want), request.name
+
+
+@pytest.mark.parametrize("new_tokens", [6, 40])
+def test_one_shared_call_samples_each_row_with_its_own_runs_adapter(tok, new_tokens):
+    """The shared call's rows of each run equal that run's adapter sampling alone (greedy: no draws).
+
+    40 new tokens repay packing the weights: the shared call then runs the fused step with each
+    row block's low-rank terms; 6 run the model's own modules with peft's mixed-adapter batches.
+    """
+    model, config, encoded, alone = two_adapters(tok, new_tokens)
+    requests = serve_shared(model, config, encoded)
+    fused = requests[0].generator.path.fused_blocker
+    assert (fused is None) == (new_tokens >= 32), fused
+    assert_each_row_is_its_adapters(requests, alone)
+
+
+def test_a_shared_call_of_several_adapters_does_not_sample_from_a_one_adapter_copy(tok, monkeypatch):
+    """Under bf16 training on a bf16 CPU each run's generator samples from a bf16 copy with the
+    active adapter merged in. A shared call of several runs must not: every row would take that
+    one adapter. It runs the fused step with each row block's LoRA terms instead."""
+    from posttrain.generation import reduced_kernels
+    from posttrain.generation.transformers_backend import PER_ROW_ADAPTERS
+
+    monkeypatch.setattr(reduced_kernels, "native_bf16", lambda: True)
+    model, config, encoded, alone = two_adapters(tok, 40)
+    requests = serve_shared(model, config, encoded, precision="bf16")
+    path = requests[0].generator.path
+    assert path.reduced_blocker == PER_ROW_ADAPTERS and path.fused_blocker is None
+    assert all(request.result.logps is None for request in requests)  # the policy sampled
+    assert_each_row_is_its_adapters(requests, alone)
 
 
 def test_a_sweep_samples_all_its_runs_in_one_call_per_round(tmp_path, tok):

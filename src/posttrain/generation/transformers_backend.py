@@ -108,6 +108,10 @@ def sampling_config(
 # ---- the path a call took ----------------------------------------------------------------------
 
 
+#: Why a reduced-precision copy did not sample a call with several LoRA adapters (a sweep's shared call).
+PER_ROW_ADAPTERS = "LoRA adapters per row block (a sweep's shared call): the copy holds one adapter merged in"
+
+
 @dataclass(frozen=True)
 class GenerationPath:
     """Which path one generation call took, and why each faster one did not apply.
@@ -317,7 +321,11 @@ class TransformersGenerator:
         The reasons for what did not apply go to ``path.fused_blocker`` and ``path.cuda_graph_blocker``.
         """
         if self.reduced is not None:
-            reduced_blocker = reduced_sampler_blocker(model, self.reduced.backend, self.autocast_dtype)
+            reduced_blocker = (
+                PER_ROW_ADAPTERS  # the copy merges one adapter: the active one, not each row's
+                if self.adapter_rows is not None and len({name for name, _ in self.adapter_rows}) > 1
+                else reduced_sampler_blocker(model, self.reduced.backend, self.autocast_dtype)
+            )
             self._note(reduced_blocker=reduced_blocker)
             if reduced_blocker is None:  # the copy is built once per weights, for any length
                 self._note(
