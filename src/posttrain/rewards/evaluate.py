@@ -40,9 +40,6 @@ def task_accuracy(
         ``{"accuracy": ..., "format": ...}``: the share of right answers and of completions with an
         ``<answer>`` block.
     """
-    was_training = model.training
-    model.eval()
-    restore_forward = _set_aside_mixed_precision(model)
     config = _greedy_config(tokenizer, max_new_tokens)
     device = next(model.parameters()).device
     # The training sampler's fast paths (the lean loop, the fused CPU step, the prompts' common
@@ -52,6 +49,9 @@ def task_accuracy(
     generator = TransformersGenerator(lambda: model, config) if hasattr(model, "config") else None
     completions: list[str] = []
     bar = _progress_bar(progress, len(dataset))
+    was_training = model.training
+    model.eval()
+    restore_forward = _set_aside_mixed_precision(model)  # back in the finally below, whatever happens
     try:
         for start in range(0, len(dataset), batch_size):
             prompts = dataset["prompt"][start : start + batch_size]
