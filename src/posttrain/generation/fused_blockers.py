@@ -92,11 +92,10 @@ def fused_decoder_blocker(
             layers and these adapters are to be applied (``FusedDecoder(adapter_rows=...)``): a
             plain LoRA layer (no DoRA, not merged, float32 or plain weights) then counts as its
             base linear layer plus low-rank terms (one adapter on a copying backend: merged into
-            the copy). None: any LoRA layer rules the step out.
+            the copy; several: float32 terms beside the copied base products). None: any LoRA
+            layer rules the step out.
     """
     backend = backend or default_backend(model)
-    if lora_adapters is not None and backend in REDUCED_BACKENDS and len(lora_adapters) != 1:
-        return "LoRA terms of several adapters with a reduced-precision copy"
     reason = _backend_blocker(backend) or _wrapping_blocker(model, backend, autocast_dtype)
     if reason is not None:
         return reason
@@ -167,12 +166,18 @@ def lone_lora_adapter(model: nn.Module) -> str | None:
     return active[0] if isinstance(active, (list, tuple)) and len(active) == 1 else None
 
 
-def decoder_target(model: nn.Module, rows: int) -> tuple[nn.Module, list[tuple[str, int]] | None]:
+def decoder_target(
+    model: nn.Module, rows: int, adapter_rows: Sequence[tuple[str, int]] | None = None
+) -> tuple[nn.Module, list[tuple[str, int]] | None]:
     """The model a fused step runs for ``model``, and its ``adapter_rows``.
 
-    A lone PEFT run (``lone_lora_adapter``): the transformers model under the wrapper, with its
-    adapter for all ``rows``. Anything else: ``model`` itself, no adapters.
+    Given ``adapter_rows`` (a sweep's shared call: ``[(adapter, rows), ...]`` in row order): the
+    transformers model under the PEFT wrapper, with those blocks. A lone PEFT run
+    (``lone_lora_adapter``): that model, with its adapter for all ``rows``. Anything else:
+    ``model`` itself, no adapters.
     """
+    if adapter_rows is not None:
+        return core_model(model), list(adapter_rows)
     lone = lone_lora_adapter(model)
     return (model, None) if lone is None else (core_model(model), [(lone, rows)])
 

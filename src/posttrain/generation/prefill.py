@@ -35,11 +35,14 @@ class PromptGroups:
         unique_ids: [U, P] one row per distinct prompt (same width and padding as the batch).
         unique_mask: [U, P] their attention mask.
         inverse: [N] for each batch row, the index of its distinct prompt in ``unique_ids``.
+        unique_keys: [U] each distinct row's key when the rows carried one (``group_prompts``'s
+            ``row_keys``: a sweep's adapter per row), else None.
     """
 
     unique_ids: torch.Tensor
     unique_mask: torch.Tensor
     inverse: torch.Tensor
+    unique_keys: torch.Tensor | None = None
 
     @property
     def num_unique(self) -> int:
@@ -47,18 +50,28 @@ class PromptGroups:
         return self.unique_ids.shape[0]
 
 
-def group_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> PromptGroups:
+def group_prompts(
+    prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, row_keys: torch.Tensor | None = None
+) -> PromptGroups:
     """Find the distinct prompts of a batch; rows are equal when their mask and unmasked ids are.
 
     Args:
         prompt_ids: [N, P] left-padded prompt tokens (row order does not matter).
         prompt_mask: [N, P] 1 for prompt tokens, 0 for padding.
+        row_keys: [N] integers that must match too (a sweep's shared call: each row's adapter,
+            whose weights make its own keys and values), or None.
     """
     width = prompt_ids.shape[1]
     visible = prompt_ids.masked_fill(prompt_mask == 0, 0)  # what sits under padding does not count
-    keys = torch.cat([visible, prompt_mask.to(prompt_ids.dtype)], dim=1)  # [N, 2P]
-    unique, inverse = torch.unique(keys, dim=0, return_inverse=True)  # [U, 2P], [N]
-    return PromptGroups(unique[:, :width], unique[:, width:].to(prompt_mask.dtype), inverse)
+    parts = [visible, prompt_mask.to(prompt_ids.dtype)]
+    if row_keys is not None:
+        parts.append(row_keys.to(prompt_ids.dtype)[:, None])
+    keys = torch.cat(parts, dim=1)  # [N, 2P (+1)]
+    unique, inverse = torch.unique(keys, dim=0, return_inverse=True)  # [U, 2P (+1)], [N]
+    unique_keys = None if row_keys is None else unique[:, 2 * width]
+    return PromptGroups(
+        unique[:, :width], unique[:, width : 2 * width].to(prompt_mask.dtype), inverse, unique_keys
+    )
 
 
 def shared_prefix_blocker(

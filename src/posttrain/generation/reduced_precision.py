@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import time
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -107,20 +108,31 @@ class ReducedCopy:
         self._stale = True
 
     @torch.no_grad()
-    def decoder(self, model: nn.Module, rows: int, autocast_dtype: torch.dtype | None = None) -> FusedDecoder:
+    def decoder(
+        self,
+        model: nn.Module,
+        rows: int,
+        autocast_dtype: torch.dtype | None = None,
+        adapter_rows: Sequence[tuple[str, int]] | None = None,
+    ) -> FusedDecoder:
         """The reduced decode step of ``model``'s current weights for ``rows`` rows.
 
         Args:
-            model: the policy (``reduced_sampler_blocker(model, backend, autocast_dtype)`` must be None).
+            model: the policy (``reduced_sampler_blocker(model, backend, autocast_dtype,
+                adapter_rows)`` must be None).
             rows: rows per decode step (oneDNN's packing hint, bf16 only).
             autocast_dtype: the mixed-precision autocast the policy's forward is wrapped in (the
                 trainer's ``bf16``/``fp16``), or None.
+            adapter_rows: a sweep's shared call, ``[(adapter, rows), ...]`` in row order: the copy
+                holds the base weights and each row block adds its adapter's float32 low-rank
+                terms (one block: its adapter merged in). None: a lone PEFT policy's active
+                adapter is merged into the copy.
         """
         hint = rows if self.backend == "bf16" and onednn_bf16_packable() else 0
         rows = max(rows, 1)
-        target, adapter_rows = decoder_target(model, rows)  # a PEFT policy: its adapter merged into the copy
-        lone = adapter_rows[0][0] if adapter_rows else None
-        key = (id(model), hint, lone, _fingerprint(model))
+        target, adapter_rows = decoder_target(model, rows, adapter_rows)
+        blocks = tuple(adapter_rows) if adapter_rows else None
+        key = (id(model), hint, blocks, _fingerprint(model))
         if self._decoder is None or self._stale or key != self._key:
             self._decoder = None  # free the old copy before building the new one
             start = time.perf_counter()
@@ -132,7 +144,10 @@ class ReducedCopy:
 
 
 def reduced_sampler_blocker(
-    model: nn.Module, backend: str, autocast_dtype: torch.dtype | None = None
+    model: nn.Module,
+    backend: str,
+    autocast_dtype: torch.dtype | None = None,
+    adapter_rows: Sequence[tuple[str, int]] | None = None,
 ) -> str | None:
     """Why a reduced-precision sampler cannot run ``model``'s decode steps, or None.
 
@@ -142,12 +157,13 @@ def reduced_sampler_blocker(
         backend: ``"int8"``, ``"fp16"`` or ``"bf16"``.
         autocast_dtype: the mixed-precision autocast the policy's forward is wrapped in (the
             trainer's ``bf16``/``fp16``): accepted, since the copy never calls the forward.
+        adapter_rows: a sweep's shared call: the adapter of each block of rows (``decoder``).
     """
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     weight = getattr(head, "weight", None)
     if weight is None or weight.device.type != "cpu":
         return "the policy is not on the CPU (the reduced-precision sampler is a CPU path)"
-    target, adapter_rows = decoder_target(model, 0)
+    target, adapter_rows = decoder_target(model, 0, adapter_rows)
     adapters = [name for name, _ in adapter_rows] if adapter_rows else None
     return (
         backend_blocker(backend)

@@ -108,10 +108,6 @@ def sampling_config(
 # ---- the path a call took ----------------------------------------------------------------------
 
 
-#: Why a reduced-precision copy did not sample a call with several LoRA adapters (a sweep's shared call).
-PER_ROW_ADAPTERS = "LoRA adapters per row block (a sweep's shared call): the copy holds one adapter merged in"
-
-
 @dataclass(frozen=True)
 class GenerationPath:
     """Which path one generation call took, and why each faster one did not apply.
@@ -321,22 +317,17 @@ class TransformersGenerator:
         The reasons for what did not apply go to ``path.fused_blocker`` and ``path.cuda_graph_blocker``.
         """
         if self.reduced is not None:
-            reduced_blocker = (
-                PER_ROW_ADAPTERS  # the copy merges one adapter: the active one, not each row's
-                if self.adapter_rows is not None and len({name for name, _ in self.adapter_rows}) > 1
-                else reduced_sampler_blocker(model, self.reduced.backend, self.autocast_dtype)
-            )
+            backend, autocast = self.reduced.backend, self.autocast_dtype
+            reduced_blocker = reduced_sampler_blocker(model, backend, autocast, self.adapter_rows)
             self._note(reduced_blocker=reduced_blocker)
             if reduced_blocker is None:  # the copy is built once per weights, for any length
                 self._note(
                     fused_blocker=None, cuda_graph_blocker="the reduced-precision sampler runs on the CPU"
                 )
-                return self.reduced.decoder(model, rows, self.autocast_dtype)
+                return self.reduced.decoder(model, rows, autocast, self.adapter_rows)
         outer = model
-        if self.adapter_rows is not None:  # per-row LoRA adapters: the model under the PEFT wrapper
-            model, adapter_rows = core_model(model), self.adapter_rows
-        else:  # a lone PEFT run: its adapter for every row
-            model, adapter_rows = decoder_target(model, rows)
+        # a sweep's shared call: each row block's adapter; a lone PEFT run: its adapter for every row
+        model, adapter_rows = decoder_target(model, rows, self.adapter_rows)
         adapters = None if adapter_rows is None else [name for name, _ in adapter_rows]
         backend = default_backend(model)
         if not self.fused_step:
@@ -377,11 +368,15 @@ class TransformersGenerator:
         """
         kwargs: dict[str, Any] = {}
         self._note(taken="plain", prefix_blocker="share_prefix=False")
+        row_adapters = self._row_adapters(model, self._adapter_per_row())
         if "generate" in vars(model):  # a wrapper or a test double set on the instance: honour it
             reason = "model.generate is replaced on the instance"
             self._note(prefix_blocker=reason, lean_blocker=reason)
             self._reduced_skipped(reason)
-            out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config)
+            with row_adapters:
+                out = model.generate(
+                    input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config
+                )
             return out, None
         settings, lean_blocker = lean_settings(model, config) if self.lean else (None, "lean=False")
         self._note(lean_blocker=lean_blocker)
@@ -392,15 +387,30 @@ class TransformersGenerator:
             )
         if settings is not None:
             prefix = next(iter(kwargs.values()), None)
-            out, logps = self._lean(model, prompt_ids, prompt_mask, config, settings, prefix)
+            with row_adapters:
+                out, logps = self._lean(model, prompt_ids, prompt_mask, config, settings, prefix)
             out[:, : original_prompt.shape[1]] = original_prompt  # the caller's layout of the prompts
             return out, logps
         self._reduced_skipped(f"no lean sampling loop ({lean_blocker})")
-        with self._packed(model, prompt_ids.shape[0], config):
+        with self._packed(model, prompt_ids.shape[0], config), row_adapters:
             out = model.generate(
                 input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config, **kwargs
             )
             return out, None
+
+    def _adapter_per_row(self) -> list[str] | None:
+        """The LoRA adapter of every row of a sweep's shared call (``adapter_rows``), else None."""
+        if self.adapter_rows is None:
+            return None
+        return [name for name, count in self.adapter_rows for _ in range(count)]
+
+    @staticmethod
+    def _row_adapters(model: torch.nn.Module, names: list[str] | None) -> contextlib.AbstractContextManager:
+        """peft's mixed-adapter batches for the forwards in the context: row i through adapter
+        ``names[i]`` (a sweep's shared call); no context when ``names`` is None."""
+        if names is None:
+            return contextlib.nullcontext()
+        return model._enable_peft_forward_hooks(adapter_names=names)
 
     def _prefill_prefix(
         self,
@@ -413,23 +423,32 @@ class TransformersGenerator:
         """The prompts' shared prefix (or, for distinct prompts that open alike, their common
         opening) run once: the prompts, config and ``generate`` keyword (the cache) to sample with."""
         kwargs: dict[str, Any] = {}
-        groups = group_prompts(prompt_ids, prompt_mask)
+        names = self._adapter_per_row()
+        adapters = None if names is None else sorted(set(names))
+        row_keys = None  # a sweep's shared call: rows are alike when their prompt and adapter are
+        if adapters is not None:
+            row_keys = torch.tensor([adapters.index(name) for name in names], device=prompt_ids.device)
+        groups = group_prompts(prompt_ids, prompt_mask, row_keys)
         blocker = shared_prefix_blocker(model, config, groups)
         self._note(prefix_blocker=blocker)
         if blocker is None:
             self._note(taken="shared_prefix")
-            kwargs[cache_argument(model)] = prefill_shared_prefix(model, groups)
+            unique = None if adapters is None else [adapters[int(key)] for key in groups.unique_keys]
+            with self._row_adapters(model, unique):
+                kwargs[cache_argument(model)] = prefill_shared_prefix(model, groups)
             config = _without_cache_implementation(config)
-        elif blocker == EVERY_PROMPT_DISTINCT and lean:
-            # distinct prompts that open alike (a system message, worked examples): that
-            # opening runs once, each row's rest with the batch
+        elif blocker == EVERY_PROMPT_DISTINCT and lean and (adapters is None or len(adapters) == 1):
+            # distinct prompts that open alike (a system message, worked examples): that opening
+            # runs once, each row's rest with the batch (not across adapters: each has its own
+            # keys and values of the opening)
             length = common_prefix_length(prompt_ids, prompt_mask)
             blocked = prefix_cache_blocker(model, config)
             if length >= COMMON_PREFIX_MIN_TOKENS and blocked is None:
                 prompt_ids, prompt_mask = prefix_first(prompt_ids, prompt_mask, length)
-                kwargs[cache_argument(model)] = prefill_common_prefix(
-                    model, prompt_ids[0, :length], prompt_ids.shape[0]
-                )
+                with self._row_adapters(model, adapters):
+                    kwargs[cache_argument(model)] = prefill_common_prefix(
+                        model, prompt_ids[0, :length], prompt_ids.shape[0]
+                    )
                 self._note(prefix_blocker=None, taken="common_prefix")
         return prompt_ids, prompt_mask, config, kwargs
 

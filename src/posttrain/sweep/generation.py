@@ -3,10 +3,11 @@
 When a run asks its generator for completions, the request waits while the other runs take their
 turns (and add theirs); when the turn comes back to it, one call serves every waiting request:
 the prompts concatenated (re-padded on the left to the longest), and each row routed through its
-run's adapter (``peft``'s mixed-adapter batches: every LoRA layer applies, per row, the adapter
-named for that row). Requests with different sampling settings (temperature, top-p, length, ...)
-are served by one call each. On a CPU, where a decode step is bound by reading the weights, a
-step of 32 rows costs little more than one of 8, so N runs sample in about the time of one.
+run's adapter (``TransformersGenerator.adapter_rows``: ``peft``'s mixed-adapter batches for the
+prompts' forward, each distinct prompt and adapter run once; the fused decode step's low-rank
+terms per row block). Requests with different sampling settings (temperature, top-p, length, ...)
+are served by one call each. A decode step multiplies every base weight once for all the call's
+rows, so N runs' steps cost less than N steps (figures: ``benchmarks/sweep_generation.py``).
 
 The rows of a shared call draw from the random generators of the run that makes the call, so a
 run sampled this way equals a lone run in distribution, not draw for draw (``GRPOSweep`` with
@@ -116,24 +117,17 @@ class SharedGeneration:
         pad = group[0].generator.config.pad_token_id or 0
         ids = torch.cat([_left_pad(r.prompt_ids, width, pad) for r in group])
         mask = torch.cat([_left_pad(r.prompt_mask, width, 0) for r in group])
-        adapters = [r.name for r in group for _ in range(r.prompt_ids.shape[0])]
         generator = group[0].generator
-        share_prefix = generator.share_prefix
-        generator.share_prefix = False  # a prompt's cached prefix would hold one adapter's keys and values
-        generator.adapter_rows = [
-            (r.name, r.prompt_ids.shape[0]) for r in group
-        ]  # the fused step's LoRA terms
-        was_training = self.model.training
-        self.model.eval()  # peft takes per-row adapters in eval mode only
+        # each block of rows through its run's adapter: peft's mixed-adapter batches for the
+        # prompts' forward (each distinct prompt and adapter prefilled once), the fused step's
+        # low-rank terms for the decode steps
+        generator.adapter_rows = [(r.name, r.prompt_ids.shape[0]) for r in group]
         try:
-            with self.model._enable_peft_forward_hooks(adapter_names=adapters):
-                samples = type(generator).generate(generator, ids, mask, group[0].max_new_tokens)
+            samples = type(generator).generate(generator, ids, mask, group[0].max_new_tokens)
         finally:
-            generator.share_prefix = share_prefix
             generator.adapter_rows = None
-            self.model.train(was_training)
         self.calls += 1
-        self.rows += len(adapters)
+        self.rows += ids.shape[0]
         start = 0
         for request in group:
             rows = request.prompt_ids.shape[0]
