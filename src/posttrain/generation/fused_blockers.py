@@ -5,7 +5,8 @@ wrappers and autocast, its attention kind, and that every projection is a plain 
 (or a plain LoRA layer over one, for the adapters the step is to apply). ``default_backend``
 picks the backend for the model's device; ``lone_lora_adapter`` finds the one adapter of a lone
 PEFT run, which the step merges into its copy of the weights, and ``decoder_target`` gives the
-model and ``adapter_rows`` the step is built from (the generator and the reduced copies ask it).
+model and ``adapter_rows`` the step is built from; ``decoder_blocker`` checks a model as a
+generator holds it, PEFT wrapper included (the generator and the reduced copies ask it).
 """
 
 from __future__ import annotations
@@ -210,6 +211,31 @@ def _wrapping_blocker(model: nn.Module, backend: str, autocast_dtype: torch.dtyp
     if not _only_full_attention_layers(model):
         return "sliding-window attention"
     return None
+
+
+def decoder_blocker(
+    model: nn.Module,
+    backend: str | None,
+    autocast_dtype: torch.dtype | None = None,
+    adapter_rows: Sequence[tuple[str, int]] | None = None,
+) -> str | None:
+    """Why the fused step cannot run the decode steps of ``model`` as a generator holds it, or None.
+
+    ``model`` may be a PEFT wrapper: the step is built from ``decoder_target`` (the model under
+    it, with its adapters' rows), and the wrapper's own forward, which runs the prompts' prefill,
+    must not be one the step cannot follow (``peft_wrapper_blocker``).
+
+    Args:
+        model: the model the generator samples from.
+        backend: as ``fused_decoder_blocker``'s (None: ``default_backend`` of the target).
+        autocast_dtype: as ``fused_decoder_blocker``'s.
+        adapter_rows: a sweep's shared call: the adapter of each block of rows.
+    """
+    target, rows = decoder_target(model, 0, adapter_rows)
+    adapters = None if rows is None else [name for name, _ in rows]
+    return peft_wrapper_blocker(model, backend, autocast_dtype) or fused_decoder_blocker(
+        target, backend, autocast_dtype, adapters
+    )
 
 
 def peft_wrapper_blocker(

@@ -49,8 +49,8 @@ import torch
 from torch import nn
 
 from posttrain.generation import reduced_kernels
-from posttrain.generation.fused_blockers import peft_wrapper_blocker
-from posttrain.generation.fused_step import FusedDecoder, decoder_target, fused_decoder_blocker
+from posttrain.generation.fused_blockers import decoder_blocker
+from posttrain.generation.fused_step import FusedDecoder, decoder_target
 from posttrain.generation.reduced_kernels import (  # noqa: F401  (re-exported)
     REDUCED_BACKENDS,
     SAMPLER_PRECISIONS,
@@ -163,13 +163,7 @@ def reduced_sampler_blocker(
     weight = getattr(head, "weight", None)
     if weight is None or weight.device.type != "cpu":
         return "the policy is not on the CPU (the reduced-precision sampler is a CPU path)"
-    target, adapter_rows = decoder_target(model, 0, adapter_rows)
-    adapters = [name for name, _ in adapter_rows] if adapter_rows else None
-    return (
-        backend_blocker(backend)
-        or peft_wrapper_blocker(model, backend, autocast_dtype)
-        or fused_decoder_blocker(target, backend, autocast_dtype, adapters)
-    )
+    return backend_blocker(backend) or decoder_blocker(model, backend, autocast_dtype, adapter_rows)
 
 
 def check_sampler_sources(precision: str, tools: Any, rollout_func: Any, environment_factory: Any) -> None:

@@ -36,12 +36,11 @@ from transformers import GenerationConfig
 from posttrain.generation.base import Samples
 from posttrain.generation.cuda_graph import GraphedDecodeStep, cuda_graph_blocker
 from posttrain.generation.decode import lean_generate, lean_generate_with_logps, lean_settings
-from posttrain.generation.fused_blockers import peft_wrapper_blocker
+from posttrain.generation.fused_blockers import decoder_blocker
 from posttrain.generation.fused_step import (
     FusedDecoder,
     decoder_target,
     default_backend,
-    fused_decoder_blocker,
 )
 from posttrain.generation.introspection import (  # noqa: F401  (re-exported)
     _forward_accepts,
@@ -325,24 +324,20 @@ class TransformersGenerator:
                     fused_blocker=None, cuda_graph_blocker="the reduced-precision sampler runs on the CPU"
                 )
                 return self.reduced.decoder(model, rows, autocast, self.adapter_rows)
-        outer = model
         # a sweep's shared call: each row block's adapter; a lone PEFT run: its adapter for every row
-        model, adapter_rows = decoder_target(model, rows, self.adapter_rows)
-        adapters = None if adapter_rows is None else [name for name, _ in adapter_rows]
-        backend = default_backend(model)
+        target, adapter_rows = decoder_target(model, rows, self.adapter_rows)
+        backend = default_backend(target)
         if not self.fused_step:
             fused_blocker = "fused_step=False"
         elif backend == "onednn" and not self._packing_pays(config):
             fused_blocker = "prepack_weights=False or too few new tokens to repay packing"
         else:
-            fused_blocker = peft_wrapper_blocker(
-                outer, backend, self.autocast_dtype
-            ) or fused_decoder_blocker(model, backend, self.autocast_dtype, adapters)
+            fused_blocker = decoder_blocker(model, backend, self.autocast_dtype, self.adapter_rows)
         self._note(fused_blocker=fused_blocker)
         if fused_blocker is not None:
             return None
-        fused = FusedDecoder(model, rows, backend, self.autocast_dtype, adapter_rows)
-        device = model.get_output_embeddings().weight.device
+        fused = FusedDecoder(target, rows, backend, self.autocast_dtype, adapter_rows)
+        device = target.get_output_embeddings().weight.device
         if fused.segments:
             self._note(cuda_graph_blocker="LoRA terms per row block")
             return fused
