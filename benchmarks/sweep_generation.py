@@ -83,7 +83,7 @@ def main() -> None:
         times["alone"].append(time.perf_counter() - start)
         paths["alone"] = generator.path.describe()
         torch.manual_seed(repeat)
-        shared = SharedGeneration(model, hand_over=lambda name: None)
+        shared = SharedGeneration(hand_over=lambda name: None)
         generators = [
             TransformersGenerator(lambda: model, config, sampler_precision=args.precision) for _ in prompts
         ]

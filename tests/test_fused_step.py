@@ -320,6 +320,26 @@ def test_merged_adapter_step_equals_the_adapted_forward(tok, backend):
         compare_steps(core, tok, lambda m, n: FusedDecoder(m, n, backend=backend, adapter_rows=[("x", n)]))
 
 
+def test_lora_terms_of_equal_blocks_batched_equal_one_pair_per_block():
+    """Blocks of equal rows and rank run as two batched products; the same terms as block by block."""
+    from posttrain.generation.fused_step import _LoraTerms
+
+    torch.manual_seed(0)
+    blocks = [(slice(3 * i, 3 * i + 3), torch.randn(4, 10), torch.randn(7, 4)) for i in range(3)]
+    x = torch.randn(9, 10)
+    batched, each = _LoraTerms.build(blocks, 9), _LoraTerms(blocks)
+    assert batched.a_t is not None and each.a_t is None
+    want = torch.cat([(x[rows] @ a.t()) @ b.t() for rows, a, b in blocks])
+    torch.testing.assert_close(batched.term(x), want)
+    torch.testing.assert_close(each.term(x), want)
+    out = torch.ones(9, 7)
+    batched.add_to(out, x)
+    torch.testing.assert_close(out, want + 1)
+    # unequal blocks, or blocks that leave rows without an adapter: one pair per block
+    assert _LoraTerms.build(blocks[:2], 9).a_t is None
+    assert _LoraTerms.build([blocks[0], (slice(3, 5), *blocks[1][1:])], 5).a_t is None
+
+
 # ---- on a GPU (run on the device machine; skipped elsewhere) -------------------------------------
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -97,6 +97,17 @@ def test_group_prompts_ignores_ids_under_padding_but_not_padding_length():
     assert groups.num_unique == 2
 
 
+def test_group_prompts_with_row_keys_keeps_the_same_prompt_apart_under_other_keys():
+    """A sweep's shared call: the same prompt under two adapters is two rows to prefill."""
+    ids = torch.tensor([[5, 6], [5, 6], [5, 6], [5, 6], [7, 8]])
+    mask = torch.ones_like(ids)
+    keys = torch.tensor([0, 0, 1, 1, 1])
+    groups = group_prompts(ids, mask, keys)
+    assert groups.num_unique == 3 and group_prompts(ids, mask).num_unique == 2
+    assert torch.equal(groups.unique_keys[groups.inverse], keys)
+    assert torch.equal(groups.unique_ids[groups.inverse], ids)
+
+
 # ---- shared prefix == plain -------------------------------------------------------------------------
 
 

@@ -513,7 +513,7 @@ def serve_shared(model, config, encoded, precision="float32"):
     from posttrain.generation.transformers_backend import TransformersGenerator
     from posttrain.sweep.generation import Request, SharedGeneration
 
-    shared = SharedGeneration(model, hand_over=lambda name: None)
+    shared = SharedGeneration(hand_over=lambda name: None)
     requests = []
     for name, batch in encoded.items():
         generator = TransformersGenerator(lambda: model, config)
@@ -669,7 +669,7 @@ def test_a_shared_call_that_raises_fails_its_caller_and_the_others_are_served_ne
         Request("one", Broken(lambda: model, config), ids, mask, None),
         Request("two", TransformersGenerator(lambda: model, hot), ids, mask, None),
     ]
-    shared = SharedGeneration(model, hand_over=lambda name: None)
+    shared = SharedGeneration(hand_over=lambda name: None)
     shared.pending.extend(requests)
     with pytest.raises(RuntimeError, match="out of memory"):
         shared.serve("one")

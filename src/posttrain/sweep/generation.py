@@ -55,14 +55,15 @@ class Request:
 class SharedGeneration:
     """Batches the runs' generation requests into one call per round of turns.
 
+    The runs' generators sample from the sweep's ``PeftModel`` (one adapter per run); the call
+    names each row block's adapter (``TransformersGenerator.adapter_rows``).
+
     Args:
-        model: the sweep's ``PeftModel`` (one adapter per run).
         hand_over: ``hand_over(name)``: run ``name`` lets every other run take a turn and gets
             the turn back (``GRPOSweep.hand_over``).
     """
 
-    def __init__(self, model: Any, hand_over: Callable[[str], None]) -> None:
-        self.model = model
+    def __init__(self, hand_over: Callable[[str], None]) -> None:
         self.hand_over = hand_over
         self.pending: list[Request] = []
         #: How many shared calls were made, and how many rows they sampled.

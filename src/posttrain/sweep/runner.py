@@ -194,7 +194,7 @@ class GRPOSweep:
         #: The shared generation calls (None with ``shared_generation=False``).
         self.generation: SharedGeneration | None = None
         if shared_generation:
-            self.generation = SharedGeneration(self.model, self._hand_over_in_step)
+            self.generation = SharedGeneration(self._hand_over_in_step)
             for name, trainer in self.trainers.items():
                 if isinstance(getattr(trainer, "generator", None), TransformersGenerator):
                     self.generation.attach(name, trainer.generator)
