@@ -234,6 +234,34 @@ def test_bf16_runs_share_one_sampler_copy_and_one_set_of_scratch_buffers(tmp_pat
         assert len(logged) == 2 and all(e["sampling/sampling_logp_difference/mean"] < 0.1 for e in logged)
 
 
+def test_bf16_shared_generation_samples_every_run_from_one_bf16_copy_of_the_base(tmp_path, tok, monkeypatch):
+    """With shared generation under bf16 on a bf16 CPU, each round's one call samples every run
+    from one bf16 copy of the base plus each run's LoRA terms (one build per call), and each run's
+    importance-sampling correction gets the call's sampler log-probs for its own rows."""
+    from posttrain.generation import reduced_kernels
+
+    monkeypatch.setattr(reduced_kernels, "native_bf16", lambda: True)
+    runs = [
+        SweepRun(
+            name,
+            config(tmp_path, name, max_steps=2, bf16=True),
+            reward_funcs=length_reward,
+            train_dataset=standard_dataset(),
+        )  # fmt: skip
+        for name in ("run-a", "run-b")
+    ]
+    sweep = GRPOSweep(
+        build_tiny_model(tok), runs, peft_config=lora(), processing_class=tok, shared_generation=True
+    )
+    outcomes = sweep.train()
+    assert [o.status for o in outcomes.values()] == ["finished", "finished"]
+    assert sweep.generation.calls == 2 and sweep.generation.rows == 2 * 2 * 8
+    assert sweep.trainers["run-a"].generator.reduced.refreshes == 2  # one build per shared call
+    for trainer in sweep.trainers.values():
+        logged = [e for e in trainer.state.log_history if "sampling/sampling_logp_difference/mean" in e]
+        assert len(logged) == 2 and all(e["sampling/sampling_logp_difference/mean"] < 0.1 for e in logged)
+
+
 def test_a_run_that_raises_stops_alone(tmp_path, tok):
     def breaks_at_second_call(completion_ids, **kwargs):
         breaks_at_second_call.calls += 1

@@ -214,7 +214,8 @@ class TransformersGenerator:
         self.autocast_dtype = autocast_dtype
         self.reduced: ReducedCopy | None = None  # the reduced-precision copy (None: float32)
         #: ``[(adapter, rows), ...]`` while a sweep's shared call samples each block of rows with its
-        #: own LoRA adapter (``sweep/generation.py``): the fused step then adds the low-rank terms.
+        #: own LoRA adapter (``sweep/generation.py``): the prompts' forward runs peft's mixed-adapter
+        #: batches (each distinct prompt and adapter once), the fused step adds the low-rank terms.
         self.adapter_rows: list[tuple[str, int]] | None = None
         self.set_sampler_precision(sampler_precision)
         self.path = GenerationPath()
