@@ -3,7 +3,7 @@
 Usage (posttrain's environment, nothing else running)::
 
     .venv/bin/python benchmarks/sweep_compare.py [--runs 4] [--steps 5] [--evaluate true] [--order sweep-first]
-        [--shared_generation false]
+        [--shared_generation false|true|both]
 
 The runs are the default GRPO task (``posttrain grpo``'s no-argument settings, ``--max_steps
 STEPS``), each a rank-16 LoRA adapter on every linear layer, at the learning rates of
@@ -12,7 +12,9 @@ them with other seeds). Side A: one ``posttrain sweep`` process. Side B: the sam
 ``posttrain grpo --use_peft`` process after another. Each process runs under ``/usr/bin/time -v``
 (wall time, peak resident memory). Prints the totals and the ratios as JSON: the sweep's wall time
 against the sum of the separate runs', and its peak memory against the sum of their peaks (what
-N runs at once as separate processes would need).
+N runs at once as separate processes would need). ``--shared_generation both`` runs the sweep
+twice, without and with one shared generation call per round, around the separate side (sweep
+without, separate, sweep with), and reports a ratio for each.
 """
 
 from __future__ import annotations
@@ -98,25 +100,26 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--evaluate", default="true", choices=["true", "false"])
     parser.add_argument("--order", default="sweep-first", choices=["sweep-first", "separate-first"])
-    parser.add_argument("--shared_generation", default="false", choices=["true", "false"])
+    parser.add_argument("--shared_generation", default="false", choices=["true", "false", "both"])
     args = parser.parse_args()
     folder = tempfile.mkdtemp(prefix="sweep-compare-")
-    for side in ("sweep", "separate"):
-        os.makedirs(os.path.join(folder, side), exist_ok=True)
-    sides = {"sweep": sweep_side, "separate": separate_side}
-    order = ["sweep", "separate"] if args.order == "sweep-first" else ["separate", "sweep"]
+    modes = {"both": ["false", "true"]}.get(args.shared_generation, [args.shared_generation])
+    sweeps = [("sweep" if len(modes) == 1 else f"sweep_shared_{mode}", mode) for mode in modes]
+    order = [*sweeps, ("separate", "false")] if args.order == "sweep-first" else [("separate", "false"), *sweeps]
+    if len(sweeps) == 2:  # the separate side between the two sweeps
+        order = [sweeps[0], ("separate", "false"), sweeps[1]]
     result = {}
-    for side in order:
-        shared = args.shared_generation == "true"
-        result[side] = sides[side](os.path.join(folder, side), args.steps, args.runs, args.evaluate, shared)
+    for side, mode in order:
+        os.makedirs(os.path.join(folder, side), exist_ok=True)
+        run = separate_side if side == "separate" else sweep_side
+        result[side] = run(os.path.join(folder, side), args.steps, args.runs, args.evaluate, mode == "true")
         print(side, result[side], flush=True)
-    result["time_ratio"] = round(result["sweep"]["seconds"] / result["separate"]["seconds"], 3)
-    result["memory_ratio_vs_summed_peaks"] = round(
-        result["sweep"]["peak_mb"] / result["separate"]["peak_mb_sum"], 3
-    )
-    result["memory_ratio_vs_one_run"] = round(
-        result["sweep"]["peak_mb"] / result["separate"]["peak_mb_max"], 3
-    )
+    separate = result["separate"]
+    for side, _ in sweeps:
+        suffix = "" if side == "sweep" else side[len("sweep") :]
+        result[f"time_ratio{suffix}"] = round(result[side]["seconds"] / separate["seconds"], 3)
+        result[f"memory_ratio_vs_summed_peaks{suffix}"] = round(result[side]["peak_mb"] / separate["peak_mb_sum"], 3)
+        result[f"memory_ratio_vs_one_run{suffix}"] = round(result[side]["peak_mb"] / separate["peak_mb_max"], 3)
     result["settings"] = {"runs": args.runs, "steps": args.steps, "evaluate": args.evaluate, "folder": folder,
                           "shared_generation": args.shared_generation}  # fmt: skip
     print(json.dumps(result, indent=1))
