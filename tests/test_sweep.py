@@ -203,15 +203,12 @@ def test_each_run_releases_its_threads_openmp_team_when_it_hands_over(tmp_path, 
     assert released == [threading.main_thread().name] + ["posttrain-sweep-run-a", "posttrain-sweep-run-b"] * 2
 
 
-def test_bf16_runs_share_one_sampler_copy_and_one_set_of_scratch_buffers(tmp_path, tok, monkeypatch):
-    """Under bf16 on a bf16 CPU each run samples from a bf16 copy with its adapter merged in. The
-    runs share one copy, rebuilt at every turn (the other run's step changed the weights), and
-    one set of scratch buffers: only the run holding the turn computes."""
+def bf16_runs(tmp_path, monkeypatch):
+    """Two runs of 2 steps with ``bf16=True`` on a (pretended) CPU with bf16 instructions."""
     from posttrain.generation import reduced_kernels
-    from posttrain.ops import workspace
 
     monkeypatch.setattr(reduced_kernels, "native_bf16", lambda: True)
-    runs = [
+    return [
         SweepRun(
             name,
             config(tmp_path, name, max_steps=2, bf16=True),
@@ -220,6 +217,15 @@ def test_bf16_runs_share_one_sampler_copy_and_one_set_of_scratch_buffers(tmp_pat
         )  # fmt: skip
         for name in ("run-a", "run-b")
     ]
+
+
+def test_bf16_runs_share_one_sampler_copy_and_one_set_of_scratch_buffers(tmp_path, tok, monkeypatch):
+    """Under bf16 on a bf16 CPU each run samples from a bf16 copy with its adapter merged in. The
+    runs share one copy, rebuilt at every turn (the other run's step changed the weights), and
+    one set of scratch buffers: only the run holding the turn computes."""
+    from posttrain.ops import workspace
+
+    runs = bf16_runs(tmp_path, monkeypatch)
     sweep = GRPOSweep(build_tiny_model(tok), runs, peft_config=lora(), processing_class=tok)
     copies = {id(trainer.generator.reduced) for trainer in sweep.trainers.values()}
     assert len(copies) == 1 and sweep.trainers["run-a"].generator.reduced is not None
@@ -238,18 +244,7 @@ def test_bf16_shared_generation_samples_every_run_from_one_bf16_copy_of_the_base
     """With shared generation under bf16 on a bf16 CPU, each round's one call samples every run
     from one bf16 copy of the base plus each run's LoRA terms (one build per call), and each run's
     importance-sampling correction gets the call's sampler log-probs for its own rows."""
-    from posttrain.generation import reduced_kernels
-
-    monkeypatch.setattr(reduced_kernels, "native_bf16", lambda: True)
-    runs = [
-        SweepRun(
-            name,
-            config(tmp_path, name, max_steps=2, bf16=True),
-            reward_funcs=length_reward,
-            train_dataset=standard_dataset(),
-        )  # fmt: skip
-        for name in ("run-a", "run-b")
-    ]
+    runs = bf16_runs(tmp_path, monkeypatch)
     sweep = GRPOSweep(
         build_tiny_model(tok), runs, peft_config=lora(), processing_class=tok, shared_generation=True
     )

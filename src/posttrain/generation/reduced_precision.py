@@ -131,7 +131,14 @@ class ReducedCopy:
         hint = rows if self.backend == "bf16" and onednn_bf16_packable() else 0
         rows = max(rows, 1)
         target, adapter_rows = decoder_target(model, rows, adapter_rows)
-        blocks = tuple(adapter_rows) if adapter_rows else None
+        # one block is merged into the copy: its adapter matters, not its rows (oneDNN's hint has them)
+        blocks = (
+            None
+            if not adapter_rows
+            else adapter_rows[0][0]
+            if len(adapter_rows) == 1
+            else tuple(adapter_rows)
+        )
         key = (id(model), hint, blocks, _fingerprint(model))
         if self._decoder is None or self._stale or key != self._key:
             self._decoder = None  # free the old copy before building the new one
