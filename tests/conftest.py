@@ -8,6 +8,33 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # README's `pytest -n auto`: the workers share the cores, one torch thread each (a worker
+    # with the default of one thread per core ran its steps several times slower), and the
+    # subprocesses they start inherit it.
+    os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ["MKL_NUM_THREADS"] = "1"
+    import torch
+
+    torch.set_num_threads(1)
+
+#: Memory one pytest-xdist worker may need at its peak (the tests that load the embedded model).
+WORKER_MEMORY = 3 << 30
+
+
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto``: one worker per CPU this process may run on, as many as memory holds.
+
+    xdist's own ``auto`` counts physical cores (1 on a 2-vCPU machine whose vCPUs are one core's
+    two threads) and ignores the CPU affinity a container sets.
+    """
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return cpus
+    return max(1, min(cpus, memory // WORKER_MEMORY))
+
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
