@@ -552,36 +552,93 @@ def test_mixture_of_experts_keeps_its_router_loss(tok):
     torch.testing.assert_close(got.entropy, want.entropy, **EXACT)
 
 
+def vocabulary_sized_temporaries(model, inputs, share_prompts: bool) -> int:
+    """[V, H] blocks the backward of ``loss_of`` builds beside the head's gradient (profiled): the
+    embedding's dense gradients and out-of-place sums into the head's."""
+    from torch.profiler import profile
+
+    model.zero_grad(set_to_none=True)
+    loss = loss_of(logps_of(model, inputs, 16, share_prompts=share_prompts), inputs)
+    shape = list(model.get_input_embeddings().weight.shape)
+    with profile(record_shapes=True) as prof:
+        loss.backward()
+    dense = [e for e in prof.events() if e.name == "aten::embedding_dense_backward"]
+    return len(dense) + sum(1 for e in prof.events() if e.name == "aten::add" and shape in e.input_shapes)
+
+
 @pytest.mark.parametrize("share_prompts", [False, True])
-def test_tied_embedding_gets_a_sparse_gradient_summed_into_a_dense_one(tok, monkeypatch, share_prompts):
-    """The embedding's sparse gradient adds into the head's dense one: same ``.grad``, still dense."""
+def test_tied_embedding_adds_its_rows_into_the_heads_gradient(tok, monkeypatch, share_prompts):
+    """The lookups add their rows into the head's gradient in place: same ``.grad``, dense, and no
+    [V, H] sum built (autograd summed a sparse gradient into the head's out of place, once per
+    lookup, two with a shared prompt prefix; the embedding's own backward builds a dense one per
+    lookup)."""
     import contextlib
 
-    from posttrain.ops import online_logps  # completion_logps looks sparse_tied_embedding_grad up there
+    from posttrain.ops import online_logps  # completion_logps looks tied_embedding_grad up there
 
     model = tiny(tok, tied=True)
+    embed = model.get_input_embeddings()
     inputs = batch(len(tok))
     if share_prompts:  # rows 0 and 1 share a prompt
         inputs["prompt_ids"][1], inputs["prompt_mask"][1] = inputs["prompt_ids"][0], inputs["prompt_mask"][0]
-    seen = []
-    embed = model.get_input_embeddings()
-    handle = embed.register_forward_pre_hook(lambda m, args: seen.append(m.sparse))
-    sparse = grads(model, inputs, chunk_size=16, share_prompts=share_prompts)
-    handle.remove()
-    assert seen and all(seen) and embed.sparse is False  # sparse while scoring, restored after
-    assert not embed.weight.grad.is_sparse
-    monkeypatch.setattr(online_logps, "sparse_tied_embedding_grad", lambda model: contextlib.nullcontext())
-    dense = grads(model, inputs, chunk_size=16, share_prompts=share_prompts)
-    for name in dense:
-        torch.testing.assert_close(sparse[name], dense[name], **GRAD, msg=name)
+    got = grads(model, inputs, chunk_size=16, share_prompts=share_prompts)
+    assert not embed.weight.grad.is_sparse and "forward" not in vars(embed)  # the lookup restored after
+    assert vocabulary_sized_temporaries(model, inputs, share_prompts) == 0
+    monkeypatch.setattr(online_logps, "tied_embedding_grad", lambda model: contextlib.nullcontext())
+    want = grads(model, inputs, chunk_size=16, share_prompts=share_prompts)
+    assert_same_grads(got, want)
+    assert vocabulary_sized_temporaries(model, inputs, share_prompts) == 1 + share_prompts
 
 
-def test_untied_embedding_keeps_a_dense_gradient(tok):
+def test_tied_embedding_gradient_through_autograd_grad_and_accumulation(tok):
+    """``torch.autograd.grad`` gets the whole gradient (the last lookup returns it), and a second
+    backward accumulates into ``.grad`` as autograd would."""
+    import contextlib
+
+    from posttrain.ops import online_logps
+
+    model = tiny(tok, tied=True)
+    weight = model.get_input_embeddings().weight
+    first, second = batch(len(tok), seed=1), batch(len(tok), seed=2)
+
+    def two_backwards() -> torch.Tensor:
+        model.zero_grad(set_to_none=True)
+        for inputs in (first, second):
+            loss_of(logps_of(model, inputs, 16), inputs).backward()
+        return weight.grad.clone()
+
+    (through_grad,) = torch.autograd.grad(loss_of(logps_of(model, first, 16), first), [weight])
+    accumulated = two_backwards()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(online_logps, "tied_embedding_grad", lambda model: contextlib.nullcontext())
+        (want_grad,) = torch.autograd.grad(loss_of(logps_of(model, first, 16), first), [weight])
+        want_accumulated = two_backwards()
+    torch.testing.assert_close(through_grad, want_grad, **GRAD)
+    torch.testing.assert_close(accumulated, want_accumulated, **GRAD)
+
+
+def test_tied_lookup_without_the_chunked_head_returns_its_own_sparse_rows(tok):
+    """Through the model's own logits nothing is handed over: each lookup returns its sparse
+    gradient, and ``.grad`` equals the plain model's."""
+    from posttrain.ops.tied_embedding import tied_embedding_grad
+
+    model = tiny(tok, tied=True)
+    ids = batch(len(tok))["completion_ids"]
+    with tied_embedding_grad(model):
+        model(input_ids=ids).logits.logsumexp(-1).sum().backward()
+    got = model.get_input_embeddings().weight.grad.clone()
+    model.zero_grad(set_to_none=True)
+    model(input_ids=ids).logits.logsumexp(-1).sum().backward()
+    torch.testing.assert_close(got, model.get_input_embeddings().weight.grad, **GRAD)
+
+
+def test_untied_embedding_keeps_the_plain_lookup(tok):
     model = tiny(tok, tied=False)
     seen = []
-    model.get_input_embeddings().register_forward_pre_hook(lambda m, args: seen.append(m.sparse))
+    embed = model.get_input_embeddings()
+    embed.register_forward_pre_hook(lambda m, args: seen.append("forward" in vars(m)))
     grads(model, batch(len(tok)), chunk_size=16)
-    assert seen == [False] and not model.get_input_embeddings().weight.grad.is_sparse
+    assert seen == [False] and not embed.weight.grad.is_sparse
 
 
 def test_bf16_reference_scores_in_the_policys_precision(tmp_path, tok):

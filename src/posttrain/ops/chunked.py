@@ -49,7 +49,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from posttrain.ops import workspace
+from posttrain.ops import tied_embedding, workspace
 from posttrain.ops.head_forward import (  # noqa: F401  (re-exported: callers reach them here)
     causal_lm,
     head_input,
@@ -269,8 +269,8 @@ class TokenStats(torch.autograd.Function):
     def backward(
         ctx: Any, grad_logps: torch.Tensor | None, grad_entropy: torch.Tensor | None, grad_top: Any = None
     ):
-        hidden, weight, bias, targets, peak, rest, argmax, entropy = ctx.saved_tensors
-        weight = _product_weight(weight, ctx.product_dtype)
+        hidden, saved_weight, bias, targets, peak, rest, argmax, entropy = ctx.saved_tensors
+        weight = _product_weight(saved_weight, ctx.product_dtype)
         if entropy.numel() == 0:
             grad_entropy = None
         grad_h, grad_b = _grad_buffers(ctx.needs_input_grad, hidden, bias, ctx.dtypes)
@@ -296,7 +296,8 @@ class TokenStats(torch.autograd.Function):
             grad_w = _accumulate(
                 g, hidden[rows], weight, rows, grad_h, grad_w, grad_b, ctx.needs_input_grad[1]
             )
-        return _finish(grad_h, grad_w, grad_b, ctx.dtypes)
+        grad_h, grad_w, *rest = _finish(grad_h, grad_w, grad_b, ctx.dtypes)
+        return grad_h, tied_embedding.hand_over(saved_weight, grad_w), *rest
 
 
 def _in_product_dtype(

@@ -41,7 +41,6 @@ from posttrain.ops.sequence_stats import (  # noqa: F401  (re-exported)
     right_padding_only,
     selective_log_softmax,
     sequence_token_stats,
-    sparse_tied_embedding_grad,
     top_log_softmax,
 )
 

@@ -20,8 +20,8 @@ from posttrain.ops.divergence import HeadInputs
 from posttrain.ops.sequence_stats import (
     entropy_from_logits,
     selective_log_softmax,
-    sparse_tied_embedding_grad,
 )
+from posttrain.ops.tied_embedding import tied_embedding_grad
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -282,7 +282,7 @@ def _completion_hidden(
         forwards = [(groups.ids.shape[0], prompt_width, prompt_width), (rows, width, prompt_width + width)]
     else:
         forwards = [(rows, inputs["input_ids"].shape[1], inputs["input_ids"].shape[1])]
-    with sparse_tied_embedding_grad(model), checkpointing.within_gradient_budget(model, forwards):
+    with tied_embedding_grad(model), checkpointing.within_gradient_budget(model, forwards):
         if groups is not None:
             out, hidden, predicting = shared_prefix.hidden_states(
                 model, groups, completion_ids, completion_mask

@@ -4,14 +4,12 @@
 position's log-prob of the next token, and where asked its entropy, top log-prob, mean logit and
 ``log Σ p²``, from the hidden states in chunks (``ops/chunked.py``) or from the full logits. Also
 here: the log-softmax helpers both paths use, ``right_padding_only`` (a right-padding mask left to
-the causal mask) and ``sparse_tied_embedding_grad``. ``ops/logprobs.py`` builds the per-row scores
+the causal mask). ``ops/logprobs.py`` builds the per-row scores
 on these.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +17,7 @@ import torch
 
 from posttrain.ops import checkpointing, chunked
 from posttrain.ops.divergence import log_softmax
+from posttrain.ops.tied_embedding import tied_embedding_grad
 
 
 def selective_log_softmax(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -124,7 +123,7 @@ def sequence_token_stats(
     targets = input_ids[:, 1:]  # [N, L - 1]
     if chunk_size is not None and chunked.supports_chunked(model):
         forwards = [(input_ids.shape[0], input_ids.shape[1], input_ids.shape[1])]
-        with sparse_tied_embedding_grad(model), checkpointing.within_gradient_budget(model, forwards):
+        with tied_embedding_grad(model), checkpointing.within_gradient_budget(model, forwards):
             out, hidden = chunked.run_with_hidden(model, **inputs)  # [N, L, H]
         if chunked.logits_match_head(model, out, hidden):  # checked once per model
             return _stats_from_hidden(
@@ -257,40 +256,3 @@ def _head_summaries(
         z = torch.nn.functional.linear(flat[start : start + chunk_size], weight, bias).float()
         out[start : start + chunk_size] = torch.logsumexp(2 * z, dim=-1) - 2 * torch.logsumexp(z, dim=-1)
     return mean, out.view(hidden.shape[:-1])
-
-
-@contextlib.contextmanager
-def sparse_tied_embedding_grad(model: torch.nn.Module) -> Iterator[None]:
-    """While scoring, a trained input embedding tied to the LM head yields a sparse gradient.
-
-    The embedding's backward otherwise builds a dense ``[V, H]`` gradient (113 MB for SmolLM2)
-    only to add it to the head's; a sparse one (the looked-up rows) is added to the head's dense
-    gradient by autograd, which sums both before the weight's single accumulation. So the weight's
-    ``.grad`` stays dense and equal, and no zero-filled vocabulary-sized gradient is built. (The
-    sum is out of place in torch 2.13: autograd adds in place only into a first-arriving gradient
-    it can take over, and the head's arrives first from a Python ``Function``; measured in session
-    27, BENCHMARKS.md.) Only for a tied weight (the head's dense contribution is always
-    there to add into) and an unwrapped model (DDP and sharding reduce gradients themselves).
-    """
-    lm = chunked.causal_lm(model)
-    embed = lm.get_input_embeddings() if hasattr(lm, "get_input_embeddings") else None
-    head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
-    usable = (
-        torch.is_grad_enabled()
-        and type(embed) is torch.nn.Embedding
-        and head is not None
-        and getattr(head, "weight", None) is embed.weight
-        and embed.weight.requires_grad
-        and not embed.sparse
-        and embed.max_norm is None
-        and not hasattr(model, "module")
-        and type(embed.weight.data) is torch.Tensor
-    )
-    if not usable:
-        yield
-        return
-    embed.sparse = True
-    try:
-        yield
-    finally:
-        embed.sparse = False
