@@ -213,7 +213,18 @@ CONFIGS: dict[str, tuple[dict, str]] = {
     ),
     "temperature": ({"temperature": 0.7}, "temperature=0.7 (log-probs and entropy of logits / 0.7)"),
     "trl_without_vllm_flag": ({}, "dapo defaults; the reference run WITHOUT its vLLM flag"),
+    "tied_embeddings": (
+        {"loss_type": "grpo"},
+        "grpo on a model whose LM head is tied to its input embeddings (SmolLM2's shape)",
+    ),
+    "tied_embeddings_grad_accum": (
+        {"per_device_train_batch_size": G, "gradient_accumulation_steps": 2},
+        "dapo, 2 micro-batches accumulated, LM head tied to the input embeddings",
+    ),
 }
+
+#: The configurations whose tiny model ties its LM head to its input embeddings.
+TIED = {"tied_embeddings", "tied_embeddings_grad_accum"}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -229,8 +240,9 @@ CORPUS = [
 ] * 20
 
 
-def build_model_dir(path: str) -> None:
-    """Save a seeded tiny Llama and a tiny BPE tokenizer whose pad token is EOS (as in SmolLM2).
+def build_model_dir(path: str, tied: bool = False) -> None:
+    """Save a seeded tiny Llama and a tiny BPE tokenizer whose pad token is EOS (as in SmolLM2);
+    with ``tied``, its LM head is its input embedding matrix.
 
     The same construction as the test suite's ``tests/conftest.py`` (which needs pytest, absent here).
     """
@@ -261,7 +273,7 @@ def build_model_dir(path: str) -> None:
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
         bos_token_id=None,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tied,
     )
     LlamaForCausalLM(config).save_pretrained(path)
     tok.save_pretrained(path)
@@ -288,15 +300,16 @@ def record_run(out_path: str, result: dict, trainer) -> None:
         json.dump(result, f, default=float)
 
 
-def prepare_tiny(work: str) -> tuple[str, str]:
+def prepare_tiny(work: str, tied: bool = False) -> tuple[str, str]:
     """The tiny model's folder under ``work`` (built once) and its saved initial parameters."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    model_dir = os.path.join(work, "model")
+    suffix = "_tied" if tied else ""
+    model_dir = os.path.join(work, "model" + suffix)
     if not os.path.exists(os.path.join(model_dir, "config.json")):
-        build_model_dir(model_dir)
-    init_path = os.path.join(work, "init.pt")
+        build_model_dir(model_dir, tied)
+    init_path = os.path.join(work, f"init{suffix}.pt")
     m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     torch.save({k: v.detach().float() for k, v in m.state_dict().items()}, init_path)
     return model_dir, init_path
@@ -588,12 +601,13 @@ def generation_calls_note(res: dict) -> str:
 def drive_tiny(names, keep: str | None, verbose: bool, script: str, prefix: str, note) -> int:
     """``drive`` for scripts whose children take ``--model_dir``: the tiny model, built once."""
     work = keep or tempfile.mkdtemp(prefix=prefix)
-    model_dir, init_path = prepare_tiny(work)
+    models = {tied: prepare_tiny(work, tied) for tied in {name in TIED for name in names}}
 
     def child_args(lib: str, name: str, out: str) -> list[str]:
+        model_dir = models[name in TIED][0]
         return [script, "--lib", lib, "--config", name, "--model_dir", model_dir, "--out", out]
 
-    return drive(names, work, child_args, lambda name: init_path, note, verbose)
+    return drive(names, work, child_args, lambda name: models[name in TIED][1], note, verbose)
 
 
 def run_parent(names: list[str], keep: str | None, verbose: bool) -> int:

@@ -590,6 +590,26 @@ def test_tied_embedding_adds_its_rows_into_the_heads_gradient(tok, monkeypatch, 
     assert vocabulary_sized_temporaries(model, inputs, share_prompts) == 1 + share_prompts
 
 
+def test_whole_rows_of_a_tied_model_get_the_full_logits_gradient(tok):
+    """``sequence_token_stats`` (SFT, DPO's scores) on a tied model: the chunked path, whose lookups
+    add into the head's gradient, gives the full-logits path's gradient."""
+    from posttrain.ops.logprobs import sequence_token_stats
+
+    model = tiny(tok, tied=True)
+    ids = torch.randint(0, len(tok), (3, 11), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[1, 8:] = 0
+    positions = (mask.cumsum(1) - 1).clamp(min=0)
+    weights = mask[:, 1:].float()
+    found = {}
+    for chunk_size in (4, None):
+        model.zero_grad(set_to_none=True)
+        stats = sequence_token_stats(model, ids, mask, positions, chunk_size=chunk_size)
+        (stats.logps * weights).sum().backward()
+        found[chunk_size] = {n: p.grad.clone() for n, p in model.named_parameters()}
+    assert_same_grads(found[4], found[None])
+
+
 def test_tied_embedding_gradient_through_autograd_grad_and_accumulation(tok):
     """``torch.autograd.grad`` gets the whole gradient (the last lookup returns it), and a second
     backward accumulates into ``.grad`` as autograd would."""
