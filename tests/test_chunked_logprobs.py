@@ -610,6 +610,47 @@ def test_whole_rows_of_a_tied_model_get_the_full_logits_gradient(tok):
     assert_same_grads(found[4], found[None])
 
 
+def test_a_tied_students_distillation_gradient_takes_the_lookups_rows_in_place(tok, monkeypatch):
+    """The distillation engine's head gradient is handed over too (``TokenDivergence``)."""
+    import contextlib
+
+    from posttrain.ops import online_logps
+    from posttrain.ops.divergence import token_divergence
+    from posttrain.ops.online_logps import completion_head_inputs
+
+    student, teacher = tiny(tok, tied=True), tiny(tok, seed=1)
+    inputs = batch(len(tok))
+    with torch.no_grad():
+        teacher_side, _ = completion_head_inputs(teacher, **inputs)
+    mask = inputs["completion_mask"].reshape(-1).bool()
+
+    def backward() -> dict[str, torch.Tensor]:
+        student.zero_grad(set_to_none=True)
+        side, _ = completion_head_inputs(student, **inputs)
+        flat = type(side)(side.hidden.reshape(-1, side.hidden.shape[-1])[mask], side.weight, side.bias)
+        teacher_flat = type(teacher_side)(teacher_side.hidden.reshape(-1, side.hidden.shape[-1])[mask],
+                                          teacher_side.weight, teacher_side.bias)  # fmt: skip
+        token_divergence(flat, teacher_flat, beta=0.5, chunk_size=16)[0].mean().backward()
+        return {n: p.grad.clone() for n, p in student.named_parameters()}
+
+    from posttrain.ops import tied_embedding
+
+    handed, hand_over = [], tied_embedding.hand_over
+
+    def spy(weight, grad):
+        result = hand_over(weight, grad)
+        handed.append(result is None)
+        return result
+
+    monkeypatch.setattr(tied_embedding, "hand_over", spy)
+    got = backward()
+    assert handed == [True]  # the student's head gradient went to the lookups
+    weight = student.get_input_embeddings().weight
+    monkeypatch.setattr(online_logps, "tied_embedding_grad", lambda model: contextlib.nullcontext())
+    assert_same_grads(got, backward())
+    assert not weight.grad.is_sparse
+
+
 def test_tied_embedding_gradient_through_autograd_grad_and_accumulation(tok):
     """``torch.autograd.grad`` gets the whole gradient (the last lookup returns it), and a second
     backward accumulates into ``.grad`` as autograd would."""

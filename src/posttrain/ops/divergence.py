@@ -57,7 +57,7 @@ from typing import Any
 
 import torch
 
-from posttrain.ops import chunked, topk
+from posttrain.ops import chunked, tied_embedding, topk
 from posttrain.ops.chunked import DEFAULT_CHUNK_SIZE
 from posttrain.ops.divergence_head import HeadInputs, head_products, in_products, scratch_like, side_logits
 
@@ -419,7 +419,7 @@ class TokenDivergence(torch.autograd.Function):
             gx = rx if want[0] else gx
             gw, gb = (rw, rb) if want[1] or want[2] else (gw, gb)
         grad_x = gx.mul_(scale.unsqueeze(-1).to(gx.dtype)).to(s_x.dtype) if gx is not None else None
-        grad_w = gw.to(s_w.dtype) if gw is not None else None
+        grad_w = tied_embedding.hand_over(s_w, gw.to(s_w.dtype)) if gw is not None else None
         grad_b = gb.to(s_b.dtype) if gb is not None else None
         return grad_x, grad_w, grad_b, None, None, None, None, None, None, None, None, None
 

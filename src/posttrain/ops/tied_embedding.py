@@ -9,7 +9,8 @@ a shared prompt prefix; about 40 ms each, more with the page faults of a fresh b
 training process).
 
 Within ``tied_embedding_grad(model)`` the embedding's lookups record their backward nodes per
-weight. When the chunked head's backward (``ops/chunked.py``) has the weight's gradient, it asks
+weight. When the chunked head's backward (``ops/chunked.py``; the distillation engine's,
+``ops/divergence.py``, for a student's head) has the weight's gradient, it asks
 ``hand_over``: if recorded lookups will run later in this backward, the gradient is left with
 them instead of returned; each lookup adds its rows into it in place (``index_add_``) and the
 last one returns it as the weight's gradient, so autograd receives one dense gradient and
