@@ -461,7 +461,7 @@ def test_env_prints_versions_and_hardware(capsys):
     assert f"- transformers: {transformers.__version__}" in out
     for key in ("Python", "posttrain", "datasets", "accelerate", "peft", "vllm", "deepspeed", "math-verify",
                 "gguf", "Platform", "CPU count", "CPU vector instructions", "CPU bf16 instructions",
-                "posttrain grpo precision", "CUDA available", "GPUs", "bf16 supported"):  # fmt: skip
+                "posttrain grpo and sft precision", "CUDA available", "GPUs", "bf16 supported"):  # fmt: skip
         assert f"- {key}: " in out
 
 

@@ -65,6 +65,25 @@ def test_the_built_in_task_is_measured_before_and_after(tmp_path, tiny_model_dir
     assert "held-out accuracy 0.25 before training, 0.50 after" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("host_bf16", [True, False])
+def test_sft_trains_in_bf16_where_the_cpu_has_bf16_instructions(
+    tmp_path, tiny_model_dir, monkeypatch, capsys, host_bf16
+):
+    """`posttrain grpo`'s measured CPU rule: bf16 on a GPU-less host with bf16 instructions, float32
+    elsewhere; a precision or device the user chose wins, and the run says which it took."""
+    import torch
+
+    monkeypatch.setattr("posttrain.ops.precision.native_bf16", lambda: host_bf16)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    base = ["--model_name_or_path", tiny_model_dir, "--output_dir", str(tmp_path), "--task_size", "16"]
+    _, config = sft_cli._build_sft(base)
+    assert (config.bf16, config.use_cpu) == ((True, True) if host_bf16 else (False, False))
+    assert ("posttrain sft: training in bf16, since this CPU" in capsys.readouterr().out) is host_bf16
+    for chosen in (["--bf16", "false"], ["--fp16", "false"]):
+        _, config = sft_cli._build_sft(base + chosen)
+        assert config.bf16 is False and "training in bf16" not in capsys.readouterr().out, chosen
+
+
 def test_a_bad_flag_is_a_clear_cli_error(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["sft", "--output_dir", str(tmp_path), "--use_cpu", "--packing_strategy", "best"])

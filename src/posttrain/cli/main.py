@@ -115,7 +115,7 @@ def _cpu_precision() -> list[tuple[str, str]]:
     return [
         ("CPU vector instructions", capability),
         ("CPU bf16 instructions", bf16),
-        ("posttrain grpo precision", default),
+        ("posttrain grpo and sft precision", default),
     ]
 
 
