@@ -96,7 +96,7 @@ def hand_over(weight: torch.Tensor, grad: torch.Tensor | None) -> torch.Tensor |
     backward will still run (their rows are added into it, and the last returns it), or added into
     a gradient already handed to them by another head in this backward. Otherwise returned as is.
     """
-    if grad is None or not grad.is_contiguous():
+    if grad is None or not grad.is_contiguous() or torch.is_grad_enabled():  # create_graph: left to autograd
         return grad
     with _LOCK:
         entry = _LOOKUPS.get(id(weight))
