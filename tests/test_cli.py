@@ -14,9 +14,10 @@ from dataclasses import dataclass
 import pytest
 
 from posttrain.cli.datasets import load_dataset_split
-from posttrain.cli.grpo import LAPTOP_DEFAULTS, _build_grpo, cpu_precision_defaults, grpo
+from posttrain.cli.grpo import LAPTOP_DEFAULTS, _build_grpo, grpo
 from posttrain.cli.main import COMMANDS, main
 from posttrain.cli.options import CLIError, given_fields, parse_config
+from posttrain.cli.training import cpu_precision_defaults
 
 # Flags of a 1-step CPU run of the tiny model.
 TINY_RUN = [

@@ -12,7 +12,7 @@ from typing import Any
 
 from posttrain.cli.online import OnlineScriptArguments, build_online_trainer
 from posttrain.cli.options import given_fields
-from posttrain.cli.training import builtin_task_accuracy, run_training
+from posttrain.cli.training import builtin_task_accuracy, run_training, with_cpu_precision
 
 # Settings of the no-argument run: small enough for a laptop CPU, still a real GRPO job. Sampling
 # at temperature 0.7 keeps the groups near the greedy answer, so the updates move what the greedy
@@ -34,45 +34,6 @@ LAPTOP_DEFAULTS: dict[str, Any] = {
 }
 
 
-def cpu_precision_defaults(argv: list[str]) -> dict[str, Any]:
-    """``bf16=True`` (with ``use_cpu=True``) for a run on a CPU with bf16 instructions, else nothing.
-
-    Decided by measurement on an AMD EPYC with AVX512-BF16 (BENCHMARKS.md, "The default run in
-    bf16"): over seeds 0, 2 and 3 the no-argument run took 0.85x float32's wall time, and its
-    held-out accuracy after training (0.77, 0.77, 0.82) stayed within float32's (0.83, 0.75,
-    0.81); its peak memory was about 0.6 GB higher (the sampler's bf16 copy). Elsewhere (no bf16 instructions:
-    emulated bf16 is slower than float32; a GPU: the trainer's own ``bf16=None`` rule) nothing
-    changes, and so it does when the user chose ``bf16``, ``fp16``, ``use_cpu`` or ``use_vllm``.
-
-    Args:
-        argv: the command's arguments (flags and ``--config`` recipe keys count as chosen).
-    """
-    return cpu_precision_choice(given_fields(argv))
-
-
-def cpu_precision_choice(given: set[str]) -> dict[str, Any]:
-    """``cpu_precision_defaults`` for a run whose chosen fields are ``given`` (``posttrain sweep``'s
-    runs: the keys of its ``shared`` and ``runs`` mappings)."""
-    import torch
-
-    from posttrain.ops.precision import native_bf16
-
-    if given & {"bf16", "fp16", "use_cpu", "use_vllm"}:
-        return {}
-    if torch.cuda.is_available() or not native_bf16():
-        return {}
-    return {"bf16": True, "use_cpu": True}
-
-
-def announce_cpu_bf16(command: str) -> None:
-    """Say that ``command`` trains in bf16 by the CPU rule, and how to train in float32."""
-    print(
-        f"posttrain {command}: training in bf16, since this CPU has bf16 instructions "
-        "(docs/performance.md, 'bf16 on the CPU'). Pass --bf16 false to train in float32.",
-        flush=True,
-    )
-
-
 #: The script arguments, shared with ``posttrain rloo`` (the reference's name for GRPO's).
 GRPOScriptArguments = OnlineScriptArguments
 
@@ -89,9 +50,7 @@ def _build_grpo(argv: list[str]) -> tuple[Any, Any]:
     def build(defaults: dict[str, Any]) -> tuple[Any, Any]:
         return build_online_trainer(argv, "grpo", "Train with GRPO.", GRPOConfig, GRPOTrainer, defaults)
 
-    defaults = {**LAPTOP_DEFAULTS, **cpu_precision_defaults(argv)}
-    if defaults.get("bf16"):
-        announce_cpu_bf16("grpo")
+    defaults = with_cpu_precision("grpo", argv, LAPTOP_DEFAULTS)
     try:
         return build(defaults)
     except ValueError as error:

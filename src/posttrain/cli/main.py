@@ -98,7 +98,7 @@ def _cpu_precision() -> list[tuple[str, str]]:
     """The CPU's vector instructions and what ``bf16=True`` does with them (docs/performance.md)."""
     import torch
 
-    from posttrain.cli.grpo import cpu_precision_defaults
+    from posttrain.cli.training import cpu_precision_defaults
     from posttrain.ops.precision import native_bf16
 
     capability = torch.backends.cpu.get_cpu_capability()

@@ -20,6 +20,7 @@ from posttrain.cli.training import (
     builtin_task_accuracy,
     run_training,
     task_dataset,
+    with_cpu_precision,
 )
 
 # Settings of the no-argument run: a real SFT job that ends within minutes on a laptop CPU.
@@ -46,14 +47,11 @@ class SFTScriptArguments(TaskScriptArguments):
 def _build_sft(argv: list[str]) -> tuple[Any, Any]:
     """Parse ``argv`` and build the trainer; every error here is a configuration error."""
     from posttrain import SFTConfig, SFTTrainer
-    from posttrain.cli.grpo import announce_cpu_bf16, cpu_precision_defaults
 
     # The CPU precision rule of `posttrain grpo`, measured for SFT's own default run too: on an
     # AVX512-BF16 host, seeds 42, 1 and 2 took 0.80x float32's wall time and ended at 0.66, 0.72
-    # and 0.74 against float32's 0.70, 0.68 and 0.73 (BENCHMARKS.md, "The default runs in bf16").
-    defaults = {**LAPTOP_DEFAULTS, **cpu_precision_defaults(argv)}
-    if defaults.get("bf16"):
-        announce_cpu_bf16("sft")
+    # and 0.74 against float32's 0.70, 0.68 and 0.73 (BENCHMARKS.md, "The SFT default run in bf16").
+    defaults = with_cpu_precision("sft", argv, LAPTOP_DEFAULTS)
     script, config = parse_config(
         argv,
         SFTScriptArguments,

@@ -89,10 +89,11 @@ def read_sweep_file(path: str) -> dict[str, Any]:
 def _build(path: str, out: str | None) -> tuple[Any, dict[str, Any]]:
     """The sweep described by the file, every run's trainer built, and each run's held-out problems."""
     from posttrain import GRPOConfig
-    from posttrain.cli.grpo import LAPTOP_DEFAULTS, announce_cpu_bf16, cpu_precision_choice
+    from posttrain.cli.grpo import LAPTOP_DEFAULTS
     from posttrain.cli.online import OnlineScriptArguments, heldout_problems, training_prompts
     from posttrain.cli.options import parse_config
     from posttrain.cli.rewards import resolve_reward_funcs
+    from posttrain.cli.training import announce_cpu_bf16, cpu_precision_choice
     from posttrain.models.peft import _import_peft
     from posttrain.sweep import GRPOSweep, SweepRun
 
