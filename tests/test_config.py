@@ -430,9 +430,17 @@ def test_output_dir_none_uses_trainer_output() -> None:
     assert config.output_dir == "trainer_output"
 
 
-def test_bf16_resolves_to_true_without_fp16(tmp_path) -> None:
-    with pytest.warns(UserWarning, match="20x slower"):  # use_cpu=True: the measured CPU cost is named
+@pytest.mark.parametrize(
+    ("native", "says"),
+    [(True, "has bf16 instructions: a GRPO step measured about 0.7x"), (False, "are emulated")],
+)
+def test_bf16_resolves_to_true_without_fp16(tmp_path, monkeypatch, native, says) -> None:
+    # use_cpu=True: the warning names what bf16 costs on this kind of CPU, and the way back to float32
+    monkeypatch.setattr(core_config, "native_bf16", lambda: native)
+    with pytest.warns(UserWarning, match="resolved to True") as caught:
         config = make(tmp_path, bf16=None)
+    message = next(str(w.message) for w in caught if "resolved to True" in str(w.message))
+    assert says in message and "Pass bf16=False" in message
     assert config.bf16 is True
     assert config.mixed_precision == "bf16"
 
