@@ -259,6 +259,39 @@ def test_grpo_trains_two_steps_with_the_reduced_sampler(tmp_path, tok, backend):
     assert changed
 
 
+@pytest.mark.parametrize("steps_per_generation", [None, 1])
+def test_the_copy_is_freed_before_the_loss_when_an_optimizer_step_follows(
+    tmp_path, tok, steps_per_generation
+):
+    # gradient_accumulation_steps=2: one sampling per optimizer step frees the copy before the loss
+    # (the step makes it stale anyway); one per micro-step keeps it for the step's second sampling
+    args = helpers.make_config(
+        tmp_path,
+        sampler_precision="fp16",
+        max_completion_length=8,
+        max_steps=2,
+        gradient_accumulation_steps=2,
+        steps_per_generation=steps_per_generation,
+    )
+    trainer = helpers.make_trainer(tok, first_token_reward, args, model=build_tiny_model(tok))
+    copy = trainer.generator.reduced
+    held = []
+    compute_loss = trainer.compute_loss
+
+    def recording(*a, **k):
+        held.append(copy.in_memory)
+        return compute_loss(*a, **k)
+
+    trainer.compute_loss = recording
+    trainer.train()
+    assert len(held) == 4  # 2 optimizer steps x 2 micro-steps
+    if steps_per_generation is None:  # steps_per_generation = gradient_accumulation_steps
+        assert held == [False] * 4
+    else:
+        assert held == [True] * 4
+    assert copy.refreshes == 2  # one build per optimizer step's weights either way
+
+
 def test_grpo_default_samples_float32_without_sampler_logps(tmp_path, tok):
     args = helpers.make_config(tmp_path, max_steps=1)
     trainer = helpers.make_trainer(tok, helpers.length_reward, args, model=build_tiny_model(tok))

@@ -107,6 +107,16 @@ class ReducedCopy:
         """Mark the copy stale: the next ``decoder`` call rebuilds it."""
         self._stale = True
 
+    @property
+    def in_memory(self) -> bool:
+        """Whether the copy is built and held (``release`` frees it)."""
+        return self._decoder is not None
+
+    def release(self) -> None:
+        """Free the copy now; the next ``decoder`` call rebuilds it, as after ``invalidate``."""
+        self._decoder = None
+        self._stale = True
+
     @torch.no_grad()
     def decoder(
         self,

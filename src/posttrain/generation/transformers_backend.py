@@ -278,6 +278,16 @@ class TransformersGenerator:
         if self.reduced is not None:
             self.reduced.invalidate()
 
+    def release_reduced_copy(self) -> None:
+        """Free the reduced-precision copy until the next call, which rebuilds it.
+
+        The trainer calls this once a training batch is sampled: the optimizer step that follows
+        makes the copy stale, so keeping it would only hold its bytes (a bf16 copy of SmolLM2:
+        about 270 MB) through the loss's forward and backward, the step's peak.
+        """
+        if self.reduced is not None:
+            self.reduced.release()
+
     def _generate_with_inputs(
         self,
         model: torch.nn.Module,

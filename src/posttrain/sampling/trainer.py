@@ -357,6 +357,10 @@ class OnlineTrainer(BaseTrainer):
         period = a.steps_per_generation * a.num_iterations
         if self._micro_step % period == 0 or not self._buffer:
             self._buffer = self._generate_and_score(batch, "train", num_chunks=a.steps_per_generation)
+            # an optimizer step comes before the next sampling and makes a reduced-precision copy stale
+            release = getattr(self.generator, "release_reduced_copy", None)
+            if release is not None and period >= a.gradient_accumulation_steps:
+                release()
         micro = self._buffer[self._micro_step % a.steps_per_generation]
         self._micro_step += 1
         return micro
