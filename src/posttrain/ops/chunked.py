@@ -296,8 +296,8 @@ class TokenStats(torch.autograd.Function):
             grad_w = _accumulate(
                 g, hidden[rows], weight, rows, grad_h, grad_w, grad_b, ctx.needs_input_grad[1]
             )
-        grad_h, grad_w, *rest = _finish(grad_h, grad_w, grad_b, ctx.dtypes)
-        return grad_h, tied_embedding.hand_over(saved_weight, grad_w), *rest
+        grad_h, grad_w, *others = _finish(grad_h, grad_w, grad_b, ctx.dtypes)
+        return grad_h, tied_embedding.hand_over(saved_weight, grad_w), *others
 
 
 def _in_product_dtype(

@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from posttrain.ops.head_forward import causal_lm
+
 #: id(weight) -> (the weight, the backward nodes of its recorded lookups), both held weakly.
 _LOOKUPS: dict[int, tuple[weakref.ref, list[weakref.ref]]] = {}
 _LOCK = threading.Lock()
@@ -138,8 +140,6 @@ def tied_embedding_grad(model: torch.nn.Module) -> Iterator[None]:
     a plain ``nn.Embedding`` without ``max_norm``, ``scale_grad_by_freq`` or ``sparse``. Elsewhere
     nothing changes.
     """
-    from posttrain.ops.chunked import causal_lm  # chunked's head hands its gradient over here
-
     lm = causal_lm(model)
     embed = lm.get_input_embeddings() if hasattr(lm, "get_input_embeddings") else None
     head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
