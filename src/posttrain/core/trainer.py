@@ -43,7 +43,7 @@ from posttrain.models import reference as model_options
 from posttrain.models.compat import checkpointing_enabled, checkpointing_kwargs
 from posttrain.models.reference import mix_into_reference, should_sync_reference
 from posttrain.observe.metrics import MetricStore
-from posttrain.ops import checkpointing, memory, sac, workspace
+from posttrain.ops import checkpointing, memory, sac, weight_casts, workspace
 from posttrain.ops.dropout import faster_lora_dropout
 
 REFERENCE_STATE = "reference_model.pt"
@@ -99,6 +99,8 @@ class BaseTrainer(Trainer):
             memory.map_large_blocks()  # large activations stay out of it,
             self._trim_hooks = memory.trim_heap_in_backward(self.model)  # freed small ones leave it
             checkpointing.enabled()  # a bad POSTTRAIN_SELECTIVE_CHECKPOINTING fails here, not mid-step
+        #: one bf16 cast per weight per micro-step under CPU autocast (ops/weight_casts.py)
+        self._weight_casts = weight_casts.WeightCasts() if weight_casts.applies(args) else None
         self.add_callback(_Guards(self))
         self._metrics = MetricStore()
         self._last_logs: dict[str, float] = {}
@@ -303,7 +305,13 @@ class BaseTrainer(Trainer):
     ) -> torch.Tensor:
         """One micro-step; stops on a non-finite loss and times whole optimizer steps (``step_time``)."""
         start = time.perf_counter()
-        loss = super().training_step(model, inputs, num_items_in_batch)
+        if self._weight_casts is not None:  # one bf16 cast per weight for the whole micro-step
+            self._weight_casts.attach(self.model)
+        try:
+            loss = super().training_step(model, inputs, num_items_in_batch)
+        finally:
+            if self._weight_casts is not None:
+                self._weight_casts.release()
         if not torch.isfinite(loss):
             raise FloatingPointError(
                 f"The loss became {loss.item()} at optimizer step {self.state.global_step + 1}, before any update "
