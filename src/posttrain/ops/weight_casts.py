@@ -65,18 +65,22 @@ def enabled() -> bool:
     value = os.environ.get(ENV, "").strip()
     if value not in ("", "0", "1"):
         raise ValueError(
-            f"{ENV}={value!r} is not 0 or 1; set it to 0 to let autocast cast every use, or unset it."
+            f"POSTTRAIN_REUSE_WEIGHT_CASTS={value!r} is not 0 or 1; set it to 0 to let autocast cast every use, "
+            "or unset it."
         )
     return value != "0"
 
 
 def applies(args: Any) -> bool:
-    """Whether a trainer with these ``TrainingArguments`` reuses its casts: bf16 on one CPU process."""
+    """Whether a trainer with these ``TrainingArguments`` reuses its casts: bf16 on one CPU process.
+
+    Raises:
+        ValueError: ``POSTTRAIN_REUSE_WEIGHT_CASTS`` holds something else than 0 or 1 (whatever the
+            precision, so a typo fails when the trainer is built).
+    """
+    switch = enabled()
     return (
-        bool(getattr(args, "bf16", False))
-        and args.device.type == "cpu"
-        and args.world_size == 1
-        and enabled()
+        switch and bool(getattr(args, "bf16", False)) and args.device.type == "cpu" and args.world_size == 1
     )
 
 
