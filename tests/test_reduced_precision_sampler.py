@@ -20,7 +20,12 @@ from test_fused_step import FAMILIES, compare_steps, family
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from posttrain.generation import reduced_kernels, reduced_precision
-from posttrain.generation.decode import lean_generate_with_logps, lean_settings, preallocated_cache
+from posttrain.generation.decode import (
+    PreallocatedLayer,
+    lean_generate_with_logps,
+    lean_settings,
+    preallocated_cache,
+)
 from posttrain.generation.fused_step import FusedDecoder
 from posttrain.generation.reduced_precision import (
     ReducedCopy,
@@ -332,6 +337,33 @@ def test_bf16_training_samples_from_a_bf16_copy_where_the_cpu_has_bf16(
         assert all(0.0 < e["sampling/sampling_logp_difference/mean"] < 0.1 for e in logged)
     else:
         assert generator.reduced is None and logged == []
+
+
+def test_the_bf16_samplers_cache_stays_float32_after_an_autocast_prefill(tmp_path, tok, monkeypatch):
+    """Under ``bf16=True`` the prompt's prefill runs the model under autocast, whose ``v_proj`` writes
+    bf16 values; the cache used to take that dtype, and every decode step then ran the attention's
+    value product in bf16 (4x slower for 8 rows here) on values rounded to bf16. The fused step's
+    copying backends ask for a float32 cache: the prefill's values are widened exactly, and the
+    steps' own keys and values are kept unrounded."""
+    monkeypatch.setattr(reduced_kernels, "native_bf16", lambda: True)
+    layer = PreallocatedLayer(6, torch.float32)
+    k, v = torch.randn(2, 3, 4, 8), torch.randn(2, 3, 4, 8).bfloat16()
+    keys, values = layer.update(k, v)
+    assert values.dtype == keys.dtype == torch.float32 and torch.equal(values, v.float())
+    seen = set()
+    attend = FusedDecoder._attend
+
+    def spy(self, layer, q, keys, values, bias):
+        seen.add((self.backend, keys.dtype, values.dtype))
+        return attend(self, layer, q, keys, values, bias)
+
+    monkeypatch.setattr(FusedDecoder, "_attend", spy)
+    args = helpers.make_config(tmp_path, bf16=True, max_steps=1, max_completion_length=8)
+    trainer = helpers.make_trainer(tok, first_token_reward, args, model=build_tiny_model(tok))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*(autocast|bf16|mixed precision).*")
+        trainer.train()
+    assert seen == {("bf16", torch.float32, torch.float32)}
 
 
 @pytest.mark.parametrize("host_has_bf16", [True, False])

@@ -57,18 +57,23 @@ class PreallocatedLayer(DynamicLayer):
 
     Args:
         capacity: the most positions the layer will hold (prompt plus new tokens).
+        dtype: the buffers' dtype; None: the first update's. The fused step's float32 backends
+            pass float32, so that the values a bf16 autocast prefill wrote (``v_proj``'s bf16
+            output) do not send every decode step's attention product to bf16.
     """
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.capacity = capacity
         self.length = 0
+        self.buffer_dtype = dtype
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
         rows, heads = key_states.shape[:2]
-        self._key_buffer = key_states.new_empty(rows, heads, self.capacity, key_states.shape[-1])
-        self._value_buffer = value_states.new_empty(rows, heads, self.capacity, value_states.shape[-1])
+        shape = (rows, heads, self.capacity)
+        self._key_buffer = key_states.new_empty(*shape, key_states.shape[-1], dtype=self.buffer_dtype)
+        self._value_buffer = value_states.new_empty(*shape, value_states.shape[-1], dtype=self.buffer_dtype)
         self.is_initialized = True
         self._set_length(0)
 
@@ -123,7 +128,10 @@ class PreallocatedLayer(DynamicLayer):
 
 
 def preallocated_cache(
-    model: torch.nn.Module, capacity: int, prefix: DynamicCache | None = None
+    model: torch.nn.Module,
+    capacity: int,
+    prefix: DynamicCache | None = None,
+    dtype: torch.dtype | None = None,
 ) -> DynamicCache:
     """A ``DynamicCache`` of ``PreallocatedLayer``s, holding a copy of ``prefix`` when given.
 
@@ -131,9 +139,10 @@ def preallocated_cache(
         model: the model the cache is for (its decoder layers must all be full attention).
         capacity: positions per layer (prompt plus new tokens).
         prefix: a cache of plain ``DynamicLayer``s to start from (``prefill_shared_prefix``).
+        dtype: the keys' and values' dtype (None: what the first update writes).
     """
     cache = DynamicCache(config=core_model(model).config.get_text_config(decoder=True))
-    cache.layers = [PreallocatedLayer(capacity) for _ in cache.layers]
+    cache.layers = [PreallocatedLayer(capacity, dtype) for _ in cache.layers]
     if prefix is not None:
         for mine, given in zip(cache.layers, prefix.layers, strict=True):
             if given.get_seq_length() > 0:
@@ -513,7 +522,7 @@ def _lean_loop(
     """The loop of ``lean_generate``; with ``record_logps``, the sampled tokens' log-probs too."""
     rows, width = prompt_ids.shape
     steps = settings.max_new_tokens
-    cache = preallocated_cache(model, width + steps, prefix_cache)
+    cache = preallocated_cache(model, width + steps, prefix_cache, getattr(fused, "cache_dtype", None))
     mask = prompt_mask.new_ones(rows, width + steps)
     mask[:, :width] = prompt_mask
     positions = (prompt_mask.long().cumsum(-1) - 1).masked_fill(prompt_mask == 0, 0)

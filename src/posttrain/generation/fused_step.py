@@ -192,6 +192,9 @@ class FusedDecoder:
             raise ValueError(f"FusedDecoder cannot run this model: {reason}")
         self.backend = backend
         self.autocast_dtype = autocast_dtype
+        #: the KV cache's dtype the step wants: its copying backends compute in float32, and a bf16
+        #: autocast prefill would leave bf16 values (4x slower products of 8 rows; ``decode.py``)
+        self.cache_dtype = None if backend == "plain" else torch.float32
         self.rope_is_static = rope_is_static(model)
         self.segments: list[tuple[str, slice]] = []
         start = 0
