@@ -227,6 +227,24 @@ def test_nan_gradient_stops_before_the_update(tmp_path, tok):
     assert not list(tmp_path.glob("checkpoint-*"))  # nothing corrupt was saved
 
 
+@pytest.mark.parametrize("max_grad_norm", [1.0, 0.0])
+def test_the_gradient_check_reads_the_clipping_norm_first(tmp_path, tok, max_grad_norm):
+    """transformers computes the total gradient norm before every optimizer step (to clip it, or
+    only to log it); a finite total means every entry is finite, so the check computes nothing
+    more. A non-finite total, or none, sends it through each gradient's own norm."""
+    trainer = _trainer(tmp_path, tok, max_steps=1, max_grad_norm=max_grad_norm)
+    trainer.train()
+    assert trainer._step_grad_norm is None  # taken by the step's check
+    weight = trainer.model.model.norm.weight
+    weight.grad = torch.full_like(weight, float("nan"))
+    trainer._step_grad_norm = torch.tensor(3.0)  # a finite total: trusted, nothing recomputed
+    trainer._check_gradients()
+    for total in (torch.tensor(float("nan")), None):
+        trainer._step_grad_norm = total
+        with pytest.raises(FloatingPointError, match=r"Non-finite gradients in \['model.norm.weight'\]"):
+            trainer._check_gradients()
+
+
 def test_resuming_a_finished_run_trains_no_further(tmp_path, tok):
     _trainer(tmp_path, tok, max_steps=2, save_strategy="steps", save_steps=1).train()
     again = _trainer(tmp_path, tok, max_steps=2, save_strategy="steps", save_steps=1)

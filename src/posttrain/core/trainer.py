@@ -23,6 +23,7 @@ A family's ``__init__`` checks its data and arguments first (cheap), then calls
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import shutil
 import time
@@ -106,6 +107,7 @@ class BaseTrainer(Trainer):
         self._last_logs: dict[str, float] = {}
         self._step_time = 0.0
         self._micro_in_step = 0
+        self._step_grad_norm: Any = None  # the pre-clip gradient norm of the optimizer step under way
 
     @staticmethod
     def default_args(model: Any, config_class: type, suffix: str) -> Any:
@@ -325,8 +327,23 @@ class BaseTrainer(Trainer):
             self._step_time, self._micro_in_step = 0.0, 0
         return loss
 
+    def _get_grad_norm(self, model: torch.nn.Module, grad_norm: Any = None) -> Any:
+        """transformers' pre-clip norm of all gradients, kept for ``_check_gradients``."""
+        self._step_grad_norm = super()._get_grad_norm(model, grad_norm)
+        return self._step_grad_norm
+
     def _check_gradients(self) -> None:
-        """Stop before the optimizer applies a NaN or inf gradient."""
+        """Stop before the optimizer applies a NaN or inf gradient.
+
+        A finite total norm (transformers' clipping computes it just before) means every entry is
+        finite, and so are the clipped ones: nothing more to compute. Otherwise, or where no norm was
+        computed, each gradient's own norm finds the suspects.
+        """
+        total, self._step_grad_norm = self._step_grad_norm, None
+        if hasattr(total, "full_tensor"):  # FSDP2's norm is a DTensor
+            total = total.full_tensor()
+        if total is not None and math.isfinite(float(total)):
+            return
         named = [(n, p.grad) for n, p in self.model.named_parameters() if p.grad is not None]
         if not named:
             return
