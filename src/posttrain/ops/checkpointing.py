@@ -30,12 +30,12 @@ checkpoint function, and the activations of the layers it uncheckpoints are all 
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator, Sequence
 
 import torch
 from torch import nn
 
+from posttrain.ops import switches
 from posttrain.ops.memory import decoder_layers
 
 #: Share of the unallocated gradients' bytes that kept activations may take (the rest covers
@@ -100,13 +100,9 @@ def enabled() -> bool:
     Raises:
         ValueError: the variable holds something else.
     """
-    value = os.environ.get("POSTTRAIN_SELECTIVE_CHECKPOINTING", "").strip()
-    if value not in ("", "0", "1"):
-        raise ValueError(
-            f"POSTTRAIN_SELECTIVE_CHECKPOINTING={value!r} is not 0 or 1; set it to 0 to recompute every "
-            "checkpointed layer, or unset it."
-        )
-    return value != "0"
+    return switches.switched_on(
+        "POSTTRAIN_SELECTIVE_CHECKPOINTING", "set it to 0 to recompute every checkpointed layer, or unset it."
+    )
 
 
 def _layers_to_keep(model: nn.Module, forwards: Sequence[Forward]) -> list[nn.Module]:

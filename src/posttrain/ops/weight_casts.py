@@ -8,7 +8,7 @@ reference forward of a PEFT model. On the anchor config (SmolLM2-135M, bf16 on a
 with AMX) a ``torch.profiler`` trace of a step counted six casts of every decoder weight, most of
 the step's ``aten::copy_`` time, which was as large as the training products' own.
 
-``WeightCasts`` keeps one cast per weight while the trainer's loss forward and backward run:
+``WeightCasts`` keeps one cast per weight for a whole training micro-step:
 
 - forward pre-hooks on the model's ``nn.Linear`` modules (not the output head, whose chunked
   products cast their own weight, ``ops/chunked.py``) put the cached cast in the module's
@@ -33,11 +33,12 @@ docs/performance.md, "One bf16 cast per weight".
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 from torch import nn
+
+from posttrain.ops import switches
 
 ENV = "POSTTRAIN_REUSE_WEIGHT_CASTS"
 _SHADOWED = ("weight", "bias")
@@ -62,25 +63,21 @@ def enabled() -> bool:
     Raises:
         ValueError: the variable holds something else.
     """
-    value = os.environ.get(ENV, "").strip()
-    if value not in ("", "0", "1"):
-        raise ValueError(
-            f"POSTTRAIN_REUSE_WEIGHT_CASTS={value!r} is not 0 or 1; set it to 0 to let autocast cast every use, "
-            "or unset it."
-        )
-    return value != "0"
+    return switches.switched_on(ENV, "set it to 0 to let autocast cast every use, or unset it.")
 
 
 def applies(args: Any) -> bool:
     """Whether a trainer with these ``TrainingArguments`` reuses its casts: bf16 on one CPU process.
 
     Raises:
-        ValueError: ``POSTTRAIN_REUSE_WEIGHT_CASTS`` holds something else than 0 or 1 (whatever the
-            precision, so a typo fails when the trainer is built).
+        ValueError: ``POSTTRAIN_REUSE_WEIGHT_CASTS`` holds something else than 0 or 1 (read first,
+            whatever the precision, so a typo fails when the trainer is built).
     """
-    switch = enabled()
     return (
-        switch and bool(getattr(args, "bf16", False)) and args.device.type == "cpu" and args.world_size == 1
+        enabled()
+        and bool(getattr(args, "bf16", False))
+        and args.device.type == "cpu"
+        and args.world_size == 1
     )
 
 
@@ -129,7 +126,7 @@ class WeightCasts:
         return entry[2]
 
     def _before(self, module: nn.Module, args: Any) -> None:  # noqa: ARG002
-        device = module.weight.device.type
+        device = module._parameters["weight"].device.type
         if not torch.is_autocast_enabled(device) or torch.get_autocast_dtype(device) != self.dtype:
             return
         for name in _SHADOWED:
