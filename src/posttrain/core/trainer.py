@@ -44,7 +44,7 @@ from posttrain.models import reference as model_options
 from posttrain.models.compat import checkpointing_enabled, checkpointing_kwargs
 from posttrain.models.reference import mix_into_reference, should_sync_reference
 from posttrain.observe.metrics import MetricStore
-from posttrain.ops import checkpointing, memory, sac, weight_casts, workspace
+from posttrain.ops import checkpointing, float32_attention, memory, sac, weight_casts, workspace
 from posttrain.ops.dropout import faster_lora_dropout
 
 REFERENCE_STATE = "reference_model.pt"
@@ -102,6 +102,8 @@ class BaseTrainer(Trainer):
             checkpointing.enabled()  # a bad POSTTRAIN_SELECTIVE_CHECKPOINTING fails here, not mid-step
         #: one bf16 cast per weight per micro-step under CPU autocast (ops/weight_casts.py)
         self._weight_casts = weight_casts.WeightCasts() if weight_casts.applies(args) else None
+        #: short attention in float32 under CPU bf16 autocast (ops/float32_attention.py)
+        self._float32_attention = float32_attention.applies(args)
         self.add_callback(_Guards(self))
         self._metrics = MetricStore()
         self._last_logs: dict[str, float] = {}
@@ -567,8 +569,14 @@ class BaseTrainer(Trainer):
                 self.state = done
                 self._load_from_checkpoint(resume_from_checkpoint)
                 return TrainOutput(done.global_step, 0.0, {})
+        attention = (
+            float32_attention.float32_short_attention()
+            if self._float32_attention
+            else contextlib.nullcontext()
+        )
         try:
-            return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
+            with attention:
+                return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
         finally:
             workspace.release()  # the chunked head's kept scratch buffers (ops/workspace.py)
 

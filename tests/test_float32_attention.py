@@ -1,0 +1,146 @@
+"""Short attention in float32 under CPU bf16 autocast (ops/float32_attention.py)."""
+
+from __future__ import annotations
+
+import warnings
+
+import helpers
+import pytest
+import torch
+from conftest import build_tiny_model, build_tiny_tokenizer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from posttrain.ops import float32_attention
+from posttrain.ops.float32_attention import MAX_KEYS, float32_short_attention, wrap
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tiny_tokenizer()
+
+
+class _Attention(torch.nn.Module):
+    num_key_value_groups = 2
+    is_causal = True
+
+
+def _inputs(keys: int, queries: int = 3) -> tuple[torch.Tensor, ...]:
+    torch.manual_seed(0)
+    query = torch.randn(2, 4, queries, 8)
+    key = torch.randn(2, 2, keys, 8)
+    value = torch.randn(2, 2, keys, 8).to(torch.bfloat16)  # v_proj's output under autocast
+    mask = torch.ones(2, 1, queries, keys, dtype=torch.bool).tril(diagonal=keys - queries)
+    return query, key, value, mask
+
+
+def test_short_attention_runs_in_float32_and_long_attention_as_autocast_does():
+    module, attention = _Attention(), wrap(sdpa_attention_forward)
+    query, key, value, mask = _inputs(keys=7)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ours, _ = attention(module, query, key, value, mask, scaling=0.3)
+        autocast, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.3)
+    exact, _ = sdpa_attention_forward(module, query, key, value.float(), mask, scaling=0.3)
+    assert ours.dtype == torch.float32 and autocast.dtype == torch.bfloat16
+    assert torch.equal(ours, exact)
+    assert not torch.equal(ours, autocast.float())  # autocast rounded the inputs to bf16
+
+    query, key, value, mask = _inputs(keys=MAX_KEYS + 1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ours, _ = attention(module, query, key, value, mask, scaling=0.3)
+        autocast, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.3)
+    assert ours.dtype == torch.bfloat16 and torch.equal(ours, autocast)
+
+
+def test_outside_bf16_autocast_the_wrapper_changes_nothing():
+    module, attention = _Attention(), wrap(sdpa_attention_forward)
+    query, key, value, mask = _inputs(keys=7)
+    value = value.float()
+    assert torch.equal(
+        attention(module, query, key, value, mask)[0],
+        sdpa_attention_forward(module, query, key, value, mask)[0],
+    )
+    with torch.autocast("cpu", dtype=torch.float16):
+        ours, _ = attention(module, query, key, value, mask)
+        theirs, _ = sdpa_attention_forward(module, query, key, value, mask)
+    assert ours.dtype == theirs.dtype and torch.equal(ours, theirs)
+
+
+def test_gradients_reach_the_bf16_inputs_in_their_dtype():
+    module, attention = _Attention(), wrap(sdpa_attention_forward)
+    query, key, value, mask = _inputs(keys=7)
+    value = value.requires_grad_()
+    query.requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _ = attention(module, query, key, value, mask)
+    out.sum().backward()
+    assert value.grad.dtype == torch.bfloat16 and query.grad.dtype == torch.float32
+    assert value.grad.abs().sum() > 0 and query.grad.abs().sum() > 0
+
+
+def test_the_wrapper_is_installed_once_and_restored():
+    original = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    with float32_short_attention():
+        installed = ALL_ATTENTION_FUNCTIONS["sdpa"]
+        assert installed.wrapped is original
+        with float32_short_attention():  # nested (a second trainer): not wrapped twice
+            assert ALL_ATTENTION_FUNCTIONS["sdpa"] is installed
+        assert ALL_ATTENTION_FUNCTIONS["sdpa"] is installed
+    assert (
+        ALL_ATTENTION_FUNCTIONS["sdpa"] is original and "sdpa" not in ALL_ATTENTION_FUNCTIONS._local_mapping
+    )
+    with pytest.raises(RuntimeError, match="boom"), float32_short_attention():
+        raise RuntimeError("boom")
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is original
+
+
+def test_the_switch_and_where_it_applies(tmp_path, monkeypatch):
+    args = helpers.make_config(tmp_path, bf16=True)
+    assert float32_attention.applies(args)
+    assert not float32_attention.applies(helpers.make_config(tmp_path, bf16=False))
+    monkeypatch.setenv(float32_attention.ENV, "0")
+    assert not float32_attention.applies(args)
+    monkeypatch.setenv(float32_attention.ENV, "yes")
+    for bf16 in (True, False):  # a typo fails whatever the precision
+        with pytest.raises(ValueError, match="POSTTRAIN_FLOAT32_SHORT_ATTENTION='yes' is not 0 or 1"):
+            float32_attention.applies(helpers.make_config(tmp_path, bf16=bf16))
+
+
+def test_a_bad_switch_fails_when_the_trainer_is_built(tok, tmp_path, monkeypatch):
+    monkeypatch.setenv(float32_attention.ENV, "on")
+    with pytest.raises(
+        ValueError, match="set it to 0 to let autocast run every attention in bf16, or unset it"
+    ):
+        helpers.make_trainer(tok, _reward, helpers.make_config(tmp_path), model=build_tiny_model(tok))
+
+
+def _reward(completion_ids, **kwargs):
+    return [float(ids[0] % 7) if len(ids) else 0.0 for ids in completion_ids]
+
+
+@pytest.mark.parametrize("switch", ["1", "0"])
+def test_a_bf16_trainer_attends_in_float32_while_it_trains(tok, tmp_path, monkeypatch, switch):
+    """The training forwards (checkpointed, so the recomputation too) reach transformers' attention
+    with float32 inputs and autocast off; with the switch at 0, in autocast as before."""
+    monkeypatch.setenv(float32_attention.ENV, switch)
+    seen: list[tuple[torch.dtype, bool, bool]] = []
+
+    def spy(module, query, key, value, *args, **kwargs):
+        seen.append((value.dtype, torch.is_autocast_enabled("cpu"), torch.is_grad_enabled()))
+        return sdpa_attention_forward(module, query, key, value, *args, **kwargs)
+
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._local_mapping, "sdpa", spy)
+    model = build_tiny_model(tok)
+    assert model.config._attn_implementation == "sdpa"
+    args = helpers.make_config(tmp_path, bf16=True, max_steps=1, gradient_checkpointing=True)
+    trainer = helpers.make_trainer(tok, _reward, args, model=model)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*(autocast|bf16|mixed precision).*")
+        trainer.train()
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is spy  # restored after training
+    training = [(dtype, autocast) for dtype, autocast, grad in seen if grad]
+    assert training
+    if switch == "1":
+        assert all(dtype == torch.float32 and not autocast for dtype, autocast in training)
+    else:
+        assert all(autocast for _, autocast in training)
