@@ -85,6 +85,22 @@ def test_reduced_step_is_not_the_float32_step(tok, backend):
         compare_steps(model, tok, lambda m, rows: FusedDecoder(m, rows, backend), tolerance=1e-6)
 
 
+def test_the_bf16_copy_stacks_its_products_as_the_float32_weights_cast(tok):
+    """``[q; k; v]`` and ``[gate; up]`` are cast block by block into one bf16 weight: the same packed
+    weight as casting the float32 stack."""
+    model = family("llama", tok)
+    with torch.no_grad():
+        decoder = FusedDecoder(model, 4, "bf16")
+        attn, mlp = model.model.layers[1].self_attn, model.model.layers[1].mlp
+        qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+        gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+        x = torch.randn(4, qkv.shape[1])
+        for ours, stack in ((decoder.layers[1].qkv[0], qkv), (decoder.layers[1].gate_up[0], gate_up)):
+            # oneDNN's packed layout is opaque: compare the products (the same kernel, bit for bit)
+            expected = reduced_kernels.bf16_linear(x, reduced_kernels.bf16_pack(stack, 4))
+            assert torch.equal(reduced_kernels.bf16_linear(x, ours), expected)
+
+
 def test_auto_resolves_by_cpu_capability(monkeypatch):
     monkeypatch.setattr(reduced_kernels, "native_bf16", lambda: True)
     assert resolve_precision("auto") == "bf16"

@@ -1,7 +1,8 @@
 """The environment switches that turn one of posttrain's CPU speed-ups off (0) or leave it on (1, unset).
 
 Each is read when a trainer is built, so a typo stops there rather than mid-step
-(docs/errors.md: C45 ``POSTTRAIN_SELECTIVE_CHECKPOINTING``, C126 ``POSTTRAIN_REUSE_WEIGHT_CASTS``).
+(docs/errors.md: C45 ``POSTTRAIN_SELECTIVE_CHECKPOINTING``, C126 ``POSTTRAIN_REUSE_WEIGHT_CASTS``,
+C127 ``POSTTRAIN_FLOAT32_SHORT_ATTENTION``).
 """
 
 from __future__ import annotations
