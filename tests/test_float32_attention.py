@@ -94,26 +94,6 @@ def test_the_wrapper_is_installed_once_and_restored():
     assert ALL_ATTENTION_FUNCTIONS["sdpa"] is original
 
 
-def test_the_switch_and_where_it_applies(tmp_path, monkeypatch):
-    args = helpers.make_config(tmp_path, bf16=True)
-    assert float32_attention.applies(args)
-    assert not float32_attention.applies(helpers.make_config(tmp_path, bf16=False))
-    monkeypatch.setenv(float32_attention.ENV, "0")
-    assert not float32_attention.applies(args)
-    monkeypatch.setenv(float32_attention.ENV, "yes")
-    for bf16 in (True, False):  # a typo fails whatever the precision
-        with pytest.raises(ValueError, match="POSTTRAIN_FLOAT32_SHORT_ATTENTION='yes' is not 0 or 1"):
-            float32_attention.applies(helpers.make_config(tmp_path, bf16=bf16))
-
-
-def test_a_bad_switch_fails_when_the_trainer_is_built(tok, tmp_path, monkeypatch):
-    monkeypatch.setenv(float32_attention.ENV, "on")
-    with pytest.raises(
-        ValueError, match="set it to 0 to let autocast run every attention in bf16, or unset it"
-    ):
-        helpers.make_trainer(tok, _reward, helpers.make_config(tmp_path), model=build_tiny_model(tok))
-
-
 def _reward(completion_ids, **kwargs):
     return [float(ids[0] % 7) if len(ids) else 0.0 for ids in completion_ids]
 

@@ -109,26 +109,6 @@ def test_release_restores_the_parameters_after_a_forward_that_raised(tok):
     assert not casts.attached and not layer._forward_pre_hooks and not layer._forward_hooks
 
 
-def test_the_switch_and_where_it_applies(tmp_path, monkeypatch):
-    args = helpers.make_config(tmp_path, bf16=True)
-    assert weight_casts.applies(args)
-    assert not weight_casts.applies(helpers.make_config(tmp_path, bf16=False))
-    monkeypatch.setenv(weight_casts.ENV, "0")
-    assert not weight_casts.applies(args)
-    monkeypatch.setenv(weight_casts.ENV, "yes")
-    for bf16 in (True, False):  # a typo fails whatever the precision
-        with pytest.raises(ValueError, match="POSTTRAIN_REUSE_WEIGHT_CASTS='yes' is not 0 or 1"):
-            weight_casts.applies(helpers.make_config(tmp_path, bf16=bf16))
-
-
-def test_a_bad_switch_fails_when_the_trainer_is_built(tok, tmp_path, monkeypatch):
-    monkeypatch.setenv(weight_casts.ENV, "on")
-    with pytest.raises(ValueError, match="set it to 0 to let autocast cast every use, or unset it"):
-        helpers.make_trainer(
-            tok, first_token_reward, helpers.make_config(tmp_path), model=build_tiny_model(tok)
-        )
-
-
 def first_token_reward(completion_ids, **kwargs):
     return [float(ids[0] % 7) if len(ids) else 0.0 for ids in completion_ids]
 
