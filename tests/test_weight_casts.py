@@ -15,6 +15,7 @@ import torch
 from conftest import build_tiny_model, build_tiny_tokenizer
 from torch import nn
 
+from posttrain.generation.fused_step import FusedDecoder
 from posttrain.ops import weight_casts
 from posttrain.ops.weight_casts import WeightCasts
 
@@ -135,3 +136,36 @@ def test_grpo_under_bf16_trains_the_same_parameters_with_shared_casts(tok, tmp_p
     assert shared.keys() == plain.keys()
     for name, value in plain.items():
         assert torch.equal(shared[name], value), name
+
+
+def test_the_bf16_sampler_copy_is_built_from_the_micro_steps_casts(tok):
+    """A sampler copy rebuilt inside a micro-step casts no weight the micro-step cast already,
+    and multiplies exactly as a copy built from its own casts."""
+    model = build_tiny_model(tok).eval()
+    ids = torch.randint(0, len(tok), (2, 8))
+    with torch.no_grad():
+        own = FusedDecoder(model, 2, "bf16")  # outside a micro-step: casts its own weights
+        casts = WeightCasts()
+        casts.attach(model)
+        try:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                model(input_ids=ids)  # the generation's prompt forward casts every decoder weight
+            assert casts.casts == len(_linears(model))
+            shared = FusedDecoder(model, 2, "bf16")
+            assert casts.casts == len(_linears(model))  # nothing cast again
+            assert weight_casts.shared_cast(_linears(model)[0].weight, torch.float16) is None
+        finally:
+            casts.release()
+        assert weight_casts.shared_cast(_linears(model)[0].weight) is None  # outside a micro-step
+        for mine, theirs in zip(own.layers, shared.layers, strict=True):
+            for name in ("qkv", "o", "gate_up", "down"):
+                weight, other = getattr(mine, name), getattr(theirs, name)
+                weight, other = (weight[0], other[0]) if isinstance(weight, tuple) else (weight, other)
+                x = torch.randn(2, _inputs(own, name))
+                assert torch.equal(own._linear(x, weight), shared._linear(x, other)), name
+
+
+def _inputs(decoder: FusedDecoder, product: str) -> int:
+    """The input width of one of the fused step's products."""
+    hidden = decoder.embed.shape[1]
+    return {"qkv": hidden, "o": decoder.q_width, "gate_up": hidden, "down": decoder.intermediate}[product]

@@ -61,6 +61,7 @@ from posttrain.generation.fused_blockers import (  # noqa: F401  (re-exported)
     rope_is_static,
 )
 from posttrain.generation.reduced_kernels import REDUCED_BACKENDS
+from posttrain.ops import weight_casts
 
 
 @dataclass
@@ -266,10 +267,16 @@ class FusedDecoder:
         )
 
     def _merged_weight(self, module: nn.Module) -> torch.Tensor:
-        """The product's weight: the base layer's, plus ``scaling * B A`` of the merged adapter."""
-        weight = _base_layer(module).weight.detach()
+        """The product's weight: the base layer's, plus ``scaling * B A`` of the merged adapter.
+
+        The bf16 copy of a weight without a merged adapter is the training micro-step's own cast
+        where one is in progress (``weight_casts.shared_cast``): the same values, cast once.
+        """
+        parameter = _base_layer(module).weight
+        weight = parameter.detach()
         if self.merged is None or not is_lora_layer(module) or self.merged not in module.lora_A:
-            return weight
+            shared = weight_casts.shared_cast(parameter) if self.backend == "bf16" else None
+            return weight if shared is None else shared
         a = module.lora_A[self.merged].weight.detach().float()
         b = module.lora_B[self.merged].weight.detach().float()
         return (weight.float() + (b @ a) * module.scaling[self.merged]).to(weight.dtype)

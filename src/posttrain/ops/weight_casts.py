@@ -26,13 +26,16 @@ the step's ``aten::copy_`` time, which was as large as the training products' ow
 The trainer attaches the hooks at the start of each training micro-step and releases them, with
 the casts, at its end (``BaseTrainer.training_step``), so a generation's prompt forward under
 autocast casts the weights once for the loss forward and backward that follow. The fused decode
-step reads the parameters themselves (no module is inside a forward then). It applies on a single
+step reads the parameters themselves (no module is inside a forward then); the bf16 sampler copy
+it multiplies with is built from the same casts (``shared_cast``), so a weight is cast once per
+micro-step for the generation and the loss together. It applies on a single
 CPU process under bf16 autocast (``applies``); ``POSTTRAIN_REUSE_WEIGHT_CASTS=0`` turns it off. Figures:
 docs/performance.md, "One bf16 cast per weight".
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
@@ -42,6 +45,7 @@ from posttrain.ops import switches
 
 ENV = "POSTTRAIN_REUSE_WEIGHT_CASTS"
 _SHADOWED = ("weight", "bias")
+_ATTACHED = threading.local()  # .instances: the WeightCasts attached in this thread, innermost last
 
 
 class _SharedCast(torch.autograd.Function):
@@ -99,6 +103,8 @@ class WeightCasts:
         """Hook ``model``'s ``nn.Linear`` modules, its output head excepted (a no-op when attached)."""
         if self._handles:
             return
+        if self not in _attached():
+            _attached().append(self)
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         for module in model.modules():
             if type(module) is nn.Linear and module is not head:
@@ -113,17 +119,29 @@ class WeightCasts:
             for name in _SHADOWED:
                 module.__dict__.pop(name, None)
         self._handles, self._shadowing, self._cache, self.casts = [], set(), {}, 0
+        instances = _attached()
+        if self in instances:
+            instances.remove(self)
 
-    def _cast(self, parameter: torch.Tensor) -> torch.Tensor:
+    def cast_of(self, parameter: torch.Tensor) -> torch.Tensor:
+        """The cached cast of ``parameter`` (made now when missing or stale), without a gradient."""
+        with torch.no_grad():
+            return self._entry(parameter)[2]
+
+    def _entry(self, parameter: torch.Tensor) -> tuple[torch.Tensor, int, torch.Tensor]:
         entry = self._cache.get(id(parameter))
         if entry is None or entry[0] is not parameter or entry[1] != parameter._version:
             with torch.no_grad():
                 entry = (parameter, parameter._version, parameter.detach().to(self.dtype))
             self._cache[id(parameter)] = entry
             self.casts += 1
+        return entry
+
+    def _cast(self, parameter: torch.Tensor) -> torch.Tensor:
+        cast = self._entry(parameter)[2]
         if parameter.requires_grad and torch.is_grad_enabled():
-            return _SharedCast.apply(parameter, entry[2])
-        return entry[2]
+            return _SharedCast.apply(parameter, cast)
+        return cast
 
     def _before(self, module: nn.Module, args: Any) -> None:  # noqa: ARG002
         device = module._parameters["weight"].device.type
@@ -140,3 +158,24 @@ class WeightCasts:
             for name in _SHADOWED:
                 module.__dict__.pop(name, None)
             self._shadowing.discard(module)
+
+
+def _attached() -> list[WeightCasts]:
+    if not hasattr(_ATTACHED, "instances"):
+        _ATTACHED.instances = []
+    return _ATTACHED.instances
+
+
+def shared_cast(parameter: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor | None:
+    """``parameter`` in ``dtype`` from the micro-step's shared casts, or None outside one.
+
+    Inside a training micro-step whose ``WeightCasts`` is attached (in this thread) and casts to
+    ``dtype``, a float32 parameter gets that cache's cast, made now if no forward made it yet:
+    the values ``parameter.to(dtype)`` would give, and the one copy the micro-step's forwards and
+    backward use too. Used by the bf16 sampler copy (``generation/fused_step.py``) when it is
+    rebuilt inside a micro-step. Without gradients.
+    """
+    instances = _attached()
+    if not instances or instances[-1].dtype != dtype or parameter.dtype != torch.float32:
+        return None
+    return instances[-1].cast_of(parameter)
