@@ -193,6 +193,9 @@ class FusedDecoder:
             raise ValueError(f"FusedDecoder cannot run this model: {reason}")
         self.backend = backend
         self.autocast_dtype = autocast_dtype
+        #: the bf16 copy of a policy trained under bf16 autocast computes the MLP's middle as the
+        #: trainer's forward does: the activation and product of the bf16 gate and up in bf16
+        self.bf16_middle = backend == "bf16" and autocast_dtype == torch.bfloat16
         #: the KV cache's dtype the step wants: its copying backends compute in float32, and a bf16
         #: autocast prefill would leave bf16 values (4x slower products of 8 rows; ``decode.py``)
         self.cache_dtype = None if backend == "plain" else torch.float32
@@ -364,6 +367,10 @@ class FusedDecoder:
 
     def _mlp(self, x: torch.Tensor, layer: _Layer) -> torch.Tensor:
         terms, middle = layer.lora.get("gate_up"), self.intermediate
+        if self.bf16_middle and not layer.lora and len(layer.gate_up) == 1:
+            gate_up = reduced_kernels.bf16_product(x.to(torch.bfloat16), layer.gate_up[0])
+            inner = layer.act(gate_up[:, :middle]) * gate_up[:, middle:]  # bf16, as under autocast
+            return reduced_kernels.bf16_product(inner, layer.down).float()
         if len(layer.gate_up) == 1:
             gate_up = self._linear(x, layer.gate_up[0])
             self._add_lora(gate_up, x, terms)

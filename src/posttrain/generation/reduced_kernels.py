@@ -110,12 +110,14 @@ def bf16_pack(weight: torch.Tensor, rows: int) -> torch.Tensor:
 
 def bf16_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x @ w.T`` with ``bf16_pack(w)``: the product in bfloat16, the result in float32."""
-    x = x.to(torch.bfloat16)
+    return bf16_product(x.to(torch.bfloat16), weight).float()
+
+
+def bf16_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ w.T`` of a bfloat16 ``x`` with ``bf16_pack(w)``, in bfloat16 (as autocast's product)."""
     if onednn_bf16_packable():
-        out = torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
-    else:
-        out = F.linear(x, weight)
-    return out.float()
+        return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+    return F.linear(x, weight)
 
 
 def backend_blocker(backend: str) -> str | None:
