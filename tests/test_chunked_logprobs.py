@@ -719,3 +719,16 @@ def test_bf16_reference_scores_in_the_policys_precision(tmp_path, tok):
     trainer.train()
     kls = [entry["kl"] for entry in trainer.state.log_history if "kl" in entry]
     assert kls[0] == 0.0 and kls[1] > 0.0
+
+
+@pytest.mark.parametrize("block_bytes", [1, 4 * 7 * 3, 1 << 20])
+def test_a_narrower_product_is_added_in_blocks_of_rows_exactly(block_bytes, monkeypatch):
+    """``add_in_blocks`` gives what one mixed-dtype ``add_`` gives, element for element, whether a
+    block holds part of a row's bytes (one row at a time), three rows, or the whole product."""
+    monkeypatch.setattr(chunked, "ADD_BLOCK_BYTES", block_bytes)
+    g = torch.Generator().manual_seed(5)
+    total = torch.randn(10, 7, generator=g)
+    part = torch.randn(10, 7, generator=g).bfloat16()
+    want = total.clone().add_(part)
+    got = chunked.add_in_blocks(total, part)
+    assert got is total and torch.equal(got, want)

@@ -378,14 +378,33 @@ def add_weight_product(grad_w: torch.Tensor | None, a: torch.Tensor, b: torch.Te
     """``grad_w + a @ b`` in place (``a @ b`` itself when ``grad_w`` is None), summed in float32 or wider.
 
     A bf16 product lands in the kept ``"head_weight_grad"`` scratch buffer before the float32
-    sum, so no fresh [V, H] block is mapped for it chunk after chunk.
+    sum, so no fresh [V, H] block is mapped for it chunk after chunk; the sum widens it a block of
+    rows at a time (``add_in_blocks``).
     """
     stats = _stats_dtype(a.dtype)
     if a.dtype == stats:
         return (a @ b) if grad_w is None else grad_w.addmm_(a, b)
     shape = (a.shape[0], b.shape[1])
     product = torch.mm(a, b, out=workspace.scratch("head_weight_grad", shape, a.dtype, a.device))
-    return product.to(stats) if grad_w is None else grad_w.add_(product)
+    return product.to(stats) if grad_w is None else add_in_blocks(grad_w, product)
+
+
+#: bytes of the widest block ``add_in_blocks`` widens at once: well below glibc's mapping threshold
+ADD_BLOCK_BYTES = 1 << 20
+
+
+def add_in_blocks(total: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
+    """``total += part`` in place for a ``part`` [R, C] of a narrower dtype, a block of rows at a time.
+
+    One ``add_`` of mixed dtypes widens the whole ``part`` into a temporary of ``total``'s dtype
+    first: for SmolLM2's [49152, 576] head a fresh 113 MB block (its own mapping, page-faulted at
+    every chunk), 29 ms against 7 ms by blocks of rows whose widened copy fits in 1 MB of heap.
+    The sums are the same, element for element.
+    """
+    rows = max(1, ADD_BLOCK_BYTES // max(1, part[0].numel() * total.element_size()))
+    for start in range(0, part.shape[0], rows):
+        total[start : start + rows].add_(part[start : start + rows])
+    return total
 
 
 def _finish(
