@@ -131,13 +131,13 @@ def test_backward_trims_at_every_nth_decoder_layer_from_the_last(monkeypatch, ch
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     fired: list[int] = []
-    memory.trim_heap_in_backward(model, every=3)
+    memory.trim_heap_in_backward(model, every=2)
     hooked = [
         i
         for i, layer in enumerate(model.model.layers)
         if any(hook is memory._trim_at_backward for hook in layer._forward_hooks.values())
     ]
-    assert hooked == [1, 4, 7]  # from the last layer, the first one backward reaches
+    assert hooked == [1, 3]  # every second from the last layer (7, 5, 3, 1), in backward's second half
     monkeypatch.setattr(memory, "trim_heap", lambda: fired.append(len(fired)) or True)
     ids = torch.randint(0, 64, (2, 5))
     with torch.no_grad():
@@ -146,7 +146,7 @@ def test_backward_trims_at_every_nth_decoder_layer_from_the_last(monkeypatch, ch
     loss = model(input_ids=ids, labels=ids).loss
     assert fired == []  # only once backward reaches those layers
     loss.backward()
-    assert len(fired) == 3
+    assert len(fired) == 2
 
 
 @needs_glibc
@@ -155,11 +155,21 @@ def test_trim_layers_from_the_environment(monkeypatch):
     monkeypatch.setenv("POSTTRAIN_MALLOC_TRIM_LAYERS", "0")
     assert memory.trim_heap_in_backward(model) == []
     monkeypatch.setenv("POSTTRAIN_MALLOC_TRIM_LAYERS", "2")
-    assert len(memory.trim_heap_in_backward(model)) == 4  # layers 7, 5, 3, 1
+    assert len(memory.trim_heap_in_backward(model)) == 2  # layers 3 and 1 (7 and 5: backward's first half)
     monkeypatch.setenv("POSTTRAIN_MALLOC_TRIM_LAYERS", "every five")
     with pytest.raises(
         ValueError, match="POSTTRAIN_MALLOC_TRIM_LAYERS='every five' is not a non-negative integer"
     ):
         memory.trim_heap_in_backward(model)
     monkeypatch.delenv("POSTTRAIN_MALLOC_TRIM_LAYERS")
-    assert len(memory.trim_heap_in_backward(model)) == 2  # default 5: layers 7 and 2
+    assert len(memory.trim_heap_in_backward(model)) == 1  # default 5: layer 2 (7 is in the upper half)
+
+
+@pytest.mark.parametrize(
+    ("count", "every", "expected"),
+    [(30, 5, [4, 9, 14]), (8, 3, [1]), (2, 5, [1]), (1, 5, [0]), (0, 5, [])],
+)
+def test_trims_come_every_nth_layer_from_the_last_in_the_lower_half(count, every, expected):
+    """SmolLM2's 30 layers trim at 14, 9 and 4 (not 29, 24, 19, whose freed pages the next layers'
+    gradients take again at once); a stack too short for its lower half keeps its lowest trim."""
+    assert memory.trimmed_layers(count, every) == expected

@@ -19,9 +19,9 @@ only. ``GRPOTrainer`` applies it once, on the CPU; where the environment already
 The blocks below the threshold still fragment the heap in backward: activations freed layer by
 layer leave holes that stay resident while the gradients are allocated elsewhere. At the anchor
 (64 tokens) glibc held 400 to 450 MB of free heap at the backward peak. ``trim_heap_in_backward``
-returns those pages to the system (``malloc_trim``) every few decoder layers of backward
-(``TRIM_EVERY_LAYERS``; ``POSTTRAIN_MALLOC_TRIM_LAYERS`` overrides it, 0 turns it off), which
-took 400 MB off the anchor's peak resident memory at no measurable cost in step time.
+returns those pages to the system (``malloc_trim``) every few decoder layers of backward's second
+half (``TRIM_EVERY_LAYERS``; ``POSTTRAIN_MALLOC_TRIM_LAYERS`` overrides it, 0 turns it off), which
+took 400 MB off the anchor's peak resident memory.
 """
 
 from __future__ import annotations
@@ -118,11 +118,11 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def trim_heap_in_backward(model: nn.Module, every: int | None = None) -> list[Any]:
-    """Trim glibc's heap at the start of the backward of every ``every``-th decoder layer.
+    """Trim glibc's heap at the start of the backward of the layers ``trimmed_layers`` picks.
 
     A forward hook on those layers puts a gradient hook on their output when gradients are on;
-    the gradient hook calls ``trim_heap`` as that layer's backward begins. The first trim comes
-    at the last layer (the first one backward reaches), then one every ``every`` layers.
+    the gradient hook calls ``trim_heap`` as that layer's backward begins: every ``every`` layers
+    counted from the last, in the lower half of the stack.
     Forwards without gradients (generation, the reference model) are untouched.
 
     Args:
@@ -139,8 +139,22 @@ def trim_heap_in_backward(model: nn.Module, every: int | None = None) -> list[An
     if every <= 0 or _libc() is None:
         return []
     layers = decoder_layers(model)
-    chosen = layers[len(layers) - 1 :: -every][::-1]
-    return [layer.register_forward_hook(_trim_at_backward) for layer in chosen]
+    chosen = trimmed_layers(len(layers), every)
+    return [layers[index].register_forward_hook(_trim_at_backward) for index in chosen]
+
+
+def trimmed_layers(count: int, every: int) -> list[int]:
+    """Indices of the decoder layers whose backward trims the heap, in ascending order.
+
+    Every ``every``-th layer counted from the last (the first one backward reaches), but only in
+    the lower half of the stack: in backward's first half the pages that the top layers'
+    activations free are taken again at once by the next layers' gradients and recomputation,
+    so returning them only made that reuse page-fault (measured: docs/performance.md, "Free heap
+    pages returned during backward"). The lowest such layer is kept when none is in the lower half.
+    """
+    candidates = list(range(count - 1, -1, -every))[::-1]
+    lower = [index for index in candidates if 2 * index < count]
+    return lower or candidates[:1]
 
 
 def _trim_at_backward(module: nn.Module, args: Any, output: Any) -> None:
