@@ -461,7 +461,16 @@ class FusedDecoder:
         values: torch.Tensor,
         bias: torch.Tensor,
     ) -> torch.Tensor:
-        """[N, Q] attention output; keys/values [N, kv_heads, L, d], bias [N * kv_heads, group, L]."""
+        """[N, Q] attention output; keys/values [N, kv_heads, L, d], bias as ``_bias`` gives it.
+
+        The copying backends (the CPU) call ``scaled_dot_product_attention`` once, the query's
+        heads of a key head as its query positions: one call where the explicit product, softmax
+        and product took eight, 30 to 45 us a layer less on SmolLM2 (float32 throughout; equal to
+        the explicit arithmetic to float32 rounding, ``tests/test_fused_step.py``).
+        """
+        if self.backend != "plain":
+            attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, scale=layer.scaling)
+            return attended.reshape(q.shape[0], self.q_width)
         rows, d = q.shape[0], self.head_dim
         kv_heads, length = keys.shape[1], keys.shape[2]
         group = self.q_width // self.kv_width
@@ -474,12 +483,15 @@ class FusedDecoder:
         return attended.view(rows, self.q_width)
 
     def _bias(self, key_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """0 where a row attends, -inf on its padding: [N * kv_heads, group, L] for every layer."""
+        """0 where a row attends, -inf on its padding, for every layer: [N, 1, 1, L] for the copying
+        backends' ``scaled_dot_product_attention``, [N * kv_heads, group, L] for the plain one's."""
         rows, length = key_mask.shape
         kv_heads = self.kv_width // self.head_dim
         group = self.q_width // self.kv_width
         bias = torch.zeros(rows, 1, 1, length, dtype=dtype, device=key_mask.device)
         bias = bias.masked_fill(~key_mask.bool()[:, None, None, :], -math.inf)
+        if self.backend != "plain":
+            return bias
         return bias.expand(rows, kv_heads, group, length).reshape(rows * kv_heads, group, length)
 
     def step(
