@@ -508,8 +508,13 @@ class FusedDecoder:
             positions: [N] their position ids.
             key_mask: [N, L] which cached positions (the new one included, last) each row attends to.
             cache_layers: the ``PreallocatedLayer``s of the cache, one per decoder layer.
+
+        Runs in ``torch.inference_mode()``: about 60 operations a layer, each dispatched with less
+        bookkeeping than under ``no_grad`` (SmolLM2, 8 rows: 20.7 -> 19.6 ms a token in bf16, 36.3
+        -> 35.6 in float32). The logits it returns are inference tensors, read by the sampler's
+        out-of-place operations; the cache's buffers are written in place, as under ``no_grad``.
         """
-        with self._autocast(tokens.device):
+        with torch.inference_mode(), self._autocast(tokens.device):
             h = self.embed[tokens]  # [N, H]
             cos, sin = self.rotary(h[:, None], positions[:, None])  # [N, 1, d]
             cos, sin = cos[:, None], _signed_sin(sin[:, None])  # [N, 1, 1, d]
