@@ -148,18 +148,19 @@ def _onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-def _normed(x: torch.Tensor, module: nn.Module, dtype: torch.dtype) -> torch.Tensor:
-    """``_rms_norm`` of a float32 ``x`` in ``dtype`` (the product's input): the same values.
+def _normed(x: torch.Tensor, module: nn.Module, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``_rms_norm`` of a float32 ``x``, into ``out`` (of the product's input dtype) when given:
+    the same values.
 
     In place where ``_rms_norm`` makes a new tensor per operation, and cast as the last
-    multiplication stores its float32 result (one rounding, as ``.to(dtype)`` after it): six
+    multiplication stores its float32 result (one rounding, as ``.to(dtype)`` after it): five
     operations where the decode step made eleven, 30 times a token on SmolLM2.
     """
     variance = x.pow(2).mean(-1, keepdim=True)
     normed = x * variance.add_(module.variance_epsilon).rsqrt_()
-    if dtype == normed.dtype:
+    if out is None:
         return normed.mul_(module.weight)
-    return torch.mul(normed, module.weight, out=normed.new_empty(normed.shape, dtype=dtype))
+    return torch.mul(normed, module.weight, out=out)
 
 
 def _signed_sin(sin: torch.Tensor) -> torch.Tensor:
@@ -224,6 +225,8 @@ class FusedDecoder:
         #: autocast prefill would leave bf16 values (4x slower products of 8 rows; ``decode.py``)
         self.cache_dtype = None if backend == "plain" else torch.float32
         self.rope_is_static = rope_is_static(model)
+        #: the bf16 copy's norm outputs, one buffer per shape (``_norm``)
+        self._scratch: dict[torch.Size, torch.Tensor] = {}
         self.segments: list[tuple[str, slice]] = []
         start = 0
         for name, count in adapter_rows or ():
@@ -380,8 +383,14 @@ class FusedDecoder:
         """Query [N, Q], key and value [N, K] of one position per row (LoRA terms added)."""
         q_end = self.q_width + self.kv_width
         if len(layer.qkv) == 1:  # one packed product
-            qkv = self._linear(x, layer.qkv[0], layer.qkv_bias[0])
-            self._add_lora(qkv, x, layer.lora.get("qkv"))
+            if self.backend == "bf16" and "qkv" not in layer.lora and layer.q_norm is None:
+                # left in bf16: the rotation, the bias and the cache widen it exactly, as .float() would
+                qkv = reduced_kernels.bf16_product(x.to(torch.bfloat16), layer.qkv[0])
+                if layer.qkv_bias[0] is not None:
+                    qkv = qkv + layer.qkv_bias[0]
+            else:
+                qkv = self._linear(x, layer.qkv[0], layer.qkv_bias[0])
+                self._add_lora(qkv, x, layer.lora.get("qkv"))
             return qkv[:, : self.q_width], qkv[:, self.q_width : q_end], qkv[:, q_end:]
         q, k, v = (self._linear(x, w, b) for w, b in zip(layer.qkv, layer.qkv_bias, strict=True))
         if "qkv" in layer.lora:
@@ -429,8 +438,12 @@ class FusedDecoder:
         backends; ``_rms_norm`` on the plain backend."""
         if self.backend == "plain" or h.dtype != torch.float32:
             return _rms_norm(h, module)
-        reduced = self.backend == "bf16" and not (layer is not None and layer.lora)
-        return _normed(h, module, torch.bfloat16 if reduced else torch.float32)
+        if self.backend != "bf16" or (layer is not None and layer.lora):
+            return _normed(h, module)
+        out = self._scratch.get(h.shape)  # read by the next product before the next norm writes it
+        if out is None:
+            out = self._scratch[h.shape] = h.new_empty(h.shape, dtype=torch.bfloat16)
+        return _normed(h, module, out)
 
     def _rotated(
         self, layer: _Layer, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
