@@ -78,6 +78,33 @@ def test_gradients_reach_the_bf16_inputs_in_their_dtype():
     assert value.grad.abs().sum() > 0 and query.grad.abs().sum() > 0
 
 
+@pytest.mark.parametrize("masked", [True, False])
+def test_grouped_heads_folded_give_transformers_output_and_gradients(masked):
+    """Query heads stacked per key head (``_folded``) against transformers' repeated keys and
+    values: the same output and gradients to float32 rounding (the kernel's blocks of query rows
+    differ; at the anchor's shapes the output was equal bit for bit); without a mask
+    (a causal flag instead) the wrapper leaves the call to transformers."""
+    module, attention = _Attention(), wrap(sdpa_attention_forward)
+    query, key, value, mask = _inputs(keys=9, queries=5)
+    mask = mask if masked else None
+    value = value.float()
+    inputs = [t.clone().requires_grad_() for t in (query, key, value)]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ours, _ = attention(module, *inputs, mask, scaling=0.3)
+    ours.pow(2).sum().backward()
+    plain = [t.clone().requires_grad_() for t in (query, key, value)]
+    theirs, _ = sdpa_attention_forward(module, *plain, mask, scaling=0.3)
+    theirs.pow(2).sum().backward()
+    assert ours.shape == theirs.shape == (2, 5, 4, 8)
+    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
+    for mine, reference in zip(inputs, plain, strict=True):
+        torch.testing.assert_close(mine.grad, reference.grad, rtol=1e-6, atol=1e-6)
+    folded = float32_attention._foldable(query, key, value, mask, (), {"scaling": 0.3})
+    assert folded == masked
+    assert not float32_attention._foldable(query, key, value, mask, (), {"dropout": 0.1})
+    assert not float32_attention._foldable(query[:, :2], key, value, mask, (), {})  # no groups
+
+
 def test_the_wrapper_is_installed_once_and_restored():
     original = ALL_ATTENTION_FUNCTIONS["sdpa"]
     with float32_short_attention():
@@ -100,15 +127,21 @@ def _reward(completion_ids, **kwargs):
 
 @pytest.mark.parametrize("switch", ["1", "0"])
 def test_a_bf16_trainer_attends_in_float32_while_it_trains(tok, tmp_path, monkeypatch, switch):
-    """The training forwards (checkpointed, so the recomputation too) reach transformers' attention
-    with float32 inputs and autocast off; with the switch at 0, in autocast as before."""
+    """The training forwards (checkpointed, so the recomputation too) reach torch's attention
+    with float32 inputs and autocast off (grouped heads folded, ``_folded``); with the switch at 0,
+    transformers' function in autocast as before."""
     monkeypatch.setenv(float32_attention.ENV, switch)
     seen: list[tuple[torch.dtype, bool, bool]] = []
+    kernel = torch.nn.functional.scaled_dot_product_attention
+
+    def spy_kernel(query, key, value, *args, **kwargs):
+        seen.append((value.dtype, torch.is_autocast_enabled("cpu"), torch.is_grad_enabled()))
+        return kernel(query, key, value, *args, **kwargs)
 
     def spy(module, query, key, value, *args, **kwargs):
-        seen.append((value.dtype, torch.is_autocast_enabled("cpu"), torch.is_grad_enabled()))
         return sdpa_attention_forward(module, query, key, value, *args, **kwargs)
 
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy_kernel)
     monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._local_mapping, "sdpa", spy)
     model = build_tiny_model(tok)
     assert model.config._attn_implementation == "sdpa"
