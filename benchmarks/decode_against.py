@@ -98,7 +98,9 @@ def main() -> None:
             for name, decoder in decoders.items():
                 spent[0] = 0.0
                 torch.manual_seed(r)
-                outputs[name] = lean_generate_with_logps(model, ids, torch.ones_like(ids), settings, None, decoder)
+                outputs[name] = lean_generate_with_logps(
+                    model, ids, torch.ones_like(ids), settings, None, decoder
+                )
                 if r:
                     times[name].append(spent[0] / (opts.new_tokens - 1) * 1e3)
             if r == 0:

@@ -489,7 +489,9 @@ class FusedDecoder:
         group = self.q_width // self.kv_width
         q = q.reshape(rows * kv_heads, group, d)
         keys_t = keys.reshape(rows * kv_heads, length, d).transpose(1, 2)
-        scores = torch.baddbmm(bias, q if q.dtype == keys.dtype else q.to(keys.dtype), keys_t, alpha=layer.scaling)
+        scores = torch.baddbmm(
+            bias, q if q.dtype == keys.dtype else q.to(keys.dtype), keys_t, alpha=layer.scaling
+        )
         probs = torch.softmax(scores if scores.dtype == torch.float32 else scores.float(), dim=-1)
         probs = probs if probs.dtype == values.dtype else probs.to(values.dtype)
         attended = torch.bmm(probs, values.reshape(rows * kv_heads, length, d))
@@ -522,10 +524,9 @@ class FusedDecoder:
             key_mask: [N, L] which cached positions (the new one included, last) each row attends to.
             cache_layers: the ``PreallocatedLayer``s of the cache, one per decoder layer.
 
-        Runs in ``torch.inference_mode()``: about 60 operations a layer, each dispatched with less
-        bookkeeping than under ``no_grad`` (SmolLM2, 8 rows: 20.7 -> 19.6 ms a token in bf16, 36.3
-        -> 35.6 in float32). The logits it returns are inference tensors, read by the sampler's
-        out-of-place operations; the cache's buffers are written in place, as under ``no_grad``.
+        In ``torch.inference_mode()`` (less bookkeeping per operation than ``no_grad``: SmolLM2,
+        20.7 -> 19.6 ms a token in bf16): the logits are inference tensors, which the sampler
+        reads out of place; the cache's buffers are written in place, as under ``no_grad``.
         """
         with torch.inference_mode(), self._autocast(tokens.device):
             h = self.embed[tokens]  # [N, H]

@@ -97,7 +97,9 @@ def wrap(attention: Callable[..., Any]) -> Callable[..., Any]:
             attention_mask = attention_mask.float()
         with torch.autocast("cpu", enabled=False):
             if _foldable(query, key, value, attention_mask, args, kwargs):
-                return _folded(query.float(), key.float(), value.float(), attention_mask, kwargs.get("scaling"))
+                return _folded(
+                    query.float(), key.float(), value.float(), attention_mask, kwargs.get("scaling")
+                )
             return attention(
                 module, query.float(), key.float(), value.float(), attention_mask, *args, **kwargs
             )
