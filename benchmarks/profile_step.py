@@ -7,7 +7,8 @@ Usage::
         [--device cpu|cuda] [--lora_r 0]
 
 Wraps the trainer's phases with timers (generation, rewards and advantages, loss forward,
-backward, optimizer step) and prints, per phase, the median over the steps after the first
+backward, optimizer step; inside generation, the shared prompt's prefill, the fused step's build
+with its weight copy, and the sampling loop) and prints, per phase, the median over the steps after the first
 (warm-up) of its wall time and of its minor page faults (``median_minor_faults``), the peak RSS, and the largest anonymous and file-backed resident memory seen in each
 phase (sampled every 5 ms). ``--heap 1`` adds, per phase, the most bytes glibc's malloc had in
 use (heap and mmapped blocks, ``mallinfo2``) and the heap's size and free bytes at that moment:
@@ -51,6 +52,22 @@ def timed(store: dict[str, float], name: str, fn: Any) -> Any:
             CURRENT["phase"] = outer
 
     return wrapper
+
+
+#: Phases inside others ("prepare inputs" holds generation and rewards): left out of "other".
+NESTED = {"generation", "rewards", "prefill", "fused step build", "sampling loop"}
+
+
+def time_generation_parts(store: dict[str, float]) -> None:
+    """Time generation's parts: the prompts' prefill run once, the fused decode step's build (its
+    packed or reduced-precision weight copy), and the sampling loop around the decode steps."""
+    from posttrain.generation import fused_step, transformers_backend
+
+    for name in ("prefill_shared_prefix", "prefill_common_prefix"):
+        setattr(transformers_backend, name, timed(store, "prefill", getattr(transformers_backend, name)))
+    for name in ("lean_generate", "lean_generate_with_logps"):
+        setattr(transformers_backend, name, timed(store, "sampling loop", getattr(transformers_backend, name)))
+    fused_step.FusedDecoder.__init__ = timed(store, "fused step build", fused_step.FusedDecoder.__init__)
 
 
 def resident() -> dict[str, int]:
@@ -159,7 +176,7 @@ def main() -> None:
             SYNC[0]()
             total = time.perf_counter() - phases.pop("_start")
             row = dict(phases)
-            row["other"] = total - sum(row.values())
+            row["other"] = total - sum(v for k, v in row.items() if k not in NESTED)
             row["step"] = total
             per_step.append(row)
             step_faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - FAULTS.pop("_start")
@@ -183,6 +200,7 @@ def main() -> None:
         trainer.generator.lean = bool(opts.lean)
         trainer.generator.fused_step = bool(opts.fused)
         trainer.generator.generate = timed(phases, "generation", trainer.generator.generate)
+        time_generation_parts(phases)
         trainer.rewards.score = timed(phases, "rewards", trainer.rewards.score)
         trainer.compute_loss = timed(phases, "loss forward", trainer.compute_loss)
         trainer.accelerator.backward = timed(phases, "backward", trainer.accelerator.backward)
