@@ -66,7 +66,9 @@ def time_generation_parts(store: dict[str, float]) -> None:
     for name in ("prefill_shared_prefix", "prefill_common_prefix"):
         setattr(transformers_backend, name, timed(store, "prefill", getattr(transformers_backend, name)))
     for name in ("lean_generate", "lean_generate_with_logps"):
-        setattr(transformers_backend, name, timed(store, "sampling loop", getattr(transformers_backend, name)))
+        setattr(
+            transformers_backend, name, timed(store, "sampling loop", getattr(transformers_backend, name))
+        )
     fused_step.FusedDecoder.__init__ = timed(store, "fused step build", fused_step.FusedDecoder.__init__)
 
 
@@ -133,7 +135,9 @@ def main() -> None:
         "--fused", type=int, default=1, help="the lean loop's fused decode step (0: the model's forward)"
     )
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--lora_r", type=int, default=0, help="R > 0: train a LoRA adapter of rank R (grpo_step.py)")
+    parser.add_argument(
+        "--lora_r", type=int, default=0, help="R > 0: train a LoRA adapter of rank R (grpo_step.py)"
+    )
     opts = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
