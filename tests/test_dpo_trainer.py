@@ -4,6 +4,7 @@ the reference (copy, PEFT base, precomputed), accumulation, TR-DPO, resume and b
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -56,6 +57,19 @@ def summed_logps(model, tok, prompt: str, completion: str) -> float:
     with torch.no_grad():
         logp = torch.log_softmax(model(torch.tensor([full])).logits[0, :-1].double(), dim=-1)
     return sum(logp[t - 1, full[t]].item() for t in range(start, len(full)))
+
+
+def test_training_on_the_cpu_pins_no_memory_and_torch_does_not_warn(tmp_path, tok):
+    """``dataloader_pin_memory`` (True by default) is turned off when the trainer's device is the CPU,
+    as transformers does for ``use_cpu=True``: pinning only speeds copies to an accelerator, and
+    torch warned at the first batch of every default run of the offline families."""
+    if torch.accelerator.is_available():
+        pytest.skip("an accelerator is present: the trainer's device is not the CPU without use_cpu")
+    trainer = trainer_for(tmp_path, tok, use_cpu=False)
+    assert trainer.accelerator.device.type == "cpu" and not trainer.args.dataloader_pin_memory
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the pin_memory warning would raise here
+        next(iter(trainer.get_train_dataloader()))
 
 
 # ---- the loss, by hand --------------------------------------------------------------------------

@@ -97,6 +97,9 @@ class BaseTrainer(Trainer):
         )
         self._trim_hooks: list[Any] = []
         if self.accelerator.device.type == "cpu":  # glibc's heap (ops/memory.py):
+            # pinned pages only speed copies to an accelerator: off, as transformers does for use_cpu
+            # (torch warns at every data loader with pin_memory and no accelerator)
+            self.args.dataloader_pin_memory = False
             memory.map_large_blocks()  # large activations stay out of it,
             self._trim_hooks = memory.trim_heap_in_backward(self.model)  # freed small ones leave it
             checkpointing.enabled()  # a bad POSTTRAIN_SELECTIVE_CHECKPOINTING fails here, not mid-step
