@@ -360,10 +360,39 @@ def test_a_sweep_that_cannot_run_is_refused_before_loading(tmp_path, tok, change
         )
 
 
-def test_use_vllm_in_a_sweep_is_not_built_yet(tmp_path, tok):
-    runs = [SweepRun("one", config(tmp_path, "one", use_vllm=True), reward_funcs=prefers_token(5))]
-    with pytest.raises(NotImplementedError, match="use_vllm"):
+@pytest.mark.parametrize(
+    "overrides, error, message",
+    [
+        (
+            {"vllm_mode": "server"},
+            NotImplementedError,
+            "vllm_mode='server': one vLLM server serving every run",
+        ),
+        ({"vllm_enable_sleep_mode": True}, NotImplementedError, "shared engine stays awake"),
+        ({"vllm_lora_sync": False}, ValueError, "vllm_lora_sync=False: the runs share one vLLM engine"),
+    ],
+)
+def test_what_one_shared_vllm_engine_cannot_do_is_refused_before_the_model_loads(
+    tmp_path, tok, overrides, error, message
+):
+    """A sweep's runs share one colocated engine, each run's adapter served alone: server mode,
+    sleep mode (it would drop the adapters between turns) and merged pushes are refused at once."""
+    args = config(tmp_path, "one", use_vllm=True, **overrides)
+    runs = [SweepRun("one", args, reward_funcs=prefers_token(5))]
+    with pytest.raises(error, match=message):
         GRPOSweep("this-model-is-never-loaded", runs, peft_config=lora(), processing_class=tok)
+
+
+def test_runs_of_a_sweep_agree_on_use_vllm_and_the_engine_settings(tmp_path, tok):
+    for field, mine, theirs in [("use_vllm", True, False), ("vllm_gpu_memory_utilization", 0.3, 0.2)]:
+        one = config(tmp_path, "one", **{"use_vllm": True, field: mine})
+        two = config(tmp_path, "two", **{"use_vllm": True, field: theirs})
+        runs = [
+            SweepRun("one", one, reward_funcs=prefers_token(5)),
+            SweepRun("two", two, reward_funcs=prefers_token(6)),
+        ]
+        with pytest.raises(ValueError, match=f"differ in {field}"):
+            GRPOSweep("this-model-is-never-loaded", runs, peft_config=lora(), processing_class=tok)
 
 
 def write_sweep_file(path, model_dir, runs=None, **extra):

@@ -110,19 +110,9 @@ def watch_sampler(monkeypatch, generator) -> list[float]:
     gaps: list[float] = []
     generate = type(generator).generate
 
-    @torch.no_grad()
     def checked(self, prompt_ids, prompt_mask, *args, **kwargs):
         samples = generate(self, prompt_ids, prompt_mask, *args, **kwargs)
-        model = self.get_model()
-        worst = 0.0
-        for i in range(prompt_ids.shape[0]):
-            prompt = prompt_ids[i][prompt_mask[i].bool()]
-            n = int(samples.lengths[i])
-            ids = torch.cat([prompt, samples.completion_ids[i, :n]])[None]
-            logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
-            mine = torch.log_softmax(logits, -1).gather(-1, ids[0, len(prompt) :, None])[:, 0]
-            worst = max(worst, (mine - samples.logps[i, :n]).abs().max().item())
-        gaps.append(worst)
+        gaps.append(_gap(self.get_model(), prompt_ids, prompt_mask, samples))
         return samples
 
     monkeypatch.setattr(type(generator), "generate", checked)
@@ -485,6 +475,120 @@ def test_gold_samples_the_student_with_vllm(tmp_path, model_dir, monkeypatch):
     gaps = watch_sampler(monkeypatch, trainer.generator)
     trainer.train()
     assert len(gaps) == 2 and max(gaps) < GAP, gaps
+
+
+# ---- sweeps: one engine, one adapter per run ---------------------------------------------------------
+
+
+def _sweep(tmp_path, model_dir, shared_generation=False):
+    """Two runs of different learning rates and rewards on one base, each its own LoRA adapter."""
+    peft = pytest.importorskip("peft")
+    from posttrain.sweep import GRPOSweep, SweepRun
+
+    def prefers_small_tokens(completion_ids, **kwargs):
+        return [-float(sum(ids)) / max(len(ids), 1) for ids in completion_ids]
+
+    runs = [
+        SweepRun("one", _config(tmp_path / "one", learning_rate=5e-2), reward_funcs=token_sum_reward,
+                 train_dataset=standard_dataset()),
+        SweepRun("two", _config(tmp_path / "two", learning_rate=1e-1, seed=7), reward_funcs=prefers_small_tokens,
+                 train_dataset=standard_dataset()),
+    ]  # fmt: skip
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return GRPOSweep(
+        model, runs, peft_config=config, processing_class=build_tiny_tokenizer(), output_dir=str(tmp_path / "sweep"),
+        shared_generation=shared_generation,
+    )  # fmt: skip
+
+
+def _adapters_differ(model) -> float:
+    """The largest difference between the two runs' trained ``lora_B`` matrices."""
+    params = dict(model.named_parameters())
+    return max(
+        (params[n] - params[n.replace("lora_B.one.", "lora_B.two.")]).abs().max().item()
+        for n in params
+        if "lora_B.one." in n
+    )
+
+
+def test_a_sweeps_runs_share_one_engine_each_sampling_from_its_own_adapter(tmp_path, model_dir, monkeypatch):
+    """use_vllm in a sweep: one colocated engine holds the base once and every run's adapter; each
+    run's turn pushes its adapter and samples with it, so the engine's log-probs equal the shared
+    PEFT model's with that run's adapter at every generation (the wrong run's adapter, or a stale
+    one, shows as a gap once the two adapters have trained apart)."""
+    reloads = []
+    reload = vllm_backend.reload_engine_weights
+    monkeypatch.setattr(
+        vllm_backend, "reload_engine_weights", lambda e, items: reloads.append(len(items)) or reload(e, items)
+    )
+    sweep = _sweep(tmp_path, model_dir)
+    generators = [t.generator for t in sweep.trainers.values()]
+    engine = sweep.vllm_engine.engine
+    assert all(g.engine is engine for g in generators)
+    assert engine.llm_engine.vllm_config.lora_config.max_loras == 2
+    gaps = watch_sampler(monkeypatch, generators[0])  # patched on the class: both runs' calls
+    outcomes = sweep.train()
+    assert [o.status for o in outcomes.values()] == ["finished", "finished"], outcomes
+    assert len(gaps) == 6 and max(gaps) < GAP, gaps
+    assert len(reloads) == 1  # the base, once for both runs; then only adapters
+    assert [g.adapter.pushes for g in generators] == [3, 3]
+    assert [g.adapter.adapter_id for g in generators] == [1, 2]
+    assert _adapters_differ(sweep.model) > 1e-3
+    assert sweep.vllm_engine.engine is None and all(
+        g.engine is None for g in generators
+    )  # shut down at the end
+
+
+def test_a_sweeps_shared_generation_is_one_engine_call_with_each_runs_adapter(
+    tmp_path, model_dir, monkeypatch
+):
+    """shared_generation with vLLM: each round's requests go to the engine in one generate call,
+    every prompt with its own run's LoRARequest; each run's rows match its own adapter."""
+    from posttrain.generation import vllm_lora
+
+    sweep = _sweep(tmp_path, model_dir, shared_generation=True)
+    calls, gaps = [], []
+    engine = sweep.vllm_engine.engine
+    generate = engine.generate
+
+    def counted(prompts, params, **kwargs):
+        calls.append(sorted({request.lora_name for request in kwargs["lora_request"]}))
+        return generate(prompts, params, **kwargs)
+
+    monkeypatch.setattr(engine, "generate", counted)
+    together = vllm_lora.generate_together
+
+    def checked(requests):
+        results = together(requests)
+        model = sweep.model
+        caller = model.active_adapter
+        for (generator, ids, mask), samples in zip(requests, results, strict=True):
+            model.set_adapter(generator.adapter.peft_adapter)
+            gaps.append(_gap(model, ids, mask, samples))
+        model.set_adapter(caller)
+        return results
+
+    monkeypatch.setattr(vllm_lora, "generate_together", checked)
+    outcomes = sweep.train()
+    assert [o.status for o in outcomes.values()] == ["finished", "finished"], outcomes
+    assert calls == [["one", "two"]] * 3  # one call a round, both runs' adapters in it
+    assert sweep.generation.calls == 3 and len(gaps) == 6 and max(gaps) < GAP, gaps
+    assert _adapters_differ(sweep.model) > 1e-3
+
+
+@torch.no_grad()
+def _gap(model, prompt_ids, prompt_mask, samples) -> float:
+    """The largest gap between the engine's and ``model``'s log-probs of the sampled tokens."""
+    worst = 0.0
+    for i in range(prompt_ids.shape[0]):
+        prompt = prompt_ids[i][prompt_mask[i].bool()]
+        n = int(samples.lengths[i])
+        ids = torch.cat([prompt, samples.completion_ids[i, :n]])[None]
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
+        mine = torch.log_softmax(logits, -1).gather(-1, ids[0, len(prompt) :, None])[:, 0]
+        worst = max(worst, (mine - samples.logps[i, :n]).abs().max().item())
+    return worst
 
 
 # ---- server ---------------------------------------------------------------------------------------------

@@ -50,10 +50,12 @@ from posttrain.generation.vllm_common import (  # noqa: F401  (re-exported)
 )
 from posttrain.generation.vllm_lora import (
     AdapterSync,
+    SharedEngine,
     adapter_sync_blocker,
     base_weight_items,
     has_4bit_weights,
     lora_engine_kwargs,
+    shared_adapter_sync,
 )
 from posttrain.generation.vllm_server import (  # noqa: F401  (re-exported)
     FolderWeightSync,
@@ -211,6 +213,8 @@ class VLLMColocateGenerator:
         rank_in_group: this process's place in that group.
         adapter: ``vllm_lora_sync``: the engine serves the policy's LoRA adapter, pushed alone
             (``vllm_lora.AdapterSync``); None pushes the merged weights.
+        shared: the engine is shared with other generators (``vllm_lora.SharedEngine``: a sweep's
+            runs, each its own adapter); ``close`` then leaves it running for them.
     """
 
     def __init__(
@@ -225,9 +229,13 @@ class VLLMColocateGenerator:
         gather_group: Callable[[Any], list[Any]] | None = None,
         rank_in_group: int = 0,
         adapter: AdapterSync | None = None,
+        shared: SharedEngine | None = None,
     ) -> None:
         self.get_model = get_model
         self.adapter = adapter
+        self.shared = shared
+        if shared is not None:
+            shared.generators.append(self)
         self.make_engine = make_engine
         self.make_params = make_params
         self.params = params
@@ -269,8 +277,13 @@ class VLLMColocateGenerator:
         training processes' own group still exists; a later generation builds a new engine.
 
         Left to Python's exit, the shutdown came after a run had destroyed that group and failed
-        there (``ValueError: Invalid process group specified``, printed at exit)."""
+        there (``ValueError: Invalid process group specified``, printed at exit). A shared engine
+        is left to its owner (``SharedEngine.close``): this generator only lets go of it."""
         if self.engine is None:
+            return
+        if self.shared is not None:
+            self.engine = None
+            self.stale = True
             return
         core = getattr(getattr(self.engine, "llm_engine", None), "engine_core", None)
         if core is not None and hasattr(core, "shutdown"):
@@ -294,6 +307,18 @@ class VLLMColocateGenerator:
             groups = self.gather_group(prompts)
             mine = tensor_parallel_slice([len(g) for g in groups], self.rank_in_group)
             prompts = [p for g in groups for p in g]
+        self.ready()
+        outputs = self.engine.generate(
+            [{"prompt_token_ids": p} for p in prompts], self.make_params(self.params), use_tqdm=False,
+            **self.lora_request(),
+        )  # fmt: skip
+        if self.sleep:
+            self.engine.sleep(level=2)
+        return samples_from_outputs(list(outputs)[mine], self.pad_token_id, prompt_ids.device)
+
+    def ready(self) -> None:
+        """Start the engine if needed, wake it (sleep mode) and give it the trainer's current weights."""
+        self.start()
         if self.sleep:
             self.engine.wake_up(tags=["weights"])
             if self.adapter is not None:
@@ -302,13 +327,10 @@ class VLLMColocateGenerator:
             self.push_weights()
         if self.sleep:
             self.engine.wake_up(tags=["kv_cache"])
-        lora = {} if self.adapter is None else {"lora_request": self.adapter.request(self.get_model())}
-        outputs = self.engine.generate(
-            [{"prompt_token_ids": p} for p in prompts], self.make_params(self.params), use_tqdm=False, **lora
-        )
-        if self.sleep:
-            self.engine.sleep(level=2)
-        return samples_from_outputs(list(outputs)[mine], self.pad_token_id, prompt_ids.device)
+
+    def lora_request(self) -> dict[str, Any]:
+        """The ``lora_request`` keyword of this generator's calls (none with merged pushes)."""
+        return {} if self.adapter is None else {"lora_request": self.adapter.request(self.get_model())}
 
 
 # ---- server mode -------------------------------------------------------------------------------
@@ -348,16 +370,19 @@ def build_vllm_generator(
     tokenizer: Any,
     eos: list[int],
     full_parameters: Callable[[torch.nn.Module], Any],
+    shared: SharedEngine | None = None,
 ) -> VLLMColocateGenerator | VLLMServerGenerator:
     """The vLLM generator ``args.vllm_mode`` asks for, checked before any training step.
 
     Colocate: the engine is built here (so a GPU-memory or model error shows now, not at the
-    first step). Server: the server must answer within ``vllm_server_timeout``.
+    first step); with ``shared`` (a sweep's runs) the first generator builds it and the others
+    serve their adapters from it. Server: the server must answer within ``vllm_server_timeout``.
 
     Raises:
         ImportError: vLLM is not installed (names the extra).
         ValueError: ``vllm_tensor_parallel_size`` does not divide the number of processes; a 4-bit
-            base without ``vllm_lora_sync``.
+            base without ``vllm_lora_sync``; ``shared`` with an adapter vLLM cannot serve alone.
+        NotImplementedError: ``shared`` in server mode.
         ConnectionError: no server answered in time (names the address and the timeout).
     """
     vllm = require_vllm()
@@ -370,8 +395,13 @@ def build_vllm_generator(
     extra_stops = [t for t in eos if t != tokenizer.eos_token_id]
     params = sampling_kwargs(args, extra_stops)
     if args.vllm_mode == "server":
+        if shared is not None:
+            raise NotImplementedError(
+                "one vLLM server serving several runs' adapters (a sweep with vllm_mode='server') is not built yet; "
+                "set vllm_mode='colocate': the sweep's runs then share one engine in this process."
+            )
         return _server_generator(args, accelerator, get_model, tokenizer, params)
-    return _colocate_generator(vllm, args, accelerator, get_model, tokenizer, params, full_parameters)
+    return _colocate_generator(vllm, args, accelerator, get_model, tokenizer, params, full_parameters, shared)
 
 
 def _server_generator(
@@ -427,8 +457,10 @@ def _colocate_generator(
     tokenizer: Any,
     params: dict[str, Any],
     full_parameters: Callable[[torch.nn.Module], Any],
+    shared: SharedEngine | None = None,
 ) -> VLLMColocateGenerator:
-    """An engine in this process (spanning ``vllm_tensor_parallel_size`` processes), built and started now."""
+    """An engine in this process (spanning ``vllm_tensor_parallel_size`` processes), built and
+    started now; with ``shared``, the engine of a sweep's runs (built by the first of them)."""
     world, tp = accelerator.num_processes, args.vllm_tensor_parallel_size
     if world % tp != 0:
         raise ValueError(
@@ -454,15 +486,29 @@ def _colocate_generator(
         args.per_device_train_batch_size * (args.steps_per_generation or 1), args.per_device_eval_batch_size
     )
     model = get_model()
-    path = engine_model_path(model, tokenizer, args.output_dir)
-    engine_kwargs = colocate_engine_kwargs(
-        args, path, accelerator.process_index, rows, dtype=engine_dtype(args, model)
-    )
+    if shared is None:
+        adapter = _adapter_sync(args, model)
+        lora_kwargs = {} if adapter is None else lora_engine_kwargs(model)
+    else:
+        adapter, lora_kwargs = shared_adapter_sync(args, model, shared), shared.engine_kwargs
+
+    def engine_kwargs() -> dict[str, Any]:  # read when the engine is built (a shared one: once)
+        path = engine_model_path(model, tokenizer, args.output_dir)
+        kwargs = colocate_engine_kwargs(
+            args, path, accelerator.process_index, rows, dtype=engine_dtype(args, model)
+        )
+        for key, value in lora_kwargs.items():
+            kwargs.setdefault(key, value)  # vllm_engine_kwargs keep precedence
+        return kwargs
+
+    def make_engine() -> Any:
+        build = lambda: vllm.LLM(**engine_kwargs())  # noqa: E731
+        return build() if shared is None else shared.engine_for(build)
+
     gather_group, rank_in_group = _tensor_parallel_gather(accelerator, tp)
-    adapter = _adapter_sync(args, model, engine_kwargs)
     generator = VLLMColocateGenerator(
         get_model=get_model,
-        make_engine=lambda: vllm.LLM(**engine_kwargs),
+        make_engine=make_engine,
         make_params=make_params,
         params=params,
         pad_token_id=tokenizer.pad_token_id,
@@ -471,18 +517,16 @@ def _colocate_generator(
         gather_group=gather_group,
         rank_in_group=rank_in_group,
         adapter=adapter,
+        shared=shared,
     )
     generator.start()
     return generator
 
 
-def _adapter_sync(args: Any, model: torch.nn.Module, engine_kwargs: dict[str, Any]) -> AdapterSync | None:
-    """The adapter-only push when ``uses_adapter_sync``, the engine told to serve the adapter
-    (``vllm_engine_kwargs`` keep precedence over the LoRA keywords); None for the merged push."""
+def _adapter_sync(args: Any, model: torch.nn.Module) -> AdapterSync | None:
+    """The adapter-only push when ``uses_adapter_sync``; None for the merged push."""
     if not uses_adapter_sync(args, model):
         return None
-    for key, value in lora_engine_kwargs(model).items():
-        engine_kwargs.setdefault(key, value)
     from vllm.lora.request import LoRARequest
 
     return AdapterSync(os.path.join(args.output_dir, "vllm-adapter"), LoRARequest)

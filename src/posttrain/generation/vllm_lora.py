@@ -19,11 +19,13 @@ them before the engine is built.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from posttrain.generation.vllm_common import weight_items
+from posttrain.generation.base import Samples
+from posttrain.generation.vllm_common import samples_from_outputs, unpadded_prompts, weight_items
 
 #: The ranks vLLM's ``max_lora_rank`` accepts (``vllm.config.lora.MaxLoRARanks``, 0.32).
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -71,14 +73,14 @@ def _targets_outside_decoder(config: Any) -> bool:
     return any(n.rsplit(".", 1)[-1] in ("embed_tokens", "lm_head") for n in names)
 
 
+def served_rank(rank: int) -> int:
+    """The smallest ``max_lora_rank`` vLLM accepts that holds an adapter of rank ``rank``."""
+    return next(r for r in VLLM_LORA_RANKS if r >= rank)
+
+
 def lora_engine_kwargs(model: torch.nn.Module) -> dict[str, Any]:
     """The ``vllm.LLM`` keywords that let it serve ``model``'s adapter (rank rounded up to vLLM's)."""
-    rank = _peft_config(model).r
-    return {
-        "enable_lora": True,
-        "max_lora_rank": next(r for r in VLLM_LORA_RANKS if r >= rank),
-        "max_loras": 1,
-    }
+    return {"enable_lora": True, "max_lora_rank": served_rank(_peft_config(model).r), "max_loras": 1}
 
 
 def has_4bit_weights(model: torch.nn.Module) -> bool:
@@ -121,25 +123,54 @@ class AdapterSync:
         folder: where the adapter is written at each push (``{output_dir}/vllm-adapter``); in
             server mode the server reads it there (the same machine, or shared storage).
         request_class: ``vllm.lora.request.LoRARequest`` (colocate; None for a server).
+        name: the adapter's name in the engine.
+        adapter_id: its id in the engine (``lora_int_id``, 1 or more; distinct per adapter).
+        peft_adapter: which of the PEFT model's adapters is pushed; None: the active one.
+        shared: the engine this adapter shares with others (:class:`SharedEngine`: a sweep's
+            runs); None: an engine of its own.
     """
 
-    def __init__(self, folder: str, request_class: Any) -> None:
+    def __init__(
+        self,
+        folder: str,
+        request_class: Any,
+        name: str = ADAPTER_NAME,
+        adapter_id: int = ADAPTER_ID,
+        peft_adapter: str | None = None,
+        shared: SharedEngine | None = None,
+    ) -> None:
         self.folder = folder
         self.request_class = request_class
-        self.base_loaded = False  # the engine holds the trainer's base weights (pushed once)
+        self.name = name
+        self.adapter_id = adapter_id
+        self.peft_adapter = peft_adapter
+        self.shared = shared
+        self._base_loaded = False
         self.pushes = 0
 
+    @property
+    def base_loaded(self) -> bool:
+        """Whether the engine holds the trainer's base weights (pushed once, by any adapter sharing it)."""
+        return self.shared.base_loaded if self.shared is not None else self._base_loaded
+
+    @base_loaded.setter
+    def base_loaded(self, value: bool) -> None:
+        if self.shared is not None:
+            self.shared.base_loaded = value
+        else:
+            self._base_loaded = value
+
     def push(self, engine: Any, model: torch.nn.Module) -> None:
-        """Save the active adapter and load it into the colocated ``engine`` in place."""
+        """Save the adapter and load it into the colocated ``engine`` in place."""
         self.save(model)
         engine.llm_engine.add_lora(
-            self.request_class(ADAPTER_NAME, ADAPTER_ID, self.folder, load_inplace=True)
+            self.request_class(self.name, self.adapter_id, self.folder, load_inplace=True)
         )
 
     def save(self, model: torch.nn.Module) -> None:
-        """Write the active adapter (its files only: ``adapter_model.safetensors``, ``adapter_config.json``)."""
+        """Write the adapter (its files only: ``adapter_model.safetensors``, ``adapter_config.json``)."""
         os.makedirs(self.folder, exist_ok=True)
-        adapter = getattr(model, "active_adapter", "default")
+        adapter = self.peft_adapter or getattr(model, "active_adapter", "default")
         model.save_pretrained(self.folder, selected_adapters=[adapter], safe_serialization=True)
         if adapter != "default":  # PEFT writes a non-default adapter into a subfolder of its name
             source = os.path.join(self.folder, adapter)
@@ -151,4 +182,118 @@ class AdapterSync:
         """The ``lora_request`` of a generation: the adapter, or None (the base) while it is off."""
         if not adapters_enabled(model):
             return None
-        return self.request_class(ADAPTER_NAME, ADAPTER_ID, self.folder)
+        return self.request_class(self.name, self.adapter_id, self.folder)
+
+
+class SharedEngine:
+    """One colocated engine serving several adapters of one PEFT model: a sweep's runs.
+
+    The base weights are loaded once for all; each adapter has its own id, folder and pushes
+    (:class:`AdapterSync` with ``shared=self``), and the engine holds every adapter at once
+    (``max_loras``), so one call can sample each prompt with its own adapter.
+
+    Args:
+        ranks: each adapter's name and LoRA rank, in order (their engine ids are 1, 2, ...).
+    """
+
+    def __init__(self, ranks: dict[str, int]) -> None:
+        self.ids = {name: index for index, name in enumerate(ranks, start=1)}
+        self.engine_kwargs: dict[str, Any] = {
+            "enable_lora": True,
+            "max_lora_rank": served_rank(max(ranks.values())),
+            "max_loras": len(ranks),
+        }
+        self.engine: Any = None
+        self.base_loaded = False
+        #: the generators built on this engine (each forgets it when it is closed)
+        self.generators: list[Any] = []
+
+    def engine_for(self, make: Any) -> Any:
+        """The engine, built by ``make()`` at the first call."""
+        if self.engine is None:
+            self.engine = make()
+            self.base_loaded = False
+        return self.engine
+
+    def close(self) -> None:
+        """Shut the engine down; a later generation builds a new one (and loads the base again)."""
+        if self.engine is None:
+            return
+        core = getattr(getattr(self.engine, "llm_engine", None), "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()
+        self.engine = None
+        self.base_loaded = False
+        for generator in self.generators:
+            generator.engine = None
+            generator.stale = True
+
+
+def shared_adapter_sync(args: Any, model: torch.nn.Module, shared: SharedEngine) -> AdapterSync:
+    """The push of the model's active adapter (a sweep's run) into the engine it shares with the
+    other runs: a merged push would put one run's adapter into every run's base, so it is refused."""
+    name = getattr(model, "active_adapter", None)
+    blocker = (
+        adapter_sync_blocker(model)
+        if name in shared.ids
+        else f"adapter {name!r} is not one of {list(shared.ids)}"
+    )
+    if getattr(args, "vllm_lora_sync", None) is False or blocker is not None:
+        raise ValueError(
+            "runs that share one vLLM engine (a sweep) each need their LoRA adapter served on its own "
+            f"(vllm_lora_sync=None or True), but {blocker or 'vllm_lora_sync=False asks for merged pushes'}; "
+            "a merged push would put one run's adapter into the base every run samples from."
+        )
+    from vllm.lora.request import LoRARequest
+
+    folder = os.path.join(args.output_dir, "vllm-adapter")
+    return AdapterSync(
+        folder, LoRARequest, name=name, adapter_id=shared.ids[name], peft_adapter=name, shared=shared
+    )
+
+
+def generate_together(calls: Sequence[tuple[Any, torch.Tensor, torch.Tensor]]) -> list[Samples]:
+    """One engine call for several generators of one shared engine (a sweep's runs).
+
+    Each generator's prompts are sampled with its own adapter (``lora_request`` per prompt) and
+    its own sampling settings (``SamplingParams`` per prompt); vLLM batches them together. Each
+    generator first gets its current adapter into the engine, as its own call would.
+
+    Args:
+        calls: ``(generator, prompt_ids [N, P], prompt_mask [N, P])`` for each request.
+
+    Returns:
+        Each request's completions, in order.
+
+    Raises:
+        ValueError: the generators do not share one engine, or one spans several processes
+            (tensor parallelism) or sleeps between calls.
+    """
+    generators = [generator for generator, _, _ in calls]
+    shared = generators[0].shared
+    if shared is None or any(g.shared is not shared for g in generators):
+        raise ValueError("generate_together serves generators of one SharedEngine; these do not share one.")
+    if any(g.gather_group is not None or g.sleep for g in generators):
+        raise ValueError(
+            "generate_together serves one-process engines that stay awake (no tensor parallelism, no sleep mode)."
+        )
+    prompts: list[dict[str, Any]] = []
+    params: list[Any] = []
+    loras: list[Any] = []
+    for generator, prompt_ids, prompt_mask in calls:
+        generator.ready()
+        rows = unpadded_prompts(prompt_ids, prompt_mask)
+        own_params = generator.make_params(generator.params)
+        own_lora = generator.lora_request().get("lora_request")
+        prompts += [{"prompt_token_ids": p} for p in rows]
+        params += [own_params] * len(rows)
+        loras += [own_lora] * len(rows)
+    outputs = list(shared.engine.generate(prompts, params, use_tqdm=False, lora_request=loras))
+    results, start = [], 0
+    for generator, prompt_ids, _ in calls:
+        rows = prompt_ids.shape[0]
+        results.append(
+            samples_from_outputs(outputs[start : start + rows], generator.pad_token_id, prompt_ids.device)
+        )
+        start += rows
+    return results

@@ -108,6 +108,7 @@ def build_generator(
     tokenizer: Any,
     eos: list[int],
     suppress: list[int] | None = None,
+    shared_engine: Any = None,
 ) -> Generator:
     """transformers ``generate`` (shared prompt prefill, the lean loop, prepacked weights), its
     continuous batching engine with ``use_transformers_continuous_batching``, or vLLM with
@@ -121,6 +122,8 @@ def build_generator(
         eos: ids that end a completion.
         suppress: token ids never sampled (a vision-language model's image placeholders: one in a
             completion would ask for an image that is not there); ``generation_kwargs`` may override.
+        shared_engine: with ``use_vllm``, a ``vllm_lora.SharedEngine`` this generator serves its
+            adapter from (a sweep's runs share one engine).
     """
     generation_kwargs = dict(args.generation_kwargs or {})
     if suppress:
@@ -144,7 +147,9 @@ def build_generator(
     if getattr(args, "use_vllm", False):
         from posttrain.generation.vllm_backend import build_vllm_generator
 
-        return build_vllm_generator(args, accelerator, get_model, tokenizer, eos, full_parameters)
+        return build_vllm_generator(
+            args, accelerator, get_model, tokenizer, eos, full_parameters, shared=shared_engine
+        )
     if args.use_transformers_continuous_batching:
         return ContinuousBatchingGenerator(
             get_model=get_model,

@@ -142,7 +142,7 @@ class OnlineTrainer(BaseTrainer):
         )
         generator = setup.build_generator(
             a, self.accelerator, lambda: self.model, self._tokenizer, self._eos_token_ids,
-            suppress=image_placeholder_ids(self.model),
+            suppress=image_placeholder_ids(self.model), shared_engine=self._shared_vllm_engine,
         )  # fmt: skip
         if self._bf16_sampler_copy:  # under bf16=True on a bf16 CPU: the decode steps on a bf16 copy
             own_sampling = self.agent is None and self.rollout_func is None
@@ -192,6 +192,10 @@ class OnlineTrainer(BaseTrainer):
     #: casting every weight again at every token); for families that do not read the sampler's
     #: log-probs, so only the speed changes. GRPO sets its sampler itself (``sampler_precision``).
     _bf16_sampler_copy: bool = False
+
+    #: with ``use_vllm``: the colocated engine this trainer serves its adapter from, shared with
+    #: other trainers (``vllm_lora.SharedEngine``; a sweep's run classes set it); None: its own engine
+    _shared_vllm_engine: Any = None
 
     @property
     def _judged(self) -> bool:

@@ -9,6 +9,10 @@ terms per row block). Requests with different sampling settings (temperature, to
 are served by one call each. A decode step multiplies every base weight once for all the call's
 rows, so N runs' steps cost less than N steps (figures: ``benchmarks/sweep_generation.py``).
 
+With ``use_vllm`` the runs' adapters are served by one colocated engine (``vllm_lora.SharedEngine``)
+and one ``generate`` call takes every waiting request, each prompt with its run's adapter
+(``LoRARequest``) and sampling settings (``vllm_lora.generate_together``).
+
 The rows of a shared call draw from the random generators of the run that makes the call, so a
 run sampled this way equals a lone run in distribution, not draw for draw (``GRPOSweep`` with
 ``shared_generation=False`` keeps each run's own draws).
@@ -46,7 +50,10 @@ class Request:
     result: Samples | None = None
 
     def settings_key(self) -> str:
-        """Requests with equal keys are served by one call: same sampling settings and budget."""
+        """Requests with equal keys are served by one call: same sampling settings and budget
+        (vLLM takes each prompt's own settings, so its requests are all served by one call)."""
+        if _on_vllm(self.generator):
+            return "vllm"
         config = self.generator.config.to_dict()
         options = [self.generator.prepack_weights, self.generator.lean, self.generator.sampler_precision]
         return json.dumps([config, self.max_new_tokens, options], sort_keys=True, default=str)
@@ -72,6 +79,13 @@ class SharedGeneration:
 
     def attach(self, name: str, generator: Any) -> None:
         """Route run ``name``'s generator calls through the shared call (the instance's ``generate``)."""
+        if _on_vllm(generator):
+
+            def generate_on_vllm(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> Samples:
+                return self.request(Request(name, generator, prompt_ids, prompt_mask, None))
+
+            generator.generate = generate_on_vllm
+            return
         own = type(generator).generate
 
         def generate(
@@ -114,6 +128,15 @@ class SharedGeneration:
             raise
 
     def _serve_group(self, group: list[Request]) -> None:
+        if _on_vllm(group[0].generator):  # one engine call, each prompt with its run's adapter
+            from posttrain.generation.vllm_lora import generate_together
+
+            results = generate_together([(r.generator, r.prompt_ids, r.prompt_mask) for r in group])
+            for request, samples in zip(group, results, strict=True):
+                request.result = samples
+            self.calls += 1
+            self.rows += sum(r.prompt_ids.shape[0] for r in group)
+            return
         width = max(r.prompt_ids.shape[1] for r in group)
         pad = group[0].generator.config.pad_token_id or 0
         ids = torch.cat([_left_pad(r.prompt_ids, width, pad) for r in group])
@@ -139,6 +162,11 @@ class SharedGeneration:
                 lengths=None if samples.lengths is None else samples.lengths[part],
             )
             start += rows
+
+
+def _on_vllm(generator: Any) -> bool:
+    """Whether ``generator`` samples from a vLLM engine shared by the runs (``vllm_lora.SharedEngine``)."""
+    return getattr(generator, "shared", None) is not None
 
 
 def _left_pad(tensor: torch.Tensor, width: int, value: int) -> torch.Tensor:

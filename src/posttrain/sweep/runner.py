@@ -43,6 +43,15 @@ SHARED_FIELDS: tuple[str, ...] = (
     "torch_compile",
     "use_cpu",
     "trust_remote_code",
+    # vLLM: the runs share one colocated engine (docs/sweeps.md)
+    "use_vllm",
+    "vllm_mode",
+    "vllm_gpu_memory_utilization",
+    "vllm_max_model_length",
+    "vllm_model_impl",
+    "vllm_tensor_parallel_size",
+    "vllm_enable_sleep_mode",
+    "vllm_engine_kwargs",
 )
 
 #: The summary a sweep writes in its folder: each run's status, step, error and folder.
@@ -151,8 +160,8 @@ class GRPOSweep:
     Raises:
         ValueError: no run, a repeated or unusable name, two runs writing to one folder, a run
             without a LoRA config, or runs that disagree on a field of :data:`SHARED_FIELDS`.
-        NotImplementedError: ``use_vllm=True`` (serving a sweep's adapters through vLLM is not
-            built yet).
+        NotImplementedError: ``use_vllm=True`` with ``vllm_mode="server"`` or sleep mode (the runs
+            share one colocated engine, awake).
     """
 
     def __init__(
@@ -183,6 +192,10 @@ class GRPOSweep:
         first = self.runs[0].args
         base, source = trainer_class._setup_model(model, first)
         self.model = self._add_adapters(base, peft_config, first.gradient_checkpointing)
+        #: with ``use_vllm``: the one colocated engine every run's adapter is served from
+        self.vllm_engine = (
+            _shared_engine(self.runs, peft_config) if getattr(first, "use_vllm", False) else None
+        )
         self.processing_class = trainer_class._setup_tokenizer(processing_class, source, first)
         self._stop = threading.Event()
         self.trainers: dict[str, Any] = {}
@@ -196,8 +209,12 @@ class GRPOSweep:
         if shared_generation:
             self.generation = SharedGeneration(self._hand_over_in_step)
             for name, trainer in self.trainers.items():
-                if isinstance(getattr(trainer, "generator", None), TransformersGenerator):
-                    self.generation.attach(name, trainer.generator)
+                generator = getattr(trainer, "generator", None)
+                if (
+                    isinstance(generator, TransformersGenerator)
+                    or getattr(generator, "shared", None) is not None
+                ):
+                    self.generation.attach(name, generator)
         self._turns: Turns | None = None
         self._seconds: dict[str, float] = {}
         self._entered: dict[str, float] = {}
@@ -206,6 +223,7 @@ class GRPOSweep:
         """One trainer per run on the shared model, each built with its adapter active; its random
         generators' state right after (as a lone run's when its ``train`` begins)."""
         sweep_class = _sweep_trainer_class(trainer_class)
+        sweep_class._shared_vllm_engine = self.vllm_engine
         for index, run in enumerate(self.runs):
             self.model.set_adapter(run.name)
             trainer = sweep_class(
@@ -337,6 +355,8 @@ class GRPOSweep:
             for thread in threads:
                 thread.join()
         self.model.set_adapter(names[0])
+        if self.vllm_engine is not None:  # its workers' groups go before the process's own
+            self.vllm_engine.close()
         ordered = {name: outcomes[name] for name in names}
         if self.output_dir is not None:
             write_summary(self.output_dir, ordered)
@@ -452,11 +472,7 @@ def _check_runs(runs: list[SweepRun], peft_config: Any, output_dir: str | None) 
                 f"sweep run {run.name!r}: a sweep trains LoRA adapters (peft.LoraConfig); got "
                 f"{type(config).__name__}."
             )
-        if getattr(run.args, "use_vllm", False):
-            raise NotImplementedError(
-                f"sweep run {run.name!r} sets use_vllm=True: serving a sweep's adapters through vLLM is not built "
-                "yet; the runs sample with posttrain's own generator (use_vllm=False)."
-            )
+        _check_vllm(run)
     first = runs[0]
     for run in runs[1:]:
         for name in SHARED_FIELDS:
@@ -466,6 +482,37 @@ def _check_runs(runs: list[SweepRun], peft_config: Any, output_dir: str | None) 
                     f"sweep runs {first.name!r} and {run.name!r} differ in {name} ({mine!r} against {theirs!r}): "
                     f"{name} acts on the base model the runs share, so every run needs the same value."
                 )
+
+
+def _check_vllm(run: SweepRun) -> None:
+    """Refuse what one engine shared by the runs cannot do, before anything loads."""
+    args = run.args
+    if not getattr(args, "use_vllm", False):
+        return
+    if args.vllm_mode != "colocate":
+        raise NotImplementedError(
+            f"sweep run {run.name!r} sets vllm_mode={args.vllm_mode!r}: one vLLM server serving every run's "
+            "adapter is not built yet; set vllm_mode='colocate' (the runs then share one engine in this process)."
+        )
+    if args.vllm_enable_sleep_mode:
+        raise NotImplementedError(
+            f"sweep run {run.name!r} sets vllm_enable_sleep_mode=True: a sweep's shared engine stays awake (sleep "
+            "would drop every run's adapter between turns); set vllm_enable_sleep_mode=False."
+        )
+    if getattr(args, "vllm_lora_sync", None) is False:
+        raise ValueError(
+            f"sweep run {run.name!r} sets vllm_lora_sync=False: the runs share one vLLM engine, which serves each "
+            "run's adapter on its own; a merged push would put one run's adapter into every run's base. Leave "
+            "vllm_lora_sync None (or True)."
+        )
+
+
+def _shared_engine(runs: list[SweepRun], default_config: Any) -> Any:
+    """The vLLM engine the runs share: each run's adapter its own slot, the largest rank served."""
+    from posttrain.generation.vllm_lora import SharedEngine
+
+    ranks = {run.name: (run.peft_config if run.peft_config is not None else default_config).r for run in runs}
+    return SharedEngine(ranks)
 
 
 def _sweep_trainer_class(trainer_class: type) -> type:
