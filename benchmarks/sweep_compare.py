@@ -3,7 +3,7 @@
 Usage (posttrain's environment, nothing else running)::
 
     .venv/bin/python benchmarks/sweep_compare.py [--runs 4] [--steps 5] [--evaluate true] [--order sweep-first]
-        [--shared_generation false|true|both]
+        [--shared_generation false|true|both] [--use_vllm false|true]
 
 The runs are the default GRPO task (``posttrain grpo``'s no-argument settings, ``--max_steps
 STEPS``), each a rank-16 LoRA adapter on every linear layer, at the learning rates of
@@ -14,7 +14,10 @@ them with other seeds). Side A: one ``posttrain sweep`` process. Side B: the sam
 against the sum of the separate runs', and its peak memory against the sum of their peaks (what
 N runs at once as separate processes would need). ``--shared_generation both`` runs the sweep
 twice, without and with one shared generation call per round, around the separate side (sweep
-without, separate, sweep with), and reports a ratio for each.
+without, separate, sweep with), and reports a ratio for each. ``--use_vllm true`` (run it with the
+interpreter of an environment holding vLLM, such as CI's ``.venv-vllm``) samples with a colocated
+vLLM engine on both sides: the sweep's runs share one engine, each its adapter in a slot of its own;
+each separate process builds its own.
 """
 
 from __future__ import annotations
@@ -60,10 +63,14 @@ def timed(command: list[str], log: str) -> dict[str, float]:
     return {"seconds": round(wall, 1), "peak_mb": round(peak)}
 
 
+#: ``--use_vllm true``: the flags both sides add (a colocated engine in the trainer's process)
+VLLM: dict[str, object] = {}
+
+
 def sweep_side(folder: str, steps: int, count: int, evaluate: str, shared: bool) -> dict[str, float]:
     import yaml
 
-    spec = {"output_dir": os.path.join(folder, "sweep"), "lora": LORA, "shared": {"max_steps": steps},
+    spec = {"output_dir": os.path.join(folder, "sweep"), "lora": LORA, "shared": {"max_steps": steps, **VLLM},
             "runs": dict(runs(count)), "shared_generation": shared}  # fmt: skip
     path = os.path.join(folder, "sweep.yaml")
     with open(path, "w") as f:
@@ -85,8 +92,8 @@ def separate_side(folder: str, steps: int, count: int, evaluate: str, shared: bo
                    "--lora_r", "16", "--lora_alpha", "32", "--lora_dropout", "0.05",
                    "--lora_target_modules", "all-linear", "--max_steps", str(steps), "--evaluate", evaluate,
                    "--output_dir", os.path.join(folder, name), "--disable_tqdm", "true"]  # fmt: skip
-        for key, value in flags.items():
-            command += [f"--{key}", str(value)]
+        for key, value in {**flags, **VLLM}.items():
+            command += [f"--{key}", str(value).lower() if isinstance(value, bool) else str(value)]
         one = timed(command, os.path.join(folder, f"{name}.log"))
         total["seconds"] += one["seconds"]
         total["peak_mb_sum"] += one["peak_mb"]
@@ -101,11 +108,16 @@ def main() -> None:
     parser.add_argument("--evaluate", default="true", choices=["true", "false"])
     parser.add_argument("--order", default="sweep-first", choices=["sweep-first", "separate-first"])
     parser.add_argument("--shared_generation", default="false", choices=["true", "false", "both"])
+    parser.add_argument("--use_vllm", default="false", choices=["true", "false"])
     args = parser.parse_args()
+    if args.use_vllm == "true":
+        VLLM.update(use_vllm=True, vllm_mode="colocate")
     folder = tempfile.mkdtemp(prefix="sweep-compare-")
     modes = {"both": ["false", "true"]}.get(args.shared_generation, [args.shared_generation])
     sweeps = [("sweep" if len(modes) == 1 else f"sweep_shared_{mode}", mode) for mode in modes]
-    order = [*sweeps, ("separate", "false")] if args.order == "sweep-first" else [("separate", "false"), *sweeps]
+    order = (
+        [*sweeps, ("separate", "false")] if args.order == "sweep-first" else [("separate", "false"), *sweeps]
+    )
     if len(sweeps) == 2:  # the separate side between the two sweeps
         order = [sweeps[0], ("separate", "false"), sweeps[1]]
     result = {}
@@ -118,10 +130,14 @@ def main() -> None:
     for side, _ in sweeps:
         suffix = "" if side == "sweep" else side[len("sweep") :]
         result[f"time_ratio{suffix}"] = round(result[side]["seconds"] / separate["seconds"], 3)
-        result[f"memory_ratio_vs_summed_peaks{suffix}"] = round(result[side]["peak_mb"] / separate["peak_mb_sum"], 3)
-        result[f"memory_ratio_vs_one_run{suffix}"] = round(result[side]["peak_mb"] / separate["peak_mb_max"], 3)
+        result[f"memory_ratio_vs_summed_peaks{suffix}"] = round(
+            result[side]["peak_mb"] / separate["peak_mb_sum"], 3
+        )
+        result[f"memory_ratio_vs_one_run{suffix}"] = round(
+            result[side]["peak_mb"] / separate["peak_mb_max"], 3
+        )
     result["settings"] = {"runs": args.runs, "steps": args.steps, "evaluate": args.evaluate, "folder": folder,
-                          "shared_generation": args.shared_generation}  # fmt: skip
+                          "shared_generation": args.shared_generation, "use_vllm": args.use_vllm}  # fmt: skip
     print(json.dumps(result, indent=1))
 
 
