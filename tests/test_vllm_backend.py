@@ -528,14 +528,3 @@ def test_adapter_sync_blocker_names_what_vllm_cannot_serve(options, reason):
         assert vllm_lora.lora_engine_kwargs(wrapped)["max_lora_rank"] == (
             8 if options.get("r", 4) <= 8 else 32
         )
-
-
-def test_server_lora_sync_with_a_4bit_base_is_not_built(standin, monkeypatch, tmp_path):
-    """Refused at the build, before any push: the server would get the base in its packed form."""
-
-    monkeypatch.setattr(vllm_backend, "adapter_sync_blocker", lambda model: None)
-    monkeypatch.setattr(vllm_backend, "has_4bit_weights", lambda model: True)
-    args = make_config(tmp_path, use_vllm=True, vllm_mode="server", vllm_lora_sync=True)
-    monkeypatch.setattr(vllm_backend.VLLMServerClient, "wait_until_up", lambda self: None)
-    with pytest.raises(NotImplementedError, match="vllm_mode='server' and a 4-bit base is not built yet"):
-        vllm_backend._server_generator(args, None, lambda: torch.nn.Linear(2, 2), None, {})

@@ -653,6 +653,39 @@ def test_grpo_server_lora_sync_pushes_the_base_once_and_then_only_the_adapter(
     assert trainer.generator.sync.sends == 1 and trainer.generator.adapter.pushes == 3
 
 
+def test_qlora_server_lora_sync_sends_the_dequantized_base_once_and_then_the_adapter(
+    tmp_path, tied_model_dir, server, monkeypatch
+):
+    """Server mode with a 4-bit (NF4) base: the one base push through the folder carries the
+    dequantized weights the trainer multiplies by (not the packed ones, not the float checkpoint
+    the server started from), then the adapter alone; the server samples from the QLoRA model."""
+    peft = pytest.importorskip("peft")
+    pytest.importorskip("bitsandbytes")
+    from transformers import BitsAndBytesConfig
+
+    nf4 = BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32
+    )
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    args = _config(
+        tmp_path, vllm_mode="server", vllm_server_base_url=server, learning_rate=5e-2, vllm_lora_sync=True,
+        max_steps=2,
+    )  # fmt: skip
+    trainer = GRPOTrainer(
+        model=tied_model_dir, reward_funcs=token_sum_reward, args=args, train_dataset=standard_dataset(),
+        processing_class=build_tiny_tokenizer(), peft_config=config, quantization_config=nf4,
+    )  # fmt: skip
+    gaps = watch_sampler(monkeypatch, trainer.generator)
+    trainer.train()
+    assert len(gaps) == 2 and max(gaps) < GAP, gaps
+    assert trainer.generator.sync.sends == 1 and trainer.generator.adapter.pushes == 2
+    from safetensors.torch import load_file
+
+    sent = load_file(os.path.join(str(tmp_path), "vllm-weights", "model.safetensors"))
+    assert all(t.is_floating_point() for t in sent.values())  # no packed uint8 weights, no statistics
+    assert not any(k.endswith((".absmax", ".quant_map", ".quant_state.bitsandbytes__nf4")) for k in sent)
+
+
 def test_grpo_server_trains_on_the_trainers_current_weights(tmp_path, tied_model_dir, server, monkeypatch):
     args = _config(tmp_path, vllm_mode="server", vllm_server_base_url=server, learning_rate=5e-2)
     trainer = _trainer(tied_model_dir, args)

@@ -436,13 +436,6 @@ def _server_generator(
 
     adapter = None
     if uses_adapter_sync(args, get_model()):
-        model = get_model()
-        if has_4bit_weights(model):
-            raise NotImplementedError(
-                "vllm_lora_sync=True with vllm_mode='server' and a 4-bit base is not built yet: the base would "
-                "reach the server in its packed form. Use vllm_mode='colocate' (the engine then holds the "
-                "dequantized base), or a base that is not quantised."
-            )
         adapter = AdapterSync(os.path.join(args.output_dir, "vllm-adapter"), None)
     return VLLMServerGenerator(
         client, params, tokenizer.pad_token_id, make_sync=make_sync, get_model=get_model, adapter=adapter

@@ -25,9 +25,8 @@ from posttrain.generation.vllm_common import (
     merged_adapters,
     samples_from_outputs,
     unpadded_prompts,
-    weight_items,
 )
-from posttrain.generation.vllm_lora import ADAPTER_NAME, AdapterSync, adapters_enabled
+from posttrain.generation.vllm_lora import ADAPTER_NAME, AdapterSync, adapters_enabled, base_weight_items
 
 
 def server_base_url(args: Any) -> str:
@@ -182,10 +181,12 @@ def checkpoint_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The model's weights under their checkpoint names (:func:`weight_items`) as a dict that
     safetensors can write: each tensor contiguous, and a tensor shared by two names (a tied
     ``lm_head.weight``) written under both. vLLM loads a tied head from its own name: a file
-    without it leaves the server's head at its old values, with only a warning in its log."""
+    without it leaves the server's head at its old values, with only a warning in its log.
+    4-bit (bitsandbytes) weights go dequantized (``vllm_lora.base_weight_items``): the values the
+    trainer multiplies by, which a QLoRA policy's one base push sends (``vllm_lora_sync``)."""
     out: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
-    for name, tensor in weight_items(model):
+    for name, tensor in base_weight_items(model):
         tensor = tensor.detach().contiguous()
         if tensor.data_ptr() in seen:
             tensor = tensor.clone()
@@ -229,7 +230,8 @@ def nccl_weight_sync(
     The group is this trainer's sender (rank 0) plus the server's workers
     (``1 + GET /get_world_size``), rendezvous at ``host:port`` (``vllm_group_port``); each
     ``send_weights()`` broadcasts the weights under their checkpoint names
-    (:func:`weight_items`, so a PEFT model sends its merged base weights).
+    (:func:`weight_items`, so a PEFT model sends its merged base weights; 4-bit weights
+    dequantized, as ``vllm_lora.base_weight_items`` gives them).
     """
     import inspect
     from functools import cached_property
@@ -240,7 +242,7 @@ def nccl_weight_sync(
     from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
 
     def described() -> list[Any]:
-        return [ParamMeta(name, t.dtype, tuple(t.shape)) for name, t in weight_items(model)]
+        return [ParamMeta(name, t.dtype, tuple(t.shape)) for name, t in base_weight_items(model)]
 
     # vLLM 0.32 declares `metadata()` a method and iterates the source itself; 0.34 reads a
     # `metadata` property and calls `iter_full()`. The class answers both.
@@ -253,10 +255,10 @@ def nccl_weight_sync(
         metadata = cached_property(lambda self: described()) if as_property else (lambda self: described())
 
         def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-            yield from weight_items(model)
+            yield from base_weight_items(model)
 
         def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:
-            yield from weight_items(model)
+            yield from base_weight_items(model)
 
     info = NCCLTrainerInitInfo(
         master_address=host, master_port=port, world_size=1 + client.world_size(), rank=rank
