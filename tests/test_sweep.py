@@ -363,11 +363,6 @@ def test_a_sweep_that_cannot_run_is_refused_before_loading(tmp_path, tok, change
 @pytest.mark.parametrize(
     "overrides, error, message",
     [
-        (
-            {"vllm_mode": "server"},
-            NotImplementedError,
-            "vllm_mode='server': one vLLM server serving every run",
-        ),
         ({"vllm_enable_sleep_mode": True}, NotImplementedError, "shared engine stays awake"),
         ({"vllm_lora_sync": False}, ValueError, "vllm_lora_sync=False: the runs share one vLLM engine"),
     ],
@@ -375,8 +370,8 @@ def test_a_sweep_that_cannot_run_is_refused_before_loading(tmp_path, tok, change
 def test_what_one_shared_vllm_engine_cannot_do_is_refused_before_the_model_loads(
     tmp_path, tok, overrides, error, message
 ):
-    """A sweep's runs share one colocated engine, each run's adapter served alone: server mode,
-    sleep mode (it would drop the adapters between turns) and merged pushes are refused at once."""
+    """A sweep's runs share one engine, each run's adapter served alone: sleep mode (it would drop
+    the adapters between turns) and merged pushes are refused at once."""
     args = config(tmp_path, "one", use_vllm=True, **overrides)
     runs = [SweepRun("one", args, reward_funcs=prefers_token(5))]
     with pytest.raises(error, match=message):

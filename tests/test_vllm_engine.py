@@ -480,7 +480,7 @@ def test_gold_samples_the_student_with_vllm(tmp_path, model_dir, monkeypatch):
 # ---- sweeps: one engine, one adapter per run ---------------------------------------------------------
 
 
-def _sweep(tmp_path, model_dir, shared_generation=False):
+def _sweep(tmp_path, model_dir, shared_generation=False, **overrides):
     """Two runs of different learning rates and rewards on one base, each its own LoRA adapter."""
     peft = pytest.importorskip("peft")
     from posttrain.sweep import GRPOSweep, SweepRun
@@ -489,10 +489,10 @@ def _sweep(tmp_path, model_dir, shared_generation=False):
         return [-float(sum(ids)) / max(len(ids), 1) for ids in completion_ids]
 
     runs = [
-        SweepRun("one", _config(tmp_path / "one", learning_rate=5e-2), reward_funcs=token_sum_reward,
+        SweepRun("one", _config(tmp_path / "one", learning_rate=5e-2, **overrides), reward_funcs=token_sum_reward,
                  train_dataset=standard_dataset()),
-        SweepRun("two", _config(tmp_path / "two", learning_rate=1e-1, seed=7), reward_funcs=prefers_small_tokens,
-                 train_dataset=standard_dataset()),
+        SweepRun("two", _config(tmp_path / "two", learning_rate=1e-1, seed=7, **overrides),
+                 reward_funcs=prefers_small_tokens, train_dataset=standard_dataset()),
     ]  # fmt: skip
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -545,10 +545,9 @@ def test_a_sweeps_shared_generation_is_one_engine_call_with_each_runs_adapter(
 ):
     """shared_generation with vLLM: each round's requests go to the engine in one generate call,
     every prompt with its own run's LoRARequest; each run's rows match its own adapter."""
-    from posttrain.generation import vllm_lora
 
     sweep = _sweep(tmp_path, model_dir, shared_generation=True)
-    calls, gaps = [], []
+    calls = []
     engine = sweep.vllm_engine.engine
     generate = engine.generate
 
@@ -557,6 +556,20 @@ def test_a_sweeps_shared_generation_is_one_engine_call_with_each_runs_adapter(
         return generate(prompts, params, **kwargs)
 
     monkeypatch.setattr(engine, "generate", counted)
+    gaps = watch_shared_calls(monkeypatch, sweep)
+    outcomes = sweep.train()
+    assert [o.status for o in outcomes.values()] == ["finished", "finished"], outcomes
+    assert calls == [["one", "two"]] * 3  # one call a round, both runs' adapters in it
+    assert sweep.generation.calls == 3 and len(gaps) == 6 and max(gaps) < GAP, gaps
+    assert _adapters_differ(sweep.model) > 1e-3
+
+
+def watch_shared_calls(monkeypatch, sweep) -> list[float]:
+    """For every row block of every shared call, the gap between the engine's log-probs and the
+    sweep's PEFT model's under that block's run's adapter."""
+    from posttrain.generation import vllm_lora
+
+    gaps: list[float] = []
     together = vllm_lora.generate_together
 
     def checked(requests):
@@ -570,11 +583,7 @@ def test_a_sweeps_shared_generation_is_one_engine_call_with_each_runs_adapter(
         return results
 
     monkeypatch.setattr(vllm_lora, "generate_together", checked)
-    outcomes = sweep.train()
-    assert [o.status for o in outcomes.values()] == ["finished", "finished"], outcomes
-    assert calls == [["one", "two"]] * 3  # one call a round, both runs' adapters in it
-    assert sweep.generation.calls == 3 and len(gaps) == 6 and max(gaps) < GAP, gaps
-    assert _adapters_differ(sweep.model) > 1e-3
+    return gaps
 
 
 @torch.no_grad()
@@ -608,7 +617,7 @@ def server(tied_model_dir, tmp_path_factory):
     command = [
         sys.executable, "-m", "posttrain.cli.main", "vllm-serve", "--model", tied_model_dir, "--host", "127.0.0.1",
         "--port", str(port), "--enforce-eager", "--kv-cache-memory-bytes", str(256 * 2**20),
-        "--enable-lora", "--max-lora-rank", "8",  # vllm_lora_sync's test loads its adapter into this server
+        "--enable-lora", "--max-lora-rank", "8", "--max-loras", "2",  # vllm_lora_sync's tests load adapters
     ]  # fmt: skip
     with open(log, "w") as out:
         proc = subprocess.Popen(
@@ -684,6 +693,26 @@ def test_qlora_server_lora_sync_sends_the_dequantized_base_once_and_then_the_ada
     sent = load_file(os.path.join(str(tmp_path), "vllm-weights", "model.safetensors"))
     assert all(t.is_floating_point() for t in sent.values())  # no packed uint8 weights, no statistics
     assert not any(k.endswith((".absmax", ".quant_map", ".quant_state.bitsandbytes__nf4")) for k in sent)
+
+
+def test_a_sweep_through_one_server_serves_each_runs_adapter_by_its_name(
+    tmp_path, tied_model_dir, server, monkeypatch
+):
+    """Server mode in a sweep: the base goes to the server once for both runs, each run's adapter is
+    loaded under the run's name after its steps, and a round's shared call sends both runs'
+    requests at once, each naming its adapter; each run's rows match its own adapter."""
+    sweep = _sweep(
+        tmp_path, tied_model_dir, shared_generation=True, vllm_mode="server", vllm_server_base_url=server
+    )
+    generators = [t.generator for t in sweep.trainers.values()]
+    gaps = watch_shared_calls(monkeypatch, sweep)
+    outcomes = sweep.train()
+    assert [o.status for o in outcomes.values()] == ["finished", "finished"], outcomes
+    assert sweep.generation.calls == 3 and len(gaps) == 6 and max(gaps) < GAP, gaps
+    assert sum(g.sync.sends for g in generators if g.sync is not None) == 1  # the base, once
+    assert [g.adapter.pushes for g in generators] == [3, 3]
+    assert [g.adapter.name for g in generators] == ["one", "two"]
+    assert _adapters_differ(sweep.model) > 1e-3
 
 
 def test_grpo_server_trains_on_the_trainers_current_weights(tmp_path, tied_model_dir, server, monkeypatch):

@@ -376,13 +376,13 @@ def build_vllm_generator(
 
     Colocate: the engine is built here (so a GPU-memory or model error shows now, not at the
     first step); with ``shared`` (a sweep's runs) the first generator builds it and the others
-    serve their adapters from it. Server: the server must answer within ``vllm_server_timeout``.
+    serve their adapters from it. Server: the server must answer within ``vllm_server_timeout``;
+    with ``shared`` every run's adapter is loaded into it under the run's name.
 
     Raises:
         ImportError: vLLM is not installed (names the extra).
         ValueError: ``vllm_tensor_parallel_size`` does not divide the number of processes; a 4-bit
             base without ``vllm_lora_sync``; ``shared`` with an adapter vLLM cannot serve alone.
-        NotImplementedError: ``shared`` in server mode.
         ConnectionError: no server answered in time (names the address and the timeout).
     """
     vllm = require_vllm()
@@ -395,12 +395,7 @@ def build_vllm_generator(
     extra_stops = [t for t in eos if t != tokenizer.eos_token_id]
     params = sampling_kwargs(args, extra_stops)
     if args.vllm_mode == "server":
-        if shared is not None:
-            raise NotImplementedError(
-                "one vLLM server serving several runs' adapters (a sweep with vllm_mode='server') is not built yet; "
-                "set vllm_mode='colocate': the sweep's runs then share one engine in this process."
-            )
-        return _server_generator(args, accelerator, get_model, tokenizer, params)
+        return _server_generator(args, accelerator, get_model, tokenizer, params, shared)
     return _colocate_generator(vllm, args, accelerator, get_model, tokenizer, params, full_parameters, shared)
 
 
@@ -410,8 +405,10 @@ def _server_generator(
     get_model: Callable[[], torch.nn.Module],
     tokenizer: Any,
     params: dict[str, Any],
+    shared: SharedEngine | None = None,
 ) -> VLLMServerGenerator:
-    """The client of a running ``posttrain vllm-serve``, once it answers; weights pushed by NCCL or a folder."""
+    """The client of a running ``posttrain vllm-serve``, once it answers; weights pushed by NCCL or
+    a folder (with ``shared``, the base once for every run, then each run's adapter)."""
     client = VLLMServerClient(
         server_base_url(args), args.vllm_server_timeout, getattr(args, "request_timeout", None)
     )
@@ -435,11 +432,14 @@ def _server_generator(
             return FolderWeightSync(client, model, folder)
 
     adapter = None
-    if uses_adapter_sync(args, get_model()):
+    if shared is not None:
+        adapter = shared_adapter_sync(args, get_model(), shared, server=True)
+    elif uses_adapter_sync(args, get_model()):
         adapter = AdapterSync(os.path.join(args.output_dir, "vllm-adapter"), None)
     return VLLMServerGenerator(
-        client, params, tokenizer.pad_token_id, make_sync=make_sync, get_model=get_model, adapter=adapter
-    )
+        client, params, tokenizer.pad_token_id, make_sync=make_sync, get_model=get_model, adapter=adapter,
+        shared=shared,
+    )  # fmt: skip
 
 
 def _colocate_generator(

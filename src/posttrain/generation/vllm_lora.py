@@ -186,11 +186,13 @@ class AdapterSync:
 
 
 class SharedEngine:
-    """One colocated engine serving several adapters of one PEFT model: a sweep's runs.
+    """One engine serving several adapters of one PEFT model: a sweep's runs.
 
     The base weights are loaded once for all; each adapter has its own id, folder and pushes
     (:class:`AdapterSync` with ``shared=self``), and the engine holds every adapter at once
-    (``max_loras``), so one call can sample each prompt with its own adapter.
+    (``max_loras``), so one call can sample each prompt with its own adapter. A colocated engine
+    is built from ``engine_kwargs`` by the first run (``engine_for``); with a server (``vllm_mode
+    ="server"``) only the shared base and the adapters' names and ids are kept here.
 
     Args:
         ranks: each adapter's name and LoRA rank, in order (their engine ids are 1, 2, ...).
@@ -229,9 +231,12 @@ class SharedEngine:
             generator.stale = True
 
 
-def shared_adapter_sync(args: Any, model: torch.nn.Module, shared: SharedEngine) -> AdapterSync:
-    """The push of the model's active adapter (a sweep's run) into the engine it shares with the
-    other runs: a merged push would put one run's adapter into every run's base, so it is refused."""
+def shared_adapter_sync(
+    args: Any, model: torch.nn.Module, shared: SharedEngine, server: bool = False
+) -> AdapterSync:
+    """The push of the model's active adapter (a sweep's run) into the engine (or ``server``) it
+    shares with the other runs: a merged push would put one run's adapter into every run's base,
+    so it is refused."""
     name = getattr(model, "active_adapter", None)
     blocker = (
         adapter_sync_blocker(model)
@@ -244,11 +249,12 @@ def shared_adapter_sync(args: Any, model: torch.nn.Module, shared: SharedEngine)
             f"(vllm_lora_sync=None or True), but {blocker or 'vllm_lora_sync=False asks for merged pushes'}; "
             "a merged push would put one run's adapter into the base every run samples from."
         )
-    from vllm.lora.request import LoRARequest
-
+    request_class = None
+    if not server:
+        from vllm.lora.request import LoRARequest as request_class
     folder = os.path.join(args.output_dir, "vllm-adapter")
     return AdapterSync(
-        folder, LoRARequest, name=name, adapter_id=shared.ids[name], peft_adapter=name, shared=shared
+        folder, request_class, name=name, adapter_id=shared.ids[name], peft_adapter=name, shared=shared
     )
 
 
@@ -265,6 +271,9 @@ def generate_together(calls: Sequence[tuple[Any, torch.Tensor, torch.Tensor]]) -
     Returns:
         Each request's completions, in order.
 
+    Generators of one shared server send their requests at once, each naming its adapter, and the
+    server batches them.
+
     Raises:
         ValueError: the generators do not share one engine, or one spans several processes
             (tensor parallelism) or sleeps between calls.
@@ -273,6 +282,8 @@ def generate_together(calls: Sequence[tuple[Any, torch.Tensor, torch.Tensor]]) -
     shared = generators[0].shared
     if shared is None or any(g.shared is not shared for g in generators):
         raise ValueError("generate_together serves generators of one SharedEngine; these do not share one.")
+    if not hasattr(generators[0], "engine"):  # a server: the requests go at once, it batches them
+        return _complete_together(calls)
     if any(g.gather_group is not None or g.sleep for g in generators):
         raise ValueError(
             "generate_together serves one-process engines that stay awake (no tensor parallelism, no sleep mode)."
@@ -297,3 +308,15 @@ def generate_together(calls: Sequence[tuple[Any, torch.Tensor, torch.Tensor]]) -
         )
         start += rows
     return results
+
+
+def _complete_together(calls: Sequence[tuple[Any, torch.Tensor, torch.Tensor]]) -> list[Samples]:
+    """A shared server's requests: each generator's adapter pushed first, then every completions
+    request sent at once (one thread each), so the server's scheduler batches them."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    for generator, _, _ in calls:
+        generator.ready()
+    with ThreadPoolExecutor(max_workers=len(calls), thread_name_prefix="posttrain-vllm-request") as pool:
+        futures = [pool.submit(generator.complete, ids, mask) for generator, ids, mask in calls]
+        return [future.result() for future in futures]

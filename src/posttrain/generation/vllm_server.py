@@ -26,7 +26,7 @@ from posttrain.generation.vllm_common import (
     samples_from_outputs,
     unpadded_prompts,
 )
-from posttrain.generation.vllm_lora import ADAPTER_NAME, AdapterSync, adapters_enabled, base_weight_items
+from posttrain.generation.vllm_lora import AdapterSync, adapters_enabled, base_weight_items
 
 
 def server_base_url(args: Any) -> str:
@@ -280,7 +280,10 @@ class VLLMServerGenerator:
         make_sync: builds the weight-transfer engine (:func:`nccl_weight_sync`) at the first push.
         get_model: returns the trainer's unwrapped model.
         adapter: ``vllm_lora_sync``: the base goes once through ``make_sync``'s transfer, then only
-            the adapter, saved to this ``vllm_lora.AdapterSync``'s folder and loaded by the server.
+            the adapter, saved to this ``vllm_lora.AdapterSync``'s folder and loaded by the server
+            under its name.
+        shared: the server is shared with other generators, each its own adapter (a sweep's runs:
+            ``vllm_lora.SharedEngine``, whose base is pushed once for all).
     """
 
     def __init__(
@@ -291,9 +294,11 @@ class VLLMServerGenerator:
         make_sync: Callable[[torch.nn.Module], Any],
         get_model: Callable[[], torch.nn.Module],
         adapter: AdapterSync | None = None,
+        shared: Any = None,
     ) -> None:
         self.client = client
         self.adapter = adapter
+        self.shared = shared
         self.params = params
         self.pad_token_id = pad_token_id
         self.make_sync = make_sync
@@ -316,7 +321,7 @@ class VLLMServerGenerator:
                     self._sync(model).send_weights()
                 self.adapter.base_loaded = True
             self.adapter.save(model)
-            self.client.load_adapter(ADAPTER_NAME, os.path.abspath(self.adapter.folder))
+            self.client.load_adapter(self.adapter.name, os.path.abspath(self.adapter.folder))
         else:
             with merged_adapters(model):
                 self._sync(model).send_weights()
@@ -330,10 +335,19 @@ class VLLMServerGenerator:
 
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> Samples:
         """Args: prompt_ids [N, P], prompt_mask [N, P] (left-padded). Returns one completion per row."""
+        self.ready()
+        return self.complete(prompt_ids, prompt_mask)
+
+    def ready(self) -> None:
+        """Give the server the trainer's current weights (or adapter) if they changed."""
         if self.stale:
             self.push_weights()
+
+    def complete(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> Samples:
+        """The server's completions of the prompts, from the weights it holds (with this generator's
+        adapter while the model's adapters are on)."""
         serve = None
         if self.adapter is not None and adapters_enabled(self.get_model()):
-            serve = ADAPTER_NAME
+            serve = self.adapter.name
         outputs = self.client.complete(unpadded_prompts(prompt_ids, prompt_mask), self.params, model=serve)
         return samples_from_outputs(outputs, self.pad_token_id, prompt_ids.device)

@@ -52,6 +52,10 @@ SHARED_FIELDS: tuple[str, ...] = (
     "vllm_tensor_parallel_size",
     "vllm_enable_sleep_mode",
     "vllm_engine_kwargs",
+    "vllm_server_base_url",
+    "vllm_server_host",
+    "vllm_server_port",
+    "vllm_group_port",
 )
 
 #: The summary a sweep writes in its folder: each run's status, step, error and folder.
@@ -160,8 +164,7 @@ class GRPOSweep:
     Raises:
         ValueError: no run, a repeated or unusable name, two runs writing to one folder, a run
             without a LoRA config, or runs that disagree on a field of :data:`SHARED_FIELDS`.
-        NotImplementedError: ``use_vllm=True`` with ``vllm_mode="server"`` or sleep mode (the runs
-            share one colocated engine, awake).
+        NotImplementedError: ``use_vllm=True`` with sleep mode (the runs share one engine, awake).
     """
 
     def __init__(
@@ -489,11 +492,6 @@ def _check_vllm(run: SweepRun) -> None:
     args = run.args
     if not getattr(args, "use_vllm", False):
         return
-    if args.vllm_mode != "colocate":
-        raise NotImplementedError(
-            f"sweep run {run.name!r} sets vllm_mode={args.vllm_mode!r}: one vLLM server serving every run's "
-            "adapter is not built yet; set vllm_mode='colocate' (the runs then share one engine in this process)."
-        )
     if args.vllm_enable_sleep_mode:
         raise NotImplementedError(
             f"sweep run {run.name!r} sets vllm_enable_sleep_mode=True: a sweep's shared engine stays awake (sleep "
@@ -508,7 +506,7 @@ def _check_vllm(run: SweepRun) -> None:
 
 
 def _shared_engine(runs: list[SweepRun], default_config: Any) -> Any:
-    """The vLLM engine the runs share: each run's adapter its own slot, the largest rank served."""
+    """The vLLM engine (or server) the runs share: each run's adapter its own slot, the largest rank served."""
     from posttrain.generation.vllm_lora import SharedEngine
 
     ranks = {run.name: (run.peft_config if run.peft_config is not None else default_config).r for run in runs}
