@@ -473,3 +473,10 @@ def token_stats(
     )
     out = logps.view(targets.shape), (entropy.view(shape) if with_entropy else None)
     return (*out, top.view(shape)) if with_top else out
+
+
+def positions_from_images(model: torch.nn.Module) -> bool:
+    """Whether the model derives its positions from its image inputs (a ``get_rope_index``: Qwen-VL's
+    3-D rotary positions), so a forward with images must not be given ``position_ids``."""
+    lm = causal_lm(model)
+    return hasattr(lm, "get_rope_index") or hasattr(getattr(lm, "model", None), "get_rope_index")

@@ -245,15 +245,9 @@ def _row_inputs(
     }
     if model_inputs:
         inputs.update(model_inputs)
-        if model is not None and _positions_from_images(model):
+        if model is not None and chunked.positions_from_images(model):
             del inputs["position_ids"]
     return inputs
-
-
-def _positions_from_images(model: torch.nn.Module) -> bool:
-    """Whether the model derives its positions from its image inputs (a ``get_rope_index``)."""
-    lm = chunked.causal_lm(model)
-    return hasattr(lm, "get_rope_index") or hasattr(getattr(lm, "model", None), "get_rope_index")
 
 
 def _completion_hidden(

@@ -91,6 +91,7 @@ def sequence_token_stats(
     with_logit_mean: bool = False,
     with_log_sq_norm: bool = False,
     target_mask: torch.Tensor | None = None,
+    model_inputs: dict[str, torch.Tensor] | None = None,
 ) -> SequenceStats:
     """Next-token log-probs of whole rows under ``model`` (SFT, and the log-probs of a reference).
 
@@ -114,12 +115,19 @@ def sequence_token_stats(
             On the chunked path the LM head then runs on those positions only (a prompt's or a
             padding's position costs a vocabulary projection for nothing) and every field is 0
             elsewhere; ``None``: every position.
+        model_inputs: a vision-language model's image inputs for these rows (pixel values, grid
+            sizes, token types); a model that places image tokens in several position
+            dimensions (Qwen-VL) then computes the positions itself.
 
     A 2-D mask of right padding only is not passed to the model (``right_padding_only``).
     """
     inputs: dict[str, Any] = {"input_ids": input_ids, "position_ids": position_ids, "use_cache": False}
     if attention_mask is not None and not right_padding_only(model, attention_mask):
         inputs["attention_mask"] = attention_mask
+    if model_inputs:
+        inputs.update(model_inputs)
+        if chunked.positions_from_images(model):
+            del inputs["position_ids"]
     targets = input_ids[:, 1:]  # [N, L - 1]
     if chunk_size is not None and chunked.supports_chunked(model):
         forwards = [(input_ids.shape[0], input_ids.shape[1], input_ids.shape[1])]

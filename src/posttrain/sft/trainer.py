@@ -24,7 +24,7 @@ from transformers import PreTrainedModel, TrainerCallback
 
 from posttrain.core.batch import Sequences
 from posttrain.core.trainer import BaseTrainer, refuse_logit_hooks
-from posttrain.data import packing, sft
+from posttrain.data import packing, sft, sft_vision, vision
 from posttrain.models import loading
 from posttrain.ops.logprobs import sequence_token_stats
 from posttrain.sft import losses
@@ -97,7 +97,7 @@ class SFTTrainer(BaseTrainer):
             raise ValueError(
                 "SFTTrainer needs a train_dataset (text, messages, prompt/completion or input_ids)."
             )
-        needs_markers = _check_formats(train_dataset, eval_dataset, args, formatting_func)
+        needs_markers, self._vision = _check_formats(train_dataset, eval_dataset, args, formatting_func)
         self.formatting_func = formatting_func
         super().__init__(
             model,
@@ -113,6 +113,7 @@ class SFTTrainer(BaseTrainer):
             optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
         )
         self._check_attention()
+        self._check_processor()
         self._apply_pad_token(args.pad_token)
         if args.chat_template_path is not None:
             loading.apply_chat_template_path(args.chat_template_path, self._tokenizer, self.model)
@@ -131,6 +132,8 @@ class SFTTrainer(BaseTrainer):
             return dataset
         if a.shuffle_dataset and dataset is self.train_dataset:
             dataset = dataset.shuffle(seed=a.data_seed or a.seed)
+        if self._vision:  # rows with images are encoded batch by batch (sft_vision.encode_row)
+            return dataset
         rows = sft.prepare_dataset(
             dataset,
             self._tokenizer,
@@ -155,6 +158,9 @@ class SFTTrainer(BaseTrainer):
         return Dataset.from_list(packing.pack(rows, a.max_length, a.packing_strategy))
 
     def _set_signature_columns_if_needed(self) -> None:
+        if self._vision:
+            self._signature_columns = list(sft_vision.VISION_SFT_COLUMNS)
+            return
         self._signature_columns = [
             "input_ids",
             "loss_mask",
@@ -166,6 +172,19 @@ class SFTTrainer(BaseTrainer):
     def _collate(self, rows: list[dict[str, Any]]) -> Sequences:
         """Rows to a batch: packed bins and padding-free batches without padding, else right-padded."""
         a = self.args
+        if self._vision:
+            encoded = [
+                sft_vision.encode_row(
+                    r,
+                    self.processing_class,
+                    a.completion_only_loss,
+                    a.max_length,
+                    a.truncation_mode,
+                    a.eos_token,
+                )
+                for r in rows
+            ]
+            return sft_vision.collate(encoded, self._tokenizer.pad_token_id)
         rows = [self._as_row(r) for r in rows]
         if a.padding_free or any(len(r.get("seq_lengths") or [0]) > 1 for r in rows):
             flatten = a.padding_free and self._varlen_attention
@@ -186,6 +205,15 @@ class SFTTrainer(BaseTrainer):
         mask = row.get("completion_mask") or row.get("assistant_masks") or [1] * len(ids)
         return {"input_ids": ids, "loss_mask": [0, *list(mask)[1:]]}
 
+    def _check_processor(self) -> None:
+        """Rows with images need the model's processor (its image processor and placeholders)."""
+        if self._vision and vision.image_processor_of(self.processing_class) is None:
+            raise ValueError(
+                "the dataset has images, but processing_class is a tokenizer without an image processor; pass the "
+                "vision-language model's processor (transformers.AutoProcessor.from_pretrained(name)), or leave "
+                "processing_class None to load it with the model."
+            )
+
     def _check_attention(self) -> None:
         """Packed rows need an attention that keeps their sequences apart."""
         if self.args.packing or self.args.padding_free:
@@ -196,6 +224,11 @@ class SFTTrainer(BaseTrainer):
         mask = inputs.attention_mask
         if mask is None and not self._varlen_attention:  # packed: a block-diagonal causal mask
             mask = packing.packed_attention_mask(inputs.position_ids, self.model.dtype)
+        if isinstance(inputs, sft_vision.VisionBatch):
+            return sft_vision.VisionBatch(
+                input_ids=inputs.input_ids.to(device), loss_mask=inputs.loss_mask.to(device),
+                attention_mask=mask.to(device), position_ids=inputs.position_ids.to(device), vision=inputs.vision,
+            )  # fmt: skip
         return Sequences(
             input_ids=inputs.input_ids.to(device),
             loss_mask=inputs.loss_mask.to(device),
@@ -232,6 +265,9 @@ class SFTTrainer(BaseTrainer):
                 with_entropy=True,
                 with_top=True,
                 target_mask=inputs.loss_mask[:, 1:],  # the head runs on the targets only
+                model_inputs=inputs.model_kwargs(inputs.input_ids.device)
+                if isinstance(inputs, sft_vision.VisionBatch)
+                else None,
             )
         mask = inputs.loss_mask[:, 1:].to(stats.logps.dtype)  # [N, L - 1]: targets 1..L-1
         local = mask.sum()
@@ -248,18 +284,28 @@ class SFTTrainer(BaseTrainer):
         self._metrics.add_all(mode, self._token_metrics(mode, stats, mask, inputs))
 
 
-def _check_formats(train_dataset: Any, eval_dataset: Any, args: SFTConfig, formatting_func: Any) -> bool:
+def _check_formats(
+    train_dataset: Any, eval_dataset: Any, args: SFTConfig, formatting_func: Any
+) -> tuple[bool, bool]:
     """Check the datasets' formats from their columns and first rows, before any model is loaded.
 
     Returns:
-        Whether ``assistant_only_loss`` applies to chat messages, so the template needs markers.
+        Whether ``assistant_only_loss`` applies to chat messages, so the template needs markers;
+        and whether the rows have images (``image`` / ``images``: a vision-language model's SFT).
     """
     if (args.dataset_kwargs or {}).get("skip_prepare_dataset"):
-        return False
-    chats = False
+        return False, False
+    chats = images = False
     evals = eval_dataset.items() if isinstance(eval_dataset, dict) else [("eval_dataset", eval_dataset)]
     for name, dataset in [("train_dataset", train_dataset), *evals]:
-        if dataset is None or formatting_func is not None:
+        if dataset is None:
+            continue
+        if formatting_func is not None:
+            if vision.image_column(getattr(dataset, "column_names", None)) is not None:
+                raise ValueError(
+                    f"{name} has images, but formatting_func turns each row into plain text, which would leave them "
+                    "out; give 'messages' or 'prompt' and 'completion' columns with the images instead."
+                )
             continue
         if not hasattr(dataset, "__len__"):
             raise ValueError(
@@ -271,7 +317,12 @@ def _check_formats(train_dataset: Any, eval_dataset: Any, args: SFTConfig, forma
             raise ValueError(f"{name} is empty; pass a dataset with at least one row.")
         columns = list(getattr(dataset, "column_names", None) or dataset[0])
         fmt = sft.detect_format(columns, dataset[0], dataset_text_field=args.dataset_text_field)
+        if vision.image_column(columns) is not None:
+            sft_vision.check_vision_options(
+                fmt, args.packing, args.padding_free, args.assistant_only_loss, name
+            )
+            images = True
         chats |= fmt == "conversational" or (
             fmt == "prompt_completion" and not isinstance(dataset[0]["prompt"], str)
         )
-    return chats and args.assistant_only_loss
+    return chats and args.assistant_only_loss and not images, images

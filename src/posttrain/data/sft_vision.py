@@ -1,0 +1,184 @@
+"""Supervised fine-tuning rows with images, for vision-language models.
+
+A row is a conversation (``messages``) or a ``prompt`` and its ``completion`` (plain strings or
+chat messages), with its images in an ``image`` column (one PIL image) or an ``images`` column
+(a list). Each image goes where the row places it (an ``{"type": "image"}`` block, or the
+processor's image token in plain text); a conversation without blocks gets one per image at the
+start of its first user message (``vision.place_images``). The model's processor renders and
+tokenises the row with its images, expanding each placeholder into the image's tokens.
+
+Rows are encoded when a batch is collated, not beforehand: their image tensors are large, and a
+dataset keeps its images as they are. A batch is left-padded (``VisionBatch``), so the
+processor's token-aligned inputs line up with the tokens as the sampler's do
+(``core.batch.VisionInputs``).
+
+Targets: every token of a conversation, or the completion's tokens of a prompt-completion row
+(``completion_only_loss``, on by default for them), never an image's placeholder tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from posttrain.core.batch import Sequences, VisionInputs
+from posttrain.data import chat, vision
+from posttrain.data.sft_tokenize import common_prefix_length, with_eos
+from posttrain.ops.padding import left_pad
+
+#: The columns a row with images is read from (kept when the trainer drops unused columns).
+VISION_SFT_COLUMNS = ("messages", "prompt", "completion", *vision.IMAGE_COLUMNS)
+
+
+def check_vision_options(
+    fmt: str, packing: bool, padding_free: bool, assistant_only_loss: bool, name: str
+) -> None:
+    """Refuse what rows with images cannot do, before the model loads.
+
+    Raises:
+        ValueError: a language-modelling ``text`` dataset, packing or padding-free batches.
+        NotImplementedError: ``assistant_only_loss``.
+    """
+    if fmt not in ("conversational", "prompt_completion"):
+        raise ValueError(
+            f"{name} has images and is a {fmt!r} dataset; SFT with images reads a 'messages' conversation or a "
+            "'prompt' and 'completion' per row (the processor places each image where its row puts it)."
+        )
+    if packing or padding_free:
+        raise ValueError(
+            f"{name} has images: packing and padding_free join rows into one sequence, which a vision-language "
+            "model's image inputs cannot follow. Set packing=False and padding_free=False."
+        )
+    if assistant_only_loss:
+        raise NotImplementedError(
+            f"assistant_only_loss=True with images ({name}) is not built yet: set assistant_only_loss=False (every "
+            "token of a conversation but the images' is a target), or give prompt and completion columns."
+        )
+
+
+def encode_row(
+    row: Mapping[str, Any],
+    processor: Any,
+    completion_only_loss: bool | None,
+    max_length: int | None,
+    truncation_mode: str,
+    eos_token: str | None = None,
+) -> tuple[list[int], list[int], dict[str, torch.Tensor]]:
+    """One row's tokens, target mask and image inputs.
+
+    Args:
+        row: a ``messages`` row, or a ``prompt`` + ``completion`` row, with its images.
+        processor: the model's processor (its ``tokenizer``, chat template and image processor).
+        completion_only_loss: for prompt-completion rows, train on the completion only (``None``: yes).
+        max_length: the most tokens a row keeps (``None``: all).
+        truncation_mode: ``"keep_start"`` or ``"keep_end"``.
+        eos_token: appended to a plain-text completion (default: the tokenizer's).
+
+    Returns:
+        ``(input_ids, loss_mask, image_inputs)``: ``loss_mask[t]`` is 1 when token ``t`` is a
+        target (never token 0, never an image token).
+
+    Raises:
+        ValueError: the row's images do not match its placeholders, or truncation would cut an image.
+    """
+    tokenizer = getattr(processor, "tokenizer", processor)
+    images = vision.row_images(row)
+    variables = _template_variables(processor)
+    if "messages" in row and row.get("messages") is not None:
+        messages = vision.place_images(list(row["messages"]), images)
+        vision.check_row_images(messages, images, "of the batch", vision.image_token_of(processor))
+        text = chat.render(tokenizer, messages, variables=variables)
+        prompt_text = None
+    else:
+        prompt, completion = row["prompt"], row["completion"]
+        if isinstance(prompt, str):
+            prompt_text = prompt
+            text = prompt + with_eos(completion, eos_token or tokenizer.eos_token)
+        else:
+            prompt = vision.place_images(list(prompt), images)
+            prompt_text = chat.render_prompt(prompt, tokenizer, variables)
+            text = chat.render(tokenizer, [*prompt, *completion], variables=variables)
+        vision.check_row_images(prompt, images, "of the batch", vision.image_token_of(processor))
+    special = prompt_text is not None and isinstance(row.get("prompt"), str)
+    ids, inputs = _encode(processor, tokenizer, text, images, special)
+    targets = [1] * len(ids)
+    if prompt_text is not None and completion_only_loss is not False:
+        prompt_ids, _ = _encode(processor, tokenizer, prompt_text, images, special)
+        start = common_prefix_length(ids, prompt_ids)
+        targets[:start] = [0] * start
+    image_id = _image_token_id(processor, tokenizer)
+    mask = [0] + [int(t and token != image_id) for t, token in zip(targets[1:], ids[1:], strict=True)]
+    return _truncated(ids, mask, inputs, max_length, truncation_mode, image_id)
+
+
+def collate(
+    rows: Sequence[tuple[list[int], list[int], dict[str, torch.Tensor]]], pad_token_id: int
+) -> Sequences:
+    """Encoded rows (:func:`encode_row`) as one left-padded batch with their image inputs."""
+    input_ids, attention_mask = left_pad([ids for ids, _, _ in rows], pad_token_id)
+    loss_mask, _ = left_pad([mask for _, mask, _ in rows], 0)
+    positions = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+    return VisionBatch(
+        input_ids=input_ids,
+        loss_mask=loss_mask,
+        attention_mask=attention_mask,
+        position_ids=positions,
+        vision=VisionInputs([inputs for _, _, inputs in rows]),
+    )
+
+
+class VisionBatch(Sequences):
+    """``Sequences`` with the rows' image inputs (``vision``), left-padded."""
+
+    def __init__(self, *, vision: VisionInputs, **fields: Any) -> None:
+        super().__init__(**fields)
+        self.vision = vision
+
+    def model_kwargs(self, device: torch.device | str) -> dict[str, torch.Tensor]:
+        """The image inputs of the model's forward for these rows, aligned with the tokens."""
+        return self.vision.model_kwargs(self.input_ids.shape[1], 0, device)
+
+
+def _template_variables(processor: Any) -> dict[str, Any]:
+    """Render with the processor's chat template (it knows the image blocks) when it has one."""
+    template = getattr(processor, "chat_template", None)
+    return {"chat_template": template} if isinstance(template, str) else {}
+
+
+def _encode(
+    processor: Any, tokenizer: Any, text: str, images: Sequence[Any], special: bool
+) -> tuple[list[int], dict[str, torch.Tensor]]:
+    if not images:
+        return list(tokenizer(text, add_special_tokens=special)["input_ids"]), {}
+    return vision.encode_text(processor, text, images, add_special_tokens=special)
+
+
+def _image_token_id(processor: Any, tokenizer: Any) -> int | None:
+    token = vision.image_token_of(processor)
+    if token is None:
+        return getattr(processor, "image_token_id", None)
+    return tokenizer.convert_tokens_to_ids(token)
+
+
+def _truncated(
+    ids: list[int],
+    mask: list[int],
+    inputs: dict[str, torch.Tensor],
+    max_length: int | None,
+    mode: str,
+    image_id: int | None,
+) -> tuple[list[int], list[int], dict[str, torch.Tensor]]:
+    """Cut a row to ``max_length`` tokens, refusing a cut through its images."""
+    if max_length is None or len(ids) <= max_length:
+        return ids, mask, inputs
+    keep = slice(0, max_length) if mode == "keep_start" else slice(len(ids) - max_length, len(ids))
+    if image_id is not None and ids[keep].count(image_id) != ids.count(image_id):
+        raise ValueError(
+            f"a row with images has {len(ids)} tokens; max_length={max_length} would cut its image tokens. Raise "
+            "max_length (or set it to None), or use smaller images."
+        )
+    aligned = {k: v[keep] if k in vision.TOKEN_ALIGNED_INPUTS else v for k, v in inputs.items()}
+    mask = mask[keep]
+    return ids[keep], [0, *mask[1:]], aligned

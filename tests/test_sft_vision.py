@@ -1,0 +1,173 @@
+"""SFT of vision-language models: rows with images, tiny models and processors built offline.
+
+The loss must be the cross-entropy of the model's own logits, run on the processor's encoding of
+each row with its images, over the completion's tokens (or a conversation's), never over the
+prompt or the images' placeholder tokens; the images must count.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import CPU_TEST_ARGS
+from vision_models import build_qwen2_vl, build_smolvlm, image_prompt, random_image
+
+from posttrain import SFTConfig, SFTTrainer
+from posttrain.data import sft_vision
+
+BUILDERS = {"qwen2_vl": build_qwen2_vl, "smolvlm": build_smolvlm}
+
+
+def _rows(n=4, column="image"):
+    """Conversational prompt-completion rows, one image each (sizes differ)."""
+    from datasets import Dataset
+
+    sizes = [(40, 50), (28, 28), (56, 42), (30, 60)]
+    prompts = [image_prompt(i) for i in range(n)]
+    completions = [[{"role": "assistant", "content": f"It is {i + 1}, surely."}] for i in range(n)]
+    images = [random_image(i, sizes[i % len(sizes)]) for i in range(n)]
+    data = {"prompt": prompts, "completion": completions}
+    data[column] = images if column == "image" else [[im] for im in images]
+    return Dataset.from_dict(data)
+
+
+def _messages(n=4):
+    from datasets import Dataset
+
+    messages = [
+        [
+            {"role": "user", "content": f"Describe picture {i}."},
+            {"role": "assistant", "content": f"Noise {i}."},
+        ]
+        for i in range(n)
+    ]
+    return Dataset.from_dict({"messages": messages, "image": [random_image(i) for i in range(n)]})
+
+
+def _trainer(tmp_path, family, dataset, **overrides):
+    model, processor = BUILDERS[family]()
+    values = {"output_dir": str(tmp_path), **CPU_TEST_ARGS, "per_device_train_batch_size": 2, "max_steps": 2,
+              "learning_rate": 1e-2, "logging_steps": 1, "max_length": None, "gradient_checkpointing": False}  # fmt: skip
+    values.update(overrides)
+    return SFTTrainer(
+        model=model, args=SFTConfig(**values), train_dataset=dataset, processing_class=processor
+    )
+
+
+def _reference_loss(model, processor, row) -> torch.Tensor:
+    """Cross-entropy of the model's full logits on one row encoded by its processor, over the
+    completion's tokens (found by rendering the prompt alone), image tokens left out."""
+    tok = processor.tokenizer
+    prompt = row["prompt"]
+    full = tok.apply_chat_template(
+        prompt + row["completion"], tokenize=False, chat_template=processor.chat_template
+    )
+    head = tok.apply_chat_template(
+        prompt, tokenize=False, add_generation_prompt=True, chat_template=processor.chat_template
+    )
+    images = [row["image"]]
+    enc = processor(text=[full], images=images, return_tensors="pt")
+    start = processor(text=[head], images=images, return_tensors="pt")["input_ids"].shape[1]
+    ids = enc["input_ids"]
+    assert torch.equal(
+        ids[0, :start], processor(text=[head], images=images, return_tensors="pt")["input_ids"][0]
+    )
+    with torch.no_grad():
+        logits = model(**enc).logits[0, :-1].float()
+    targets = ids[0, 1:]
+    keep = torch.arange(1, ids.shape[1]) >= start
+    keep &= targets != tok.convert_tokens_to_ids(processor.image_token)
+    losses = torch.nn.functional.cross_entropy(logits, targets, reduction="none")
+    return losses[keep].mean()
+
+
+@pytest.mark.parametrize("family", sorted(BUILDERS))
+def test_the_loss_is_the_models_cross_entropy_on_the_completion_with_its_image(tmp_path, family):
+    trainer = _trainer(tmp_path, family, _rows(2))
+    model = trainer.model
+    model.eval()
+    batch = trainer._prepare_inputs(trainer._collate([trainer.train_dataset[0]]))
+    assert isinstance(batch, sft_vision.VisionBatch) and batch.vision.has_images
+    with torch.no_grad():
+        loss = trainer.compute_loss(model, batch)
+    expected = _reference_loss(model, trainer.processing_class, trainer.train_dataset[0])
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)
+    # the image counts: the same row with another image gives another loss
+    other = dict(trainer.train_dataset[0], image=random_image(99, (56, 56)))
+    with torch.no_grad():
+        changed = trainer.compute_loss(model, trainer._prepare_inputs(trainer._collate([other])))
+    assert abs(changed.item() - loss.item()) > 1e-6
+
+
+def test_a_left_padded_batch_gives_each_row_its_own_loss(tmp_path):
+    """Rows of different lengths and image sizes in one batch: the batch's loss is the mean over
+    all their targets, each row's targets scored as if alone."""
+    trainer = _trainer(tmp_path, "qwen2_vl", _rows(3))
+    model = trainer.model
+    model.eval()
+    rows = [trainer.train_dataset[i] for i in range(3)]
+    with torch.no_grad():
+        batch = trainer._prepare_inputs(trainer._collate(rows))
+        total = trainer.compute_loss(model, batch) * batch.num_targets
+        alone = []
+        for r in rows:
+            one = trainer._prepare_inputs(trainer._collate([r]))
+            alone.append(trainer.compute_loss(model, one) * one.num_targets)
+    torch.testing.assert_close(total, sum(alone), rtol=1e-4, atol=1e-4)
+
+
+def test_targets_are_the_completion_never_the_prompt_or_the_image(tmp_path):
+    trainer = _trainer(tmp_path, "qwen2_vl", _rows(1))
+    processor = trainer.processing_class
+    ids, mask, inputs = sft_vision.encode_row(trainer.train_dataset[0], processor, None, None, "keep_start")
+    image_id = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
+    assert ids.count(image_id) > 0 and all(m == 0 for t, m in zip(ids, mask, strict=True) if t == image_id)
+    completion = processor.tokenizer.decode([t for t, m in zip(ids, mask, strict=True) if m])
+    assert completion.startswith("It is 1, surely.")
+    assert "pixel_values" in inputs and "image_grid_thw" in inputs
+
+
+@pytest.mark.parametrize("family", sorted(BUILDERS))
+def test_sft_trains_a_vision_language_model_on_conversations_with_images(tmp_path, family):
+    trainer = _trainer(tmp_path, family, _messages(4), max_steps=3)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
+    assert any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
+    assert "mean_token_accuracy" in trainer.state.log_history[0]
+
+
+def test_the_images_column_takes_a_list_per_row(tmp_path):
+    trainer = _trainer(tmp_path, "qwen2_vl", _rows(2, column="images"), max_steps=1)
+    trainer.train()
+    assert trainer.state.global_step == 1
+
+
+@pytest.mark.parametrize(
+    "overrides, error, message",
+    [
+        ({"packing": True}, ValueError, "packing and padding_free join rows"),
+        ({"padding_free": True}, ValueError, "packing and padding_free join rows"),
+        ({"assistant_only_loss": True}, NotImplementedError, "assistant_only_loss=True with images"),
+    ],
+)
+def test_what_rows_with_images_cannot_do_is_refused_before_the_model_loads(
+    tmp_path, overrides, error, message
+):
+    args = SFTConfig(output_dir=str(tmp_path), **CPU_TEST_ARGS, **overrides)
+    with pytest.raises(error, match=message):
+        SFTTrainer(model="never-loaded", args=args, train_dataset=_messages(2))
+
+
+def test_a_tokenizer_without_an_image_processor_is_refused(tmp_path):
+    model, processor = build_qwen2_vl()
+    args = SFTConfig(output_dir=str(tmp_path), **CPU_TEST_ARGS)
+    with pytest.raises(ValueError, match="tokenizer without an image processor"):
+        SFTTrainer(model=model, args=args, train_dataset=_messages(2), processing_class=processor.tokenizer)
+
+
+def test_a_cut_through_an_image_is_refused(tmp_path):
+    trainer = _trainer(tmp_path, "qwen2_vl", _rows(1))
+    with pytest.raises(ValueError, match="would cut its image tokens"):
+        sft_vision.encode_row(trainer.train_dataset[0], trainer.processing_class, None, 4, "keep_start")
