@@ -45,6 +45,7 @@ from posttrain.generation.vllm_common import (  # noqa: F401  (re-exported)
     require_vllm,
     samples_from_outputs,
     sampling_kwargs,
+    shutdown_engine,
     unpadded_prompts,
     weight_items,
 )
@@ -285,9 +286,7 @@ class VLLMColocateGenerator:
             self.engine = None
             self.stale = True
             return
-        core = getattr(getattr(self.engine, "llm_engine", None), "engine_core", None)
-        if core is not None and hasattr(core, "shutdown"):
-            core.shutdown()
+        shutdown_engine(self.engine)
         self.engine = None
         self.stale = True
 

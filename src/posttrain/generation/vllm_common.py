@@ -141,3 +141,10 @@ def merged_adapters(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
     finally:
         if peft:
             model.unmerge_adapter()
+
+
+def shutdown_engine(engine: Any) -> None:
+    """Shut a colocated ``vllm.LLM`` down now (its engine core, its workers' process groups), not at exit."""
+    core = getattr(getattr(engine, "llm_engine", None), "engine_core", None)
+    if core is not None and hasattr(core, "shutdown"):
+        core.shutdown()

@@ -25,7 +25,12 @@ from typing import Any
 import torch
 
 from posttrain.generation.base import Samples
-from posttrain.generation.vllm_common import samples_from_outputs, unpadded_prompts, weight_items
+from posttrain.generation.vllm_common import (
+    samples_from_outputs,
+    shutdown_engine,
+    unpadded_prompts,
+    weight_items,
+)
 
 #: The ranks vLLM's ``max_lora_rank`` accepts (``vllm.config.lora.MaxLoRARanks``, 0.32).
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -221,9 +226,7 @@ class SharedEngine:
         """Shut the engine down; a later generation builds a new one (and loads the base again)."""
         if self.engine is None:
             return
-        core = getattr(getattr(self.engine, "llm_engine", None), "engine_core", None)
-        if core is not None and hasattr(core, "shutdown"):
-            core.shutdown()
+        shutdown_engine(self.engine)
         self.engine = None
         self.base_loaded = False
         for generator in self.generators:
