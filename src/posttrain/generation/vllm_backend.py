@@ -478,6 +478,36 @@ def _colocate_generator(
         args.per_device_train_batch_size * (args.steps_per_generation or 1), args.per_device_eval_batch_size
     )
     model = get_model()
+    adapter, make_engine = _engine_maker(vllm, args, accelerator, model, tokenizer, rows, shared)
+    gather_group, rank_in_group = _tensor_parallel_gather(accelerator, tp)
+    generator = VLLMColocateGenerator(
+        get_model=get_model,
+        make_engine=make_engine,
+        make_params=make_params,
+        params=params,
+        pad_token_id=tokenizer.pad_token_id,
+        sleep=args.vllm_enable_sleep_mode,
+        full_parameters=full_parameters,
+        gather_group=gather_group,
+        rank_in_group=rank_in_group,
+        adapter=adapter,
+        shared=shared,
+    )
+    generator.start()
+    return generator
+
+
+def _engine_maker(
+    vllm: Any,
+    args: Any,
+    accelerator: Any,
+    model: torch.nn.Module,
+    tokenizer: Any,
+    rows: int,
+    shared: SharedEngine | None,
+) -> tuple[AdapterSync | None, Callable[[], Any]]:
+    """The adapter push (None: merged pushes) and the function that builds the engine (with
+    ``shared``: the shared engine, built by its first caller), its LoRA keywords set."""
     if shared is None:
         adapter = _adapter_sync(args, model)
         lora_kwargs = {} if adapter is None else lora_engine_kwargs(model)
@@ -497,22 +527,7 @@ def _colocate_generator(
         build = lambda: vllm.LLM(**engine_kwargs())  # noqa: E731
         return build() if shared is None else shared.engine_for(build)
 
-    gather_group, rank_in_group = _tensor_parallel_gather(accelerator, tp)
-    generator = VLLMColocateGenerator(
-        get_model=get_model,
-        make_engine=make_engine,
-        make_params=make_params,
-        params=params,
-        pad_token_id=tokenizer.pad_token_id,
-        sleep=args.vllm_enable_sleep_mode,
-        full_parameters=full_parameters,
-        gather_group=gather_group,
-        rank_in_group=rank_in_group,
-        adapter=adapter,
-        shared=shared,
-    )
-    generator.start()
-    return generator
+    return adapter, make_engine
 
 
 def _adapter_sync(args: Any, model: torch.nn.Module) -> AdapterSync | None:

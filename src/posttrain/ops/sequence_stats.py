@@ -121,13 +121,7 @@ def sequence_token_stats(
 
     A 2-D mask of right padding only is not passed to the model (``right_padding_only``).
     """
-    inputs: dict[str, Any] = {"input_ids": input_ids, "position_ids": position_ids, "use_cache": False}
-    if attention_mask is not None and not right_padding_only(model, attention_mask):
-        inputs["attention_mask"] = attention_mask
-    if model_inputs:
-        inputs.update(model_inputs)
-        if chunked.positions_from_images(model):
-            del inputs["position_ids"]
+    inputs = _forward_inputs(model, input_ids, attention_mask, position_ids, model_inputs)
     targets = input_ids[:, 1:]  # [N, L - 1]
     if chunk_size is not None and chunked.supports_chunked(model):
         forwards = [(input_ids.shape[0], input_ids.shape[1], input_ids.shape[1])]
@@ -141,6 +135,25 @@ def sequence_token_stats(
     return _stats_from_logits(
         model, inputs, targets, with_entropy, with_top, with_logit_mean, with_log_sq_norm
     )
+
+
+def _forward_inputs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    position_ids: torch.Tensor,
+    model_inputs: dict[str, torch.Tensor] | None,
+) -> dict[str, Any]:
+    """The model's keyword arguments for the rows: no mask of right padding only, the image inputs
+    of a vision-language model (whose positions it may compute itself from its images)."""
+    inputs: dict[str, Any] = {"input_ids": input_ids, "position_ids": position_ids, "use_cache": False}
+    if attention_mask is not None and not right_padding_only(model, attention_mask):
+        inputs["attention_mask"] = attention_mask
+    if model_inputs:
+        inputs.update(model_inputs)
+        if chunked.positions_from_images(model):
+            del inputs["position_ids"]
+    return inputs
 
 
 def _stats_from_logits(

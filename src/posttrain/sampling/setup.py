@@ -122,8 +122,7 @@ def build_generator(
         eos: ids that end a completion.
         suppress: token ids never sampled (a vision-language model's image placeholders: one in a
             completion would ask for an image that is not there); ``generation_kwargs`` may override.
-        shared_engine: with ``use_vllm``, a ``vllm_lora.SharedEngine`` this generator serves its
-            adapter from (a sweep's runs share one engine).
+        shared_engine: with ``use_vllm``, the ``vllm_lora.SharedEngine`` of a sweep's runs.
     """
     generation_kwargs = dict(args.generation_kwargs or {})
     if suppress:
