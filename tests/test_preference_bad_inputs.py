@@ -185,6 +185,34 @@ def test_pair_trainers_refuse_missing_empty_and_streamed_datasets_before_the_mod
         )
 
 
+@pytest.mark.parametrize("kind", ["dpo", "orpo", "cpo", "kto", "reward"])
+@pytest.mark.parametrize("column", ["image", "images"])
+def test_a_dataset_with_images_is_refused_not_trained_on_its_text_alone(tmp_path, tok, kind, column):
+    """These families train on text only: an image column would be dropped without a word (it was,
+    before: DPO, KTO, ORPO and CPO trained on the text), so it is refused before the model loads."""
+    from vision_models import random_image
+
+    from posttrain import RewardTrainer
+
+    trainer_class = {
+        **{k: v[0] for k, v in PAIR_TRAINERS.items()},
+        "kto": KTOTrainer,
+        "reward": RewardTrainer,
+    }[kind]
+    data = (examples() if kind == "kto" else pairs()).to_dict()
+    images = [random_image(i) for i in range(4)]
+    data[column] = images if column == "image" else [[im] for im in images]
+    with pytest.raises(
+        NotImplementedError, match=rf"has an '{column}' column, but {trainer_class.__name__} with images"
+    ):
+        trainer_class(
+            "no/such-model",
+            args=config(kind, tmp_path),
+            train_dataset=Dataset.from_dict(data),
+            processing_class=tok,
+        )
+
+
 def test_implicit_rows_without_a_shared_prompt_are_refused(tmp_path, tok):
     args = config("dpo", tmp_path)
     no_prompt = Dataset.from_dict({"chosen": ["Yes"], "rejected": ["No"]})

@@ -707,6 +707,8 @@ def check_offline_datasets(
 
     Raises:
         ValueError: a streamed (``IterableDataset``) or empty dataset, or what ``check_first`` raises.
+        NotImplementedError: a dataset with images (an ``image`` / ``images`` column): these
+            families train on text only, and would otherwise drop the column without a word.
     """
     evals = eval_dataset.items() if isinstance(eval_dataset, dict) else [("eval_dataset", eval_dataset)]
     for name, dataset in [("train_dataset", train_dataset), *evals]:
@@ -719,6 +721,15 @@ def check_offline_datasets(
             )
         if len(dataset) == 0:
             raise ValueError(f"{name} is empty; pass a dataset with at least one {item}.")
+        images = next(
+            (c for c in ("image", "images") if c in (getattr(dataset, "column_names", None) or [])), None
+        )
+        if images is not None:
+            raise NotImplementedError(
+                f"{name} has an {images!r} column, but {trainer} with images (a vision-language model's data) is not "
+                "built yet: it trains on the text alone and would drop the images without a word. Remove the column "
+                "to train on the text (dataset.remove_columns(...)); SFTTrainer, GRPOTrainer and RLOOTrainer take images."
+            )
         check_first(name, dataset)
 
 
