@@ -167,6 +167,15 @@ def test_a_tokenizer_without_an_image_processor_is_refused(tmp_path):
         SFTTrainer(model=model, args=args, train_dataset=_messages(2), processing_class=processor.tokenizer)
 
 
+def test_a_text_only_model_is_refused(tmp_path):
+    from conftest import build_tiny_model, build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer()
+    args = SFTConfig(output_dir=str(tmp_path), **CPU_TEST_ARGS)
+    with pytest.raises(ValueError, match="a text-only model that cannot read them"):
+        SFTTrainer(model=build_tiny_model(tok), args=args, train_dataset=_messages(2), processing_class=tok)
+
+
 def test_a_cut_through_an_image_is_refused(tmp_path):
     trainer = _trainer(tmp_path, "qwen2_vl", _rows(1))
     with pytest.raises(ValueError, match="would cut its image tokens"):

@@ -206,7 +206,14 @@ class SFTTrainer(BaseTrainer):
         return {"input_ids": ids, "loss_mask": [0, *list(mask)[1:]]}
 
     def _check_processor(self) -> None:
-        """Rows with images need the model's processor (its image processor and placeholders)."""
+        """Rows with images need a vision-language model and its processor (image processor, placeholders)."""
+        if self._vision and not loading.is_vision_model(self.model):
+            base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+            raise ValueError(
+                f"the dataset has images, but the model is a {type(base).__name__}, a text-only model that cannot read "
+                "them. Train a vision-language model (e.g. Qwen2VLForConditionalGeneration) with its processor, or "
+                "remove the image column (dataset.remove_columns('image'))."
+            )
         if self._vision and vision.image_processor_of(self.processing_class) is None:
             raise ValueError(
                 "the dataset has images, but processing_class is a tokenizer without an image processor; pass the "
