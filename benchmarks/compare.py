@@ -135,7 +135,10 @@ def main() -> None:
         help="posttrain's GRPOConfig.sampler_precision for its runs (TRL samples as it does)",
     )
     parser.add_argument(
-        "--lora_r", type=int, default=0, help="R > 0: both libraries train a LoRA adapter of rank R (grpo_step.py)"
+        "--lora_r",
+        type=int,
+        default=0,
+        help="R > 0: both libraries train a LoRA adapter of rank R (grpo_step.py)",
     )
     opts = parser.parse_args()
     model = opts.model or model_folder()

@@ -289,6 +289,19 @@ def record_failure(out_path: str, result: dict, exc: BaseException) -> None:
         json.dump(result, f)
 
 
+def train_and_record(out_path: str, result: dict, make_trainer) -> None:
+    """A child's whole run: ``make_trainer(folder)`` builds the trainer in a temporary output folder,
+    it trains, and the result is recorded (``record_run``), or the refusal (``record_failure``)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            trainer = make_trainer(tmp)
+            trainer.train()
+        except Exception as exc:  # noqa: BLE001 - recorded as "not accepted"
+            record_failure(out_path, result, exc)
+            return
+        record_run(out_path, result, trainer)
+
+
 def record_run(out_path: str, result: dict, trainer) -> None:
     """A child's result after training: the log history, and the parameters beside it (``.pt``)."""
     import torch

@@ -27,7 +27,7 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from differential import build_model_dir, command_line, drive, record_failure, record_run  # noqa: E402
+from differential import build_model_dir, command_line, drive, train_and_record  # noqa: E402
 
 ROWS = 8
 BASE = {
@@ -215,24 +215,20 @@ def run_child(lib: str, name: str, work: str, out_path: str) -> None:
         module = importlib.import_module("posttrain")
         config_class, trainer_class = getattr(module, ours[0]), getattr(module, ours[1])
     paths = build_models(work)
-    result: dict = {"lib": lib, "config": name}
-    with tempfile.TemporaryDirectory() as tmp:
-        try:
-            args = config_class(output_dir=tmp, **{**BASE, **FAMILY_BASE.get(family, {}), **overrides})
-            extra = {}
-            if family == "gkd":  # the reference's GKD needs the tokenizer given
-                from transformers import AutoTokenizer
 
-                extra = {
-                    "teacher_model": paths["teacher"],
-                    "processing_class": AutoTokenizer.from_pretrained(paths["lm"]),
-                }
-            trainer = trainer_class(model=paths[model_kind], args=args, train_dataset=data(kind), **extra)
-            trainer.train()
-        except Exception as exc:  # noqa: BLE001 - recorded as "not accepted"
-            record_failure(out_path, result, exc)
-            return
-        record_run(out_path, result, trainer)
+    def make_trainer(folder: str):
+        args = config_class(output_dir=folder, **{**BASE, **FAMILY_BASE.get(family, {}), **overrides})
+        extra = {}
+        if family == "gkd":  # the reference's GKD needs the tokenizer given
+            from transformers import AutoTokenizer
+
+            extra = {
+                "teacher_model": paths["teacher"],
+                "processing_class": AutoTokenizer.from_pretrained(paths["lm"]),
+            }
+        return trainer_class(model=paths[model_kind], args=args, train_dataset=data(kind), **extra)
+
+    train_and_record(out_path, {"lib": lib, "config": name}, make_trainer)
 
 
 def run_parent(names: list[str], keep: str | None, verbose: bool) -> int:

@@ -26,7 +26,7 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from differential import command_line, drive, record_failure, record_run  # noqa: E402
+from differential import command_line, drive, train_and_record  # noqa: E402
 from differential_offline import BASE, GOOD, QUESTIONS  # noqa: E402
 from differential_vlm import load_processor, prepare_family, row_image  # noqa: E402
 
@@ -63,20 +63,14 @@ def run_child(lib: str, name: str, model_dir: str, out_path: str) -> None:
         from posttrain import SFTConfig, SFTTrainer
 
     family, kind, overrides = CONFIGS[name]
-    result: dict = {"lib": lib, "config": name}
-    with tempfile.TemporaryDirectory() as tmp:
-        try:
-            args = SFTConfig(output_dir=tmp, max_length=None, **{**BASE, **overrides})
-            processor = load_processor(family, model_dir)
-            processor.tokenizer.padding_side = "right"
-            trainer = SFTTrainer(
-                model=model_dir, args=args, train_dataset=dataset(kind), processing_class=processor
-            )
-            trainer.train()
-        except Exception as exc:  # noqa: BLE001 - recorded as "not accepted"
-            record_failure(out_path, result, exc)
-            return
-        record_run(out_path, result, trainer)
+
+    def make_trainer(folder: str):
+        args = SFTConfig(output_dir=folder, max_length=None, **{**BASE, **overrides})
+        processor = load_processor(family, model_dir)
+        processor.tokenizer.padding_side = "right"
+        return SFTTrainer(model=model_dir, args=args, train_dataset=dataset(kind), processing_class=processor)
+
+    train_and_record(out_path, {"lib": lib, "config": name}, make_trainer)
 
 
 def run_parent(names: list[str], keep: str | None, verbose: bool) -> int:

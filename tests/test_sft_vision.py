@@ -87,7 +87,7 @@ def test_the_loss_is_the_models_cross_entropy_on_the_completion_with_its_image(t
     model = trainer.model
     model.eval()
     batch = trainer._prepare_inputs(trainer._collate([trainer.train_dataset[0]]))
-    assert isinstance(batch, sft_vision.VisionBatch) and batch.vision.has_images
+    assert batch.vision is not None and batch.vision.has_images
     with torch.no_grad():
         loss = trainer.compute_loss(model, batch)
     expected = _reference_loss(model, trainer.processing_class, trainer.train_dataset[0])
@@ -149,6 +149,7 @@ def test_the_images_column_takes_a_list_per_row(tmp_path):
     [
         ({"packing": True}, ValueError, "packing and padding_free join rows"),
         ({"padding_free": True}, ValueError, "packing and padding_free join rows"),
+        ({"eval_packing": True}, ValueError, "packing and padding_free join rows"),
         ({"assistant_only_loss": True}, NotImplementedError, "assistant_only_loss=True with images"),
     ],
 )
@@ -165,6 +166,37 @@ def test_a_tokenizer_without_an_image_processor_is_refused(tmp_path):
     args = SFTConfig(output_dir=str(tmp_path), **CPU_TEST_ARGS)
     with pytest.raises(ValueError, match="tokenizer without an image processor"):
         SFTTrainer(model=model, args=args, train_dataset=_messages(2), processing_class=processor.tokenizer)
+
+
+def test_skip_prepare_dataset_keeps_the_images(tmp_path):
+    """Rows with images are encoded batch by batch anyway: skip_prepare_dataset changes nothing
+    for them (the image column is not dropped as an already tokenised dataset's extra column)."""
+    plain = _trainer(tmp_path / "a", "qwen2_vl", _rows(2))
+    skipped = _trainer(tmp_path / "b", "qwen2_vl", _rows(2), dataset_kwargs={"skip_prepare_dataset": True})
+    skipped._set_signature_columns_if_needed()
+    assert skipped._vision and "image" in skipped._signature_columns
+    row = skipped.train_dataset[0]
+    with torch.no_grad():
+        a = plain.compute_loss(plain.model.eval(), plain._prepare_inputs(plain._collate([row])))
+        b = skipped.compute_loss(skipped.model.eval(), skipped._prepare_inputs(skipped._collate([row])))
+    torch.testing.assert_close(a, b)
+
+
+def test_chat_template_path_reaches_the_processor(tmp_path):
+    """A row with images renders with the processor's template: chat_template_path must change it too."""
+    template = tmp_path / "t.jinja"
+    template.write_text(
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}: {% if m['content'] is string %}{{ m['content'] }}"
+        "{% else %}{% for c in m['content'] %}{% if c['type'] == 'image' %}<|vision_start|><|image_pad|>"
+        "<|vision_end|>{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}"
+        "<|im_end|>{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant: {% endif %}"
+    )
+    trainer = _trainer(tmp_path, "qwen2_vl", _rows(1), chat_template_path=str(template))
+    assert trainer.processing_class.chat_template == template.read_text()
+    ids, _, _ = sft_vision.encode_row(
+        trainer.train_dataset[0], trainer.processing_class, None, None, "keep_start"
+    )
+    assert "assistant: It is 1" in trainer.processing_class.tokenizer.decode(ids)
 
 
 def test_a_text_only_model_is_refused(tmp_path):

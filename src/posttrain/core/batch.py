@@ -29,17 +29,26 @@ class Sequences:
         attention_mask: [N, L] 1 on real tokens; ``None`` for a packed (padding-free) row,
             whose sequences are told apart by ``position_ids``.
         position_ids: [N, L] positions, restarting at 0 at the start of every packed sequence.
+        vision: a vision-language model's image inputs for the rows (SFT with images); the rows
+            are then left-padded, so its token-aligned inputs line up with the tokens.
     """
 
     input_ids: torch.Tensor
     loss_mask: torch.Tensor
     attention_mask: torch.Tensor | None = None
     position_ids: torch.Tensor | None = None
+    vision: VisionInputs | None = None
 
     @property
     def num_targets(self) -> int:
         """How many tokens are prediction targets (the first token of a row never is)."""
         return int(self.loss_mask[:, 1:].sum().item())
+
+    def model_kwargs(self, device: torch.device | str) -> dict[str, torch.Tensor] | None:
+        """The image inputs of the model's forward for these rows (``None`` without images)."""
+        if self.vision is None:
+            return None
+        return self.vision.model_kwargs(self.input_ids.shape[1], 0, device)
 
 
 @dataclass

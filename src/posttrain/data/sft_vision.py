@@ -8,7 +8,7 @@ start of its first user message (``vision.place_images``). The model's processor
 tokenises the row with its images, expanding each placeholder into the image's tokens.
 
 Rows are encoded when a batch is collated, not beforehand: their image tensors are large, and a
-dataset keeps its images as they are. A batch is left-padded (``VisionBatch``), so the
+dataset keeps its images as they are. A batch is left-padded (``Sequences.vision``), so the
 processor's token-aligned inputs line up with the tokens as the sampler's do
 (``core.batch.VisionInputs``).
 
@@ -26,21 +26,27 @@ import torch
 from posttrain.core.batch import Sequences, VisionInputs
 from posttrain.data import chat, vision
 from posttrain.data.sft_tokenize import common_prefix_length, with_eos
+from posttrain.ops.online_logps import position_ids_from_mask
 from posttrain.ops.padding import left_pad
 
 #: The columns a row with images is read from (kept when the trainer drops unused columns).
 VISION_SFT_COLUMNS = ("messages", "prompt", "completion", *vision.IMAGE_COLUMNS)
 
 
-def check_vision_options(
-    fmt: str, packing: bool, padding_free: bool, assistant_only_loss: bool, name: str
-) -> None:
+def check_vision_options(fmt: str, args: Any, name: str) -> None:
     """Refuse what rows with images cannot do, before the model loads.
+
+    Args:
+        fmt: the dataset's format (``sft.detect_format``).
+        args: the ``SFTConfig`` (``packing``, ``eval_packing``, ``padding_free``, ``assistant_only_loss``).
+        name: the dataset's name, for the message.
 
     Raises:
         ValueError: a language-modelling ``text`` dataset, packing or padding-free batches.
         NotImplementedError: ``assistant_only_loss``.
     """
+    packing = args.packing or bool(args.eval_packing)
+    padding_free, assistant_only_loss = args.padding_free, args.assistant_only_loss
     if fmt not in ("conversational", "prompt_completion"):
         raise ValueError(
             f"{name} has images and is a {fmt!r} dataset; SFT with images reads a 'messages' conversation or a "
@@ -49,7 +55,7 @@ def check_vision_options(
     if packing or padding_free:
         raise ValueError(
             f"{name} has images: packing and padding_free join rows into one sequence, which a vision-language "
-            "model's image inputs cannot follow. Set packing=False and padding_free=False."
+            "model's image inputs cannot follow. Set packing=False (and eval_packing) and padding_free=False."
         )
     if assistant_only_loss:
         raise NotImplementedError(
@@ -119,26 +125,13 @@ def collate(
     """Encoded rows (:func:`encode_row`) as one left-padded batch with their image inputs."""
     input_ids, attention_mask = left_pad([ids for ids, _, _ in rows], pad_token_id)
     loss_mask, _ = left_pad([mask for _, mask, _ in rows], 0)
-    positions = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
-    return VisionBatch(
+    return Sequences(
         input_ids=input_ids,
         loss_mask=loss_mask,
         attention_mask=attention_mask,
-        position_ids=positions,
+        position_ids=position_ids_from_mask(attention_mask),
         vision=VisionInputs([inputs for _, _, inputs in rows]),
     )
-
-
-class VisionBatch(Sequences):
-    """``Sequences`` with the rows' image inputs (``vision``), left-padded."""
-
-    def __init__(self, *, vision: VisionInputs, **fields: Any) -> None:
-        super().__init__(**fields)
-        self.vision = vision
-
-    def model_kwargs(self, device: torch.device | str) -> dict[str, torch.Tensor]:
-        """The image inputs of the model's forward for these rows, aligned with the tokens."""
-        return self.vision.model_kwargs(self.input_ids.shape[1], 0, device)
 
 
 def _template_variables(processor: Any) -> dict[str, Any]:

@@ -117,6 +117,8 @@ class SFTTrainer(BaseTrainer):
         self._apply_pad_token(args.pad_token)
         if args.chat_template_path is not None:
             loading.apply_chat_template_path(args.chat_template_path, self._tokenizer, self.model)
+            if self._vision:  # rows with images render with the processor's template
+                self.processing_class.chat_template = self._tokenizer.chat_template
         if needs_markers:
             chat_templates.ensure_generation_markers(self._tokenizer)
         self.loss_fn = losses.resolve_loss_type(args.loss_type)
@@ -231,16 +233,12 @@ class SFTTrainer(BaseTrainer):
         mask = inputs.attention_mask
         if mask is None and not self._varlen_attention:  # packed: a block-diagonal causal mask
             mask = packing.packed_attention_mask(inputs.position_ids, self.model.dtype)
-        if isinstance(inputs, sft_vision.VisionBatch):
-            return sft_vision.VisionBatch(
-                input_ids=inputs.input_ids.to(device), loss_mask=inputs.loss_mask.to(device),
-                attention_mask=mask.to(device), position_ids=inputs.position_ids.to(device), vision=inputs.vision,
-            )  # fmt: skip
         return Sequences(
             input_ids=inputs.input_ids.to(device),
             loss_mask=inputs.loss_mask.to(device),
             attention_mask=mask.to(device) if mask is not None else None,
             position_ids=inputs.position_ids.to(device),
+            vision=inputs.vision,
         )
 
     def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> torch.Tensor:
@@ -272,9 +270,7 @@ class SFTTrainer(BaseTrainer):
                 with_entropy=True,
                 with_top=True,
                 target_mask=inputs.loss_mask[:, 1:],  # the head runs on the targets only
-                model_inputs=inputs.model_kwargs(inputs.input_ids.device)
-                if isinstance(inputs, sft_vision.VisionBatch)
-                else None,
+                model_inputs=inputs.model_kwargs(inputs.input_ids.device),
             )
         mask = inputs.loss_mask[:, 1:].to(stats.logps.dtype)  # [N, L - 1]: targets 1..L-1
         local = mask.sum()
@@ -300,9 +296,8 @@ def _check_formats(
         Whether ``assistant_only_loss`` applies to chat messages, so the template needs markers;
         and whether the rows have images (``image`` / ``images``: a vision-language model's SFT).
     """
-    if (args.dataset_kwargs or {}).get("skip_prepare_dataset"):
-        return False, False
     chats = images = False
+    skip = (args.dataset_kwargs or {}).get("skip_prepare_dataset")
     evals = eval_dataset.items() if isinstance(eval_dataset, dict) else [("eval_dataset", eval_dataset)]
     for name, dataset in [("train_dataset", train_dataset), *evals]:
         if dataset is None:
@@ -314,6 +309,8 @@ def _check_formats(
                     "out; give 'messages' or 'prompt' and 'completion' columns with the images instead."
                 )
             continue
+        if skip and vision.image_column(getattr(dataset, "column_names", None)) is None:
+            continue  # tokenised by the user: used as given
         if not hasattr(dataset, "__len__"):
             raise ValueError(
                 f"{name} is an IterableDataset; SFTTrainer tokenises and packs the whole dataset first. Materialise "
@@ -325,9 +322,7 @@ def _check_formats(
         columns = list(getattr(dataset, "column_names", None) or dataset[0])
         fmt = sft.detect_format(columns, dataset[0], dataset_text_field=args.dataset_text_field)
         if vision.image_column(columns) is not None:
-            sft_vision.check_vision_options(
-                fmt, args.packing, args.padding_free, args.assistant_only_loss, name
-            )
+            sft_vision.check_vision_options(fmt, args, name)
             images = True
         chats |= fmt == "conversational" or (
             fmt == "prompt_completion" and not isinstance(dataset[0]["prompt"], str)
