@@ -193,8 +193,8 @@ class OnlineTrainer(BaseTrainer):
     #: log-probs, so only the speed changes. GRPO sets its sampler itself (``sampler_precision``).
     _bf16_sampler_copy: bool = False
 
-    #: with ``use_vllm``: the colocated engine this trainer serves its adapter from, shared with
-    #: other trainers (``vllm_lora.SharedEngine``; a sweep's run classes set it); None: its own engine
+    #: with ``use_vllm``: the engine (colocated or a server) this trainer serves its adapter from,
+    #: shared with other trainers (``vllm_lora.SharedEngine``; a sweep's run classes set it); None: its own
     _shared_vllm_engine: Any = None
 
     @property

@@ -9,9 +9,10 @@ terms per row block). Requests with different sampling settings (temperature, to
 are served by one call each. A decode step multiplies every base weight once for all the call's
 rows, so N runs' steps cost less than N steps (figures: ``benchmarks/sweep_generation.py``).
 
-With ``use_vllm`` the runs' adapters are served by one colocated engine (``vllm_lora.SharedEngine``)
-and one ``generate`` call takes every waiting request, each prompt with its run's adapter
-(``LoRARequest``) and sampling settings (``vllm_lora.generate_together``).
+With ``use_vllm`` the runs' adapters are served by one engine (``vllm_lora.SharedEngine``): one
+``generate`` call of a colocated engine takes every waiting request, each prompt with its run's
+adapter (``LoRARequest``) and sampling settings; a server gets the runs' requests at once
+(``vllm_lora.generate_together``).
 
 The rows of a shared call draw from the random generators of the run that makes the call, so a
 run sampled this way equals a lone run in distribution, not draw for draw (``GRPOSweep`` with
