@@ -694,8 +694,13 @@ class BaseTrainer(Trainer):
 
 
 def check_offline_datasets(
-    trainer: str, train_dataset: Any, eval_dataset: Any, item: str, check_first: Callable[[str, Any], None]
-) -> None:
+    trainer: str,
+    train_dataset: Any,
+    eval_dataset: Any,
+    item: str,
+    check_first: Callable[[str, Any], None],
+    check_images: Callable[[str], None] | None = None,
+) -> bool:
     """Check an offline trainer's datasets (train, eval or a dict of evals) before any model loads.
 
     Args:
@@ -704,13 +709,19 @@ def check_offline_datasets(
         item: what one row is (``"example"``, ``"preference pair"``), for the messages.
         check_first: ``check_first(name, dataset)`` checks a map-style, non-empty dataset's
             columns and first row, raising ``ValueError`` with the family's message.
+        check_images: for a family that takes images, ``check_images(name)`` checks the options
+            against a dataset with an ``image`` / ``images`` column; ``None``: images are refused.
+
+    Returns:
+        Whether a dataset has images.
 
     Raises:
         ValueError: a streamed (``IterableDataset``) or empty dataset, or what ``check_first`` raises.
-        NotImplementedError: a dataset with images (an ``image`` / ``images`` column): these
-            families train on text only, and would otherwise drop the column without a word.
+        NotImplementedError: a dataset with images for a family without ``check_images``: it
+            trains on text only, and would otherwise drop the column without a word.
     """
     evals = eval_dataset.items() if isinstance(eval_dataset, dict) else [("eval_dataset", eval_dataset)]
+    has_images = False
     for name, dataset in [("train_dataset", train_dataset), *evals]:
         if dataset is None:
             continue
@@ -724,13 +735,18 @@ def check_offline_datasets(
         images = next(
             (c for c in ("image", "images") if c in (getattr(dataset, "column_names", None) or [])), None
         )
-        if images is not None:
+        if images is not None and check_images is not None:
+            check_images(name)
+            has_images = True
+        elif images is not None:
             raise NotImplementedError(
                 f"{name} has an {images!r} column, but {trainer} with images (a vision-language model's data) is not "
                 "built yet: it trains on the text alone and would drop the images without a word. Remove the column "
-                "to train on the text (dataset.remove_columns(...)); SFTTrainer, GRPOTrainer and RLOOTrainer take images."
+                "to train on the text (dataset.remove_columns(...)); SFTTrainer, DPOTrainer, GRPOTrainer and "
+                "RLOOTrainer take images."
             )
         check_first(name, dataset)
+    return has_images
 
 
 def refuse_logit_hooks(trainer: str, logged: str, *, needs: str | None = None, **hooks: Any) -> None:

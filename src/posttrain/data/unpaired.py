@@ -43,10 +43,11 @@ from typing import Any
 
 import torch
 
-from posttrain.core.batch import Sequences
+from posttrain.core.batch import Sequences, VisionInputs
 from posttrain.data import preference
 from posttrain.data.packing import collate_padded
 from posttrain.data.sft import row_label, tokenize_row
+from posttrain.data.vision import IMAGE_COLUMNS
 
 UNPAIRED_FORMATS = ("unpaired", "paired")
 UNPAIRED_COLUMNS = ("prompt", "completion", "label")
@@ -204,7 +205,7 @@ def _unpair_rows(rows: Sequence[Row], indices: Sequence[int]) -> list[dict[str, 
             "prompt": row["prompt"],
             "completion": row[side],
             "label": side == "chosen",
-            **{c: row[c] for c in TEMPLATE_COLUMNS if c in row},
+            **{c: row[c] for c in (*TEMPLATE_COLUMNS, *IMAGE_COLUMNS) if c in row},
         }
         for side in preference.COMPLETION_COLUMNS
         for row in split
@@ -215,7 +216,7 @@ def _unpair_columns(batch: dict[str, list[Any]], indices: list[int]) -> dict[str
     """``_unpair_rows`` on a batch of ``Dataset.map``'s columns."""
     rows = [{name: values[k] for name, values in batch.items()} for k in range(len(indices))]
     examples = _unpair_rows(rows, indices)
-    names = [*UNPAIRED_COLUMNS, *(c for c in TEMPLATE_COLUMNS if c in batch)]
+    names = [*UNPAIRED_COLUMNS, *(c for c in (*TEMPLATE_COLUMNS, *IMAGE_COLUMNS) if c in batch)]
     return {name: [e[name] for e in examples] for name in names}
 
 
@@ -419,8 +420,8 @@ class UnpairedBatch:
     """A collated micro-batch of unpaired examples.
 
     Attributes:
-        examples: [N, L] prompt + completion rows, right padded; the loss mask is 1 on the
-            completion tokens.
+        examples: [N, L] prompt + completion rows, right padded (left padded, with their
+            ``vision`` inputs, for rows with images); the loss mask is 1 on the completion tokens.
         labels: [N] True for desirable examples.
         kl: [N, L] the mismatched pairs (row ``i``'s prompt, another row's completion), as wide as
             ``examples``; ``None`` when the loss needs no KL estimate.
@@ -443,11 +444,13 @@ class UnpairedBatch:
         if self.kl is None:
             return self.examples
         e, k = self.examples, self.kl
+        images = VisionInputs(e.vision.rows + k.vision.rows) if e.vision is not None else None
         return Sequences(
             torch.cat([e.input_ids, k.input_ids]),
             torch.cat([e.loss_mask, k.loss_mask]),
             torch.cat([e.attention_mask, k.attention_mask]),
             torch.cat([e.position_ids, k.position_ids]),
+            vision=images,
         )
 
     def to(self, device: torch.device | str) -> UnpairedBatch:
@@ -459,7 +462,13 @@ class UnpairedBatch:
         def move(s: Sequences | None) -> Sequences | None:
             if s is None:
                 return None
-            return Sequences(opt(s.input_ids), opt(s.loss_mask), opt(s.attention_mask), opt(s.position_ids))
+            return Sequences(
+                opt(s.input_ids),
+                opt(s.loss_mask),
+                opt(s.attention_mask),
+                opt(s.position_ids),
+                vision=s.vision,
+            )
 
         return replace(
             self,
@@ -524,7 +533,7 @@ def collate_unpaired(
             items.append(_row(prompt, completion))
     padded = collate_padded(items, pad_token_id, pad_to_multiple_of)
     labels = torch.tensor([bool(row["label"]) for row in rows], dtype=torch.bool)
-    ref, ref_kl = _collate_ref_logps(rows, with_kl)
+    ref, ref_kl = collate_ref_logps(rows, with_kl)
     return UnpairedBatch(
         _slice(padded, slice(0, n)), labels, _slice(padded, slice(n, None)) if with_kl else None, ref, ref_kl
     )
@@ -541,7 +550,7 @@ def _slice(batch: Sequences, rows: slice) -> Sequences:
     )
 
 
-def _collate_ref_logps(rows: Sequence[Row], with_kl: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def collate_ref_logps(rows: Sequence[Row], with_kl: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The precomputed reference log-probs of a batch (``[N]`` each), ``None`` when rows have none.
 
     Raises:

@@ -31,6 +31,7 @@ from posttrain.core.trainer import refuse_logit_hooks
 from posttrain.data import preference
 from posttrain.dpo import losses
 from posttrain.dpo.config import DPOConfig
+from posttrain.models import loading
 from posttrain.ops.logprobs import RowScores
 from posttrain.pairs.trainer import PairBatch, PairTrainer, StepCounts, check_pair_columns
 
@@ -86,7 +87,7 @@ class DPOTrainer(PairTrainer):
             compute_metrics=compute_metrics,
             preprocess_logits_for_metrics=preprocess_logits_for_metrics,
         )
-        check_pair_columns("DPOTrainer", train_dataset, eval_dataset)
+        self._vision = check_pair_columns("DPOTrainer", train_dataset, eval_dataset, args)
         super().__init__(
             model,
             args,
@@ -99,6 +100,7 @@ class DPOTrainer(PairTrainer):
             optimizers=optimizers,
             optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
         )
+        loading.check_reads_images(self.model, self.processing_class, self._vision)
         self._apply_pad_token(args.pad_token)
         self.loss_types, self.loss_weights = losses.check_loss_settings(
             args.loss_type,

@@ -30,10 +30,11 @@ from transformers import PreTrainedModel, TrainerCallback
 
 from posttrain.core.batch import Sequences
 from posttrain.core.trainer import BaseTrainer, check_offline_datasets, refuse_logit_hooks
-from posttrain.data import unpaired
+from posttrain.data import preference_vision, unpaired
 from posttrain.data.unpaired import UnpairedBatch
 from posttrain.kto import losses
 from posttrain.kto.config import KTOConfig
+from posttrain.models import loading
 from posttrain.ops.logprobs import RowScores, score_rows
 
 __all__ = ["KTOTrainer"]
@@ -92,7 +93,7 @@ class KTOTrainer(BaseTrainer):
             raise ValueError(
                 "KTOTrainer needs a train_dataset: unpaired prompt/completion/label rows, or chosen/rejected pairs."
             )
-        _check_datasets(train_dataset, eval_dataset)
+        self._vision = _check_datasets(train_dataset, eval_dataset, args)
         super().__init__(
             model,
             args,
@@ -105,6 +106,7 @@ class KTOTrainer(BaseTrainer):
             optimizers=optimizers,
             optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
         )
+        loading.check_reads_images(self.model, self.processing_class, self._vision)
         self._apply_pad_token(args.pad_token)
         self.loss_spec = losses.LOSS_TYPES[args.loss_type]
         self._map_datasets(self._prepare)
@@ -118,6 +120,10 @@ class KTOTrainer(BaseTrainer):
 
     def _prepare(self, dataset: Any) -> Any:
         a = self.args
+        if self._vision:  # examples with images are encoded batch by batch (data/preference_vision.py)
+            columns = list(dataset.column_names)
+            paired = unpaired.detect_unpaired_format(columns, dataset[0]) == "paired"
+            return unpaired.unpair(dataset) if paired else dataset
         return unpaired.prepare_unpaired_dataset(
             dataset, self._tokenizer, max_length=a.max_length, num_proc=a.dataset_num_proc
         )
@@ -145,11 +151,15 @@ class KTOTrainer(BaseTrainer):
         The KL pairs are fixed here: each row with the previous row of its chunk of
         ``batch_size`` rows, the pairs collation gives batches drawn in order.
         """
-        rows = dataset.to_list() if hasattr(dataset, "to_list") else [dict(row) for row in dataset]
+        if self._vision:  # rows as the dataset gives them (images decoded)
+            rows = [dict(dataset[i]) for i in range(len(dataset))]
+        else:
+            rows = dataset.to_list() if hasattr(dataset, "to_list") else [dict(row) for row in dataset]
         columns: dict[str, list[Any]] = {}
         if self.loss_spec.uses_kl:
             partners = unpaired.kl_partners(len(rows), batch_size)
-            columns[unpaired.KL_COLUMN] = [list(rows[p]["completion_ids"]) for p in partners]
+            completions = [self._completion_ids(row) for row in rows]
+            columns[unpaired.KL_COLUMN] = [completions[p] for p in partners]
             for row, completion in zip(rows, columns[unpaired.KL_COLUMN], strict=True):
                 row[unpaired.KL_COLUMN] = completion
         size = self.args.precompute_ref_batch_size or batch_size
@@ -172,10 +182,30 @@ class KTOTrainer(BaseTrainer):
 
     # ---- data ----------------------------------------------------------------------------------
 
+    def _completion_ids(self, row: dict[str, Any]) -> list[int]:
+        """A row's completion tokens (a row with images is encoded now, as its batch would be)."""
+        if self._vision:
+            return self._encode_example(row)[0]["completion_ids"]
+        return list(row["completion_ids"])
+
+    def _encode_example(self, row: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        return preference_vision.encode_example(row, self.processing_class, max_length=self.args.max_length)
+
     def _set_signature_columns_if_needed(self) -> None:
+        if self._vision:
+            self._signature_columns = list(preference_vision.VISION_EXAMPLE_COLUMNS)
+            return
         self._signature_columns = [*unpaired.OUTPUT_COLUMNS, unpaired.KL_COLUMN, *unpaired.REF_COLUMNS]
 
     def _collate(self, rows: list[dict[str, Any]]) -> UnpairedBatch:
+        if self._vision:
+            return preference_vision.collate_examples(
+                [self._encode_example(row) for row in rows],
+                self._tokenizer.pad_token_id,
+                self.args.pad_to_multiple_of,
+                with_kl=self.loss_spec.uses_kl,
+                max_length=self.args.max_length,
+            )
         return unpaired.collate_unpaired(
             rows,
             self._tokenizer.pad_token_id,
@@ -310,12 +340,15 @@ class KTOTrainer(BaseTrainer):
         self._sync_reference(self.ref_model)
 
 
-def _check_datasets(train_dataset: Any, eval_dataset: Any) -> None:
-    """The datasets' columns, first rows and labels, before any model is loaded."""
+def _check_datasets(train_dataset: Any, eval_dataset: Any, args: Any) -> bool:
+    """The datasets' columns, first rows and labels, before any model is loaded; whether they have images."""
 
     def first_row(name: str, dataset: Any) -> None:
         columns = list(getattr(dataset, "column_names", None) or dataset[0])
         if unpaired.detect_unpaired_format(columns, dataset[0]) == "unpaired":
             unpaired.check_labels(unpaired.column_values(dataset, "label"), name)
 
-    check_offline_datasets("KTOTrainer", train_dataset, eval_dataset, "example", first_row)
+    def images(name: str) -> None:
+        preference_vision.check_vision_pair_options(args, name)
+
+    return check_offline_datasets("KTOTrainer", train_dataset, eval_dataset, "example", first_row, images)

@@ -104,6 +104,29 @@ def is_vision_model(model: Any) -> bool:
     return getattr(config, "vision_config", None) is not None
 
 
+def check_reads_images(model: Any, processing_class: Any, has_images: bool) -> None:
+    """Datasets with images need a vision-language model and its processor (image processor, placeholders).
+
+    Raises:
+        ValueError: ``has_images`` with a text-only model, or with a tokenizer that has no image processor.
+    """
+    if not has_images:
+        return
+    if not is_vision_model(model):
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        raise ValueError(
+            f"the dataset has images, but the model is a {type(base).__name__}, a text-only model that cannot read "
+            "them. Train a vision-language model (e.g. Qwen2VLForConditionalGeneration) with its processor, or "
+            "remove the image column (dataset.remove_columns('image'))."
+        )
+    if getattr(processing_class, "image_processor", None) is None:
+        raise ValueError(
+            "the dataset has images, but processing_class is a tokenizer without an image processor; pass the "
+            "vision-language model's processor (transformers.AutoProcessor.from_pretrained(name)), or leave "
+            "processing_class None to load it with the model."
+        )
+
+
 #: The config fields of a vision-language model that name its image (and video) placeholder tokens.
 PLACEHOLDER_FIELDS = ("image_token_id", "image_token_index", "video_token_id", "video_token_index")
 

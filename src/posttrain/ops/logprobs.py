@@ -76,7 +76,8 @@ def score_rows(
 
     Args:
         model: the policy or a reference.
-        rows: ``Sequences`` with ``input_ids``, ``loss_mask`` and a 2-D ``attention_mask``.
+        rows: ``Sequences`` with ``input_ids``, ``loss_mask`` and a 2-D ``attention_mask`` (and,
+            for a vision-language model, left-padded with their ``vision`` inputs).
         with_metrics: also entropy, top log-prob and mean logit per position (no gradient).
         with_log_sq_norm: also ``log sum_v p_v^2`` per position (WPO).
         chunk_size: as in ``sequence_token_stats``.
@@ -84,6 +85,7 @@ def score_rows(
     positions = rows.position_ids
     if positions is None:
         positions = (rows.attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+    images = rows.model_kwargs(rows.input_ids.device) if getattr(rows, "vision", None) is not None else None
     stats = sequence_token_stats(
         model,
         rows.input_ids,
@@ -95,6 +97,7 @@ def score_rows(
         with_logit_mean=with_metrics,
         with_log_sq_norm=with_log_sq_norm,
         target_mask=rows.loss_mask[:, 1:],
+        model_inputs=images,
     )
     mask = rows.loss_mask[:, 1:].to(stats.logps.dtype)  # [N, L - 1]
     return RowScores((stats.logps * mask).sum(dim=1), mask.sum(dim=1), stats.logps, mask, stats)
@@ -110,6 +113,7 @@ def score_completions(
     with_metrics: bool = False,
     with_log_sq_norm: bool = False,
     chunk_size: int | None = chunked.DEFAULT_CHUNK_SIZE,
+    model_inputs: dict[str, torch.Tensor] | None = None,
 ) -> RowScores:
     """Score completions after their prompts, each distinct prompt run through the model once.
 
@@ -127,12 +131,21 @@ def score_completions(
         with_metrics: also entropy, top log-prob and mean logit per position (no gradient).
         with_log_sq_norm: also ``log sum_v p_v^2`` per position (WPO).
         chunk_size: as in ``sequence_token_stats``; ``None`` forces full logits (whole rows).
+        model_inputs: a vision-language model's image inputs for the ``[prompt | completion]``
+            rows (``VisionInputs.model_kwargs``); the rows are then scored whole (a prompt's
+            images are read with it).
     """
-    inputs = _row_inputs(prompt_ids, prompt_mask, completion_ids, completion_mask)
+    inputs = _row_inputs(prompt_ids, prompt_mask, completion_ids, completion_mask, model, model_inputs)
     found = None
     if chunk_size is not None:
         found = _completion_hidden(
-            model, inputs, prompt_ids, prompt_mask, completion_ids, completion_mask, share_prompts=True
+            model,
+            inputs,
+            prompt_ids,
+            prompt_mask,
+            completion_ids,
+            completion_mask,
+            share_prompts=not model_inputs,
         )
     if found is not None:
         out, predicting = found
@@ -141,24 +154,43 @@ def score_completions(
             with_log_sq_norm, completion_mask,
         )  # fmt: skip
     else:
-        start = prompt_ids.shape[1] - 1  # position P - 1 predicts completion token 0
-        targets = torch.zeros_like(inputs["input_ids"][:, 1:])  # [N, P + T - 1]: the head runs on these
-        targets[:, start:] = completion_mask
-        whole = sequence_token_stats(
-            model, inputs["input_ids"], inputs["attention_mask"], inputs["position_ids"],
-            with_entropy=with_metrics, with_top=with_metrics, chunk_size=chunk_size,
-            with_logit_mean=with_metrics, with_log_sq_norm=with_log_sq_norm, target_mask=targets,
-        )  # fmt: skip
-
-        def cut(t: torch.Tensor | None) -> torch.Tensor | None:
-            return t[:, start:] if t is not None else None
-
-        stats = SequenceStats(
-            whole.logps[:, start:], cut(whole.entropy), cut(whole.top), whole.aux_loss,
-            cut(whole.logit_mean), cut(whole.log_sq_norm),
+        stats = _whole_row_stats(
+            model, inputs, prompt_ids.shape[1], completion_mask, with_metrics, with_log_sq_norm, chunk_size,
+            model_inputs,
         )  # fmt: skip
     mask = completion_mask.to(stats.logps.dtype)
     return RowScores((stats.logps * mask).sum(dim=1), mask.sum(dim=1), stats.logps, mask, stats)
+
+
+def _whole_row_stats(
+    model: torch.nn.Module,
+    inputs: dict[str, Any],
+    prompt_width: int,
+    completion_mask: torch.Tensor,
+    with_metrics: bool,
+    with_log_sq_norm: bool,
+    chunk_size: int | None,
+    model_inputs: dict[str, torch.Tensor] | None,
+) -> SequenceStats:
+    """``score_completions``' statistics from the ``[prompt | completion]`` rows scored whole (the
+    model's own logits where the chunked path does not apply), in the completions' layout."""
+    start = prompt_width - 1  # position P - 1 predicts completion token 0
+    targets = torch.zeros_like(inputs["input_ids"][:, 1:])  # [N, P + T - 1]: the head runs on these
+    targets[:, start:] = completion_mask
+    whole = sequence_token_stats(
+        model, inputs["input_ids"], inputs["attention_mask"], position_ids_from_mask(inputs["attention_mask"]),
+        with_entropy=with_metrics, with_top=with_metrics, chunk_size=chunk_size,
+        with_logit_mean=with_metrics, with_log_sq_norm=with_log_sq_norm, target_mask=targets,
+        model_inputs=model_inputs,
+    )  # fmt: skip
+
+    def cut(t: torch.Tensor | None) -> torch.Tensor | None:
+        return t[:, start:] if t is not None else None
+
+    return SequenceStats(
+        whole.logps[:, start:], cut(whole.entropy), cut(whole.top), whole.aux_loss,
+        cut(whole.logit_mean), cut(whole.log_sq_norm),
+    )  # fmt: skip
 
 
 def unpack_scores(scores: RowScores, lengths: torch.Tensor) -> RowScores:

@@ -28,9 +28,9 @@ from typing import Any
 import torch
 from accelerate.utils import gather
 
-from posttrain.core.batch import Pairs, PromptRows, Sequences
+from posttrain.core.batch import Pairs, PromptRows, Sequences, VisionInputs
 from posttrain.core.trainer import BaseTrainer, check_offline_datasets
-from posttrain.data import packing, preference
+from posttrain.data import packing, preference, preference_vision
 from posttrain.ops.logprobs import RowScores, score_completions, score_rows, unpack_scores
 
 #: The share of a batch's tokens its pairs' prompts must hold for the prompts-once layout. Below
@@ -52,6 +52,8 @@ class PairBatch:
         prompts: the ``2N`` sides split at their prompts (chosen sides first), to score each
             prompt once; ``None`` when the batch is packed.
         packed: the ``2N`` sides end to end in one row (``padding_free``), else ``None``.
+        vision: a vision-language model's image inputs of the ``2N`` sides (each pair's prompt
+            images on both of its sides; ``data/preference_vision.py``), else ``None``.
     """
 
     pairs: Pairs
@@ -59,6 +61,7 @@ class PairBatch:
     ref_rejected: torch.Tensor | None = None
     prompts: PromptRows | None = None
     packed: Sequences | None = None
+    vision: VisionInputs | None = None
 
     @property
     def num_pairs(self) -> int:
@@ -87,6 +90,8 @@ class PairTrainer(BaseTrainer):
     """The pair data path, the step's denominators and the pair metrics, for the pair families."""
 
     loss_is_scaled_for_ga = True  # the families divide by the step's pairs and tokens themselves
+    #: the datasets have images: rows are encoded at collation (``data/preference_vision.py``)
+    _vision = False
 
     # ---- data ----------------------------------------------------------------------------------
 
@@ -96,6 +101,8 @@ class PairTrainer(BaseTrainer):
 
     def _prepare_pairs(self, dataset: Any) -> Any:
         a = self.args
+        if self._vision:  # pairs with images are encoded batch by batch, with the processor
+            return dataset
         return preference.prepare_preference_dataset(
             dataset,
             self._tokenizer,
@@ -105,6 +112,9 @@ class PairTrainer(BaseTrainer):
         )
 
     def _set_signature_columns_if_needed(self) -> None:
+        if self._vision:
+            self._signature_columns = list(preference_vision.VISION_PAIR_COLUMNS)
+            return
         self._signature_columns = [*preference.OUTPUT_COLUMNS, *preference.REF_COLUMNS]
 
     def _pad_token_id(self) -> int:
@@ -123,14 +133,33 @@ class PairTrainer(BaseTrainer):
 
     def _collate(self, rows: list[dict[str, Any]]) -> PairBatch:
         pad = self._pad_token_id()
+        images = None
+        if self._vision:
+            rows, images = self._encode_vision_rows(rows)
         pairs = preference.collate_pairs(rows, pad, self.args.pad_to_multiple_of)
         ref = preference.collate_ref_logps(rows)
         batch = PairBatch(pairs, *(ref if ref is not None else (None, None)))
-        if self._packs_pairs:
+        if images is not None:  # every side reads its prompt's images: the chosen sides, then the rejected
+            batch.vision = VisionInputs(images + images)
+            batch.prompts = preference.collate_pair_prompts(rows, pad)
+        elif self._packs_pairs:
             batch.packed = preference.collate_pairs_packed(rows, pad, self.args.pad_to_multiple_of)
         else:
             batch.prompts = preference.collate_pair_prompts(rows, pad)
         return batch
+
+    def _encode_vision_rows(
+        self, rows: list[dict[str, Any]]
+    ) -> tuple[list[dict[str, Any]], list[dict[str, torch.Tensor]]]:
+        """Pairs with images as tokenised pairs (``preference_vision.encode_pair``) and their image inputs."""
+        a = self.args
+        encoded = [
+            preference_vision.encode_pair(
+                row, self.processing_class, max_length=a.max_length, eos_token=getattr(a, "eos_token", None)
+            )
+            for row in rows
+        ]
+        return [pair for pair, _ in encoded], [inputs for _, inputs in encoded]
 
     def _prepare_inputs(self, inputs: PairBatch) -> PairBatch:  # type: ignore[override]
         device = self.accelerator.device
@@ -139,7 +168,9 @@ class PairTrainer(BaseTrainer):
             return Sequences(s.input_ids.to(device), s.loss_mask.to(device), s.attention_mask.to(device))
 
         ref = [t.to(device) if t is not None else None for t in (inputs.ref_chosen, inputs.ref_rejected)]
-        out = PairBatch(Pairs(move(inputs.pairs.chosen), move(inputs.pairs.rejected)), *ref)
+        out = PairBatch(
+            Pairs(move(inputs.pairs.chosen), move(inputs.pairs.rejected)), *ref, vision=inputs.vision
+        )
         if inputs.prompts is not None:
             out.prompts = inputs.prompts.to(device)
         if inputs.packed is not None:
@@ -164,6 +195,20 @@ class PairTrainer(BaseTrainer):
         every use goes through ``mask``, so the sums, LD-DPO, WPO and the metrics do not.
         """
         kwargs = {"with_metrics": with_metrics, "with_log_sq_norm": with_log_sq_norm}
+        if inputs.vision is not None:  # the rows whole, with their prompts' images
+            p = inputs.prompts
+            images = inputs.vision.model_kwargs(
+                p.prompt_ids.shape[1], p.completion_ids.shape[1], p.prompt_ids.device
+            )
+            return score_completions(
+                model,
+                p.prompt_ids,
+                p.prompt_mask,
+                p.completion_ids,
+                p.completion_mask,
+                model_inputs=images,
+                **kwargs,
+            )
         if inputs.packed is not None:
             lengths = torch.cat(
                 [inputs.pairs.chosen.attention_mask, inputs.pairs.rejected.attention_mask]
@@ -241,11 +286,21 @@ class PairTrainer(BaseTrainer):
         return m
 
 
-def check_pair_columns(trainer: str, train_dataset: Any, eval_dataset: Any) -> None:
+def check_pair_columns(trainer: str, train_dataset: Any, eval_dataset: Any, args: Any = None) -> bool:
     """The datasets' columns and first rows, before any model is loaded.
 
+    Args:
+        trainer: the trainer's name, for the messages.
+        train_dataset, eval_dataset: as given to the trainer.
+        args: the config of a family that takes images (DPO); ``None``: images are refused.
+
+    Returns:
+        Whether a dataset has images (``preference_vision.check_vision_pair_options`` passed).
+
     Raises:
-        ValueError: no train dataset, a streamed or empty one, or columns that hold no pairs.
+        ValueError: no train dataset, a streamed or empty one, columns that hold no pairs, or
+            options that pairs with images cannot take.
+        NotImplementedError: images given to a family without ``args``.
     """
     if train_dataset is None:
         raise ValueError(f"{trainer} needs a train_dataset of preference pairs (chosen, rejected).")
@@ -254,7 +309,11 @@ def check_pair_columns(trainer: str, train_dataset: Any, eval_dataset: Any) -> N
         columns = list(getattr(dataset, "column_names", None) or dataset[0])
         preference.detect_preference_format(columns, dataset[0])
 
-    check_offline_datasets(trainer, train_dataset, eval_dataset, "preference pair", first_row)
+    def images(name: str) -> None:
+        preference_vision.check_vision_pair_options(args, name)
+
+    checked = images if args is not None else None
+    return check_offline_datasets(trainer, train_dataset, eval_dataset, "preference pair", first_row, checked)
 
 
 def _prompt_share(batch: PairBatch) -> float:

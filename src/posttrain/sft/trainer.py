@@ -113,7 +113,7 @@ class SFTTrainer(BaseTrainer):
             optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
         )
         self._check_attention()
-        self._check_processor()
+        loading.check_reads_images(self.model, self.processing_class, self._vision)
         self._apply_pad_token(args.pad_token)
         if args.chat_template_path is not None:
             loading.apply_chat_template_path(args.chat_template_path, self._tokenizer, self.model)
@@ -206,22 +206,6 @@ class SFTTrainer(BaseTrainer):
         ids = list(row["input_ids"])
         mask = row.get("completion_mask") or row.get("assistant_masks") or [1] * len(ids)
         return {"input_ids": ids, "loss_mask": [0, *list(mask)[1:]]}
-
-    def _check_processor(self) -> None:
-        """Rows with images need a vision-language model and its processor (image processor, placeholders)."""
-        if self._vision and not loading.is_vision_model(self.model):
-            base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
-            raise ValueError(
-                f"the dataset has images, but the model is a {type(base).__name__}, a text-only model that cannot read "
-                "them. Train a vision-language model (e.g. Qwen2VLForConditionalGeneration) with its processor, or "
-                "remove the image column (dataset.remove_columns('image'))."
-            )
-        if self._vision and vision.image_processor_of(self.processing_class) is None:
-            raise ValueError(
-                "the dataset has images, but processing_class is a tokenizer without an image processor; pass the "
-                "vision-language model's processor (transformers.AutoProcessor.from_pretrained(name)), or leave "
-                "processing_class None to load it with the model."
-            )
 
     def _check_attention(self) -> None:
         """Packed rows need an attention that keeps their sequences apart."""
