@@ -304,3 +304,74 @@ def test_kto_precomputed_reference_equals_the_live_reference_with_images(tmp_pat
     expected = live._reference_scores(batch.stacked())
     got = torch.tensor([r["ref_logps"] for r in rows] + [r["ref_kl_logps"] for r in rows])
     torch.testing.assert_close(got, expected.float(), rtol=1e-5, atol=1e-4)
+
+
+# ---- online DPO ---------------------------------------------------------------------------------
+
+
+def _online_dpo(tmp_path, **overrides):
+    from posttrain import OnlineDPOConfig, OnlineDPOTrainer
+
+    model, processor = build_qwen2_vl()
+    values = {"output_dir": str(tmp_path), **CPU_TEST_ARGS, "per_device_train_batch_size": 2, "max_new_tokens": 6,
+              "gradient_checkpointing": False, **overrides}  # fmt: skip
+    data = Dataset.from_dict({"prompt": [image_prompt(i) for i in range(4)],
+                              "image": [random_image(i, SIZES[i]) for i in range(4)]})  # fmt: skip
+
+    def reward(completion_ids, **kwargs):
+        return [float(sum(ids) % 7) for ids in completion_ids]
+
+    return OnlineDPOTrainer(
+        model=model, reward_funcs=reward, args=OnlineDPOConfig(**values), train_dataset=data,
+        processing_class=processor,
+    )  # fmt: skip
+
+
+def test_online_dpo_loss_is_the_formula_on_the_models_log_probs_with_the_images(tmp_path):
+    import math
+
+    trainer = _online_dpo(tmp_path)
+    rows = [trainer.train_dataset[i] for i in range(2) for _ in range(2)]
+    (chunk,) = trainer._generate_and_score(rows, "train", num_chunks=1)
+    r = chunk.rollout
+    assert r.vision is not None and r.vision.has_images
+    assert trainer.compute_loss(trainer.model, chunk).item() == pytest.approx(math.log(2), rel=1e-5)
+    with torch.no_grad():
+        for p in trainer.model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    loss = trainer.compute_loss(trainer.model, chunk)
+
+    def pair_loss(images: bool) -> float:
+        extra = r.vision_kwargs() if images else {}  # without: the placeholders read as text
+        ids = torch.cat([r.prompt_ids, r.completion_ids], 1)
+        with torch.no_grad():
+            out = trainer.model(
+                input_ids=ids, attention_mask=torch.cat([r.prompt_mask, r.completion_mask], 1), **extra
+            )
+        logits = out.logits[:, r.prompt_ids.shape[1] - 1 : -1].double()
+        token = torch.log_softmax(logits, -1).gather(2, r.completion_ids.unsqueeze(2)).squeeze(2)
+        u = ((token - chunk.ref_logps.double()) * r.completion_mask.double()).sum(1).view(2, 2)
+        first = chunk.advantages.view(2, 2)[:, 0] > 0
+        z = torch.where(first, u[:, 0] - u[:, 1], u[:, 1] - u[:, 0])
+        return (-torch.nn.functional.logsigmoid(0.1 * z).mean()).item()
+
+    assert loss.item() == pytest.approx(pair_loss(images=True), rel=1e-4)
+    assert abs(pair_loss(images=False) - loss.item()) > 1e-3  # the images count
+
+
+def test_online_dpo_trains_a_vision_language_model_and_moves_its_vision_tower(tmp_path):
+    trainer = _online_dpo(tmp_path, learning_rate=5e-3)
+    tower = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "visual" in n}
+    trainer.train()
+    assert [h for h in trainer.state.log_history if "rewards/margins" in h]
+    moved = [n for n, p in trainer.model.named_parameters() if n in tower and not torch.equal(p, tower[n])]
+    assert moved, "the images' gradient must reach the vision tower"
+
+
+def test_online_dpo_refuses_a_max_length_that_cuts_the_prompts_images(tmp_path):
+    trainer = _online_dpo(tmp_path, max_length=12)
+    rows = [trainer.train_dataset[0]] * 2
+    with pytest.raises(
+        ValueError, match=r"max_length=12 leaves room for \d+ prompt tokens .* would remove image tokens"
+    ):
+        trainer._generate_and_score(rows, "train", num_chunks=1)

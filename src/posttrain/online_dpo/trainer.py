@@ -19,6 +19,7 @@ from accelerate.utils import broadcast_object_list, gather
 from transformers import PreTrainedModel, TrainerCallback
 
 from posttrain.core.batch import Rollout
+from posttrain.models import loading
 from posttrain.online_dpo import losses
 from posttrain.online_dpo.config import OnlineDPOConfig
 from posttrain.sampling.rollout import ScoredRollout
@@ -183,6 +184,8 @@ class OnlineDPOTrainer(OnlineTrainer):
         limit = self.args.max_length
         keep = max(limit - rollout.completion_ids.shape[1], 1) if limit is not None else None
         if keep is not None and rollout.prompt_ids.shape[1] > keep:
+            if rollout.vision is not None:
+                _check_images_kept(rollout, keep, loading.image_placeholder_ids(self.model), limit)
             rollout = replace(
                 rollout, prompt_ids=rollout.prompt_ids[:, -keep:], prompt_mask=rollout.prompt_mask[:, -keep:]
             )
@@ -306,6 +309,17 @@ class OnlineDPOTrainer(OnlineTrainer):
             name: total / (completions if name in per_completion else completions / 2)
             for name, total in zip(names, totals[:-1], strict=False)
         }
+
+
+def _check_images_kept(rollout: Rollout, keep: int, image_ids: list[int], limit: int) -> None:
+    """Refuse a left cut of the prompts (to ``keep`` tokens) that would remove image tokens."""
+    cut = rollout.prompt_ids[:, :-keep][rollout.prompt_mask[:, :-keep].bool()]
+    if image_ids and torch.isin(cut, torch.tensor(image_ids, device=cut.device)).any():
+        raise ValueError(
+            f"max_length={limit} leaves room for {keep} prompt tokens before the {rollout.completion_ids.shape[1]} "
+            "completion tokens, and cutting the prompts on the left to fit would remove image tokens of a prompt "
+            "with images. Raise max_length (or set it to None), or use smaller images."
+        )
 
 
 def _check_pairs(rollout: Rollout) -> None:
