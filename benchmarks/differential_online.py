@@ -33,6 +33,7 @@ from differential import (  # noqa: E402
     BASE,
     PROMPTS,
     command_line,
+    drive,
     drive_tiny,
     generation_calls_note,
     record_failure,
@@ -79,6 +80,12 @@ CONFIGS: dict[str, dict] = {
     "a2po": {},  # beta1 0.5, beta2 1e-3
     "a2po_beta2": {"beta2": 0.05, "beta1": 1.0},
     "a2po_keep_unsolved": {"filter_all_incorrect": False},
+    # on a vision-language model (differential_vlm.py's tiny LLaVA-NeXT and Qwen2-VL, its eight
+    # prompts with an image block and one image each); the reference's online DPO cannot run
+    # Qwen2-VL on transformers 5 (its forward gets no mm_token_type_ids): that row is not compared
+    "online_dpo_vlm_llava_next": {},
+    "online_dpo_vlm_llava_next_ipo": {"loss_type": "ipo"},
+    "online_dpo_vlm_qwen2_vl": {},
 }
 
 
@@ -213,7 +220,21 @@ def run_child(lib: str, name: str, model_dir: str, out_path: str) -> None:
     else:
         from posttrain import RLOOConfig as Config
         from posttrain import RLOOTrainer as Trainer
-    script = Script(AutoTokenizer.from_pretrained(model_dir), per_prompt=a2po)
+    family = vlm_family(name)
+    processor = None
+    if family is not None:
+        from differential_vlm import dataset as vlm_dataset
+        from differential_vlm import load_processor
+        from transformers import AutoModelForImageTextToText
+
+        processor = load_processor(family, model_dir)
+        script = Script(processor.tokenizer)
+        train_dataset = vlm_dataset("blocks")
+        # the reference's online DPO loads a path with AutoModelForCausalLM, which has no VLM class: both get the model
+        model_dir = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
+    else:
+        script = Script(AutoTokenizer.from_pretrained(model_dir), per_prompt=a2po)
+        train_dataset = Dataset.from_dict({"prompt": PROMPTS})
     result: dict = {"lib": lib, "config": name}
     with tempfile.TemporaryDirectory() as tmp:
         try:
@@ -230,9 +251,10 @@ def run_child(lib: str, name: str, model_dir: str, out_path: str) -> None:
                 model=model_dir,
                 reward_funcs=rewards,
                 args=args,
-                train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
-                # the reference's online DPO needs the tokenizer given (it pads left itself); the others load it
-                **({"processing_class": script.tok} if online_dpo else {}),
+                train_dataset=train_dataset,
+                # the reference's online DPO needs the tokenizer (or processor) given (it pads left itself); the
+                # others load it
+                **({"processing_class": processor or script.tok} if online_dpo else {}),
             )
             if lib == "trl" and a2po:  # both stages call generate on the policy or the reference
                 for model in (trainer.model, trainer.ref_model):
@@ -253,10 +275,32 @@ def run_child(lib: str, name: str, model_dir: str, out_path: str) -> None:
         record_run(out_path, result, trainer)
 
 
+def vlm_family(name: str) -> str | None:
+    """The vision-language family of an ``online_dpo_vlm_*`` configuration, else ``None``."""
+    if not name.startswith("online_dpo_vlm_"):
+        return None
+    return next(f for f in ("qwen2_vl", "llava_next") if name[len("online_dpo_vlm_") :].startswith(f))
+
+
 def run_parent(names: list[str], keep: str | None, verbose: bool) -> int:
-    return drive_tiny(
-        names, keep, verbose, os.path.abspath(__file__), "differential-online-", generation_calls_note
-    )
+    script = os.path.abspath(__file__)
+    text = [n for n in names if vlm_family(n) is None]
+    vlm = [n for n in names if vlm_family(n) is not None]
+    if text:
+        drive_tiny(text, keep, verbose, script, "differential-online-", generation_calls_note)
+    if vlm:
+        from differential_vlm import prepare_family
+
+        work = keep or tempfile.mkdtemp(prefix="differential-online-vlm-")
+        built = {f: prepare_family(work, f) for f in dict.fromkeys(vlm_family(n) for n in vlm)}
+
+        def child_args(lib: str, name: str, out: str) -> list[str]:
+            model_dir = built[vlm_family(name)][0]
+            return [script, "--lib", lib, "--config", name, "--model_dir", model_dir, "--out", out]
+
+        init = lambda name: built[vlm_family(name)][1]  # noqa: E731
+        drive(vlm, work, child_args, init, generation_calls_note, verbose)
+    return 0
 
 
 def main() -> int:
