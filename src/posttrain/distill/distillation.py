@@ -19,6 +19,7 @@ from accelerate.utils import gather
 from transformers import PreTrainedModel, TrainerCallback
 
 from posttrain.core.batch import Rollout
+from posttrain.data import vision
 from posttrain.distill import losses, teachers
 from posttrain.distill.config import DistillationConfig
 from posttrain.models import loading
@@ -67,7 +68,12 @@ class TeacherStudentTrainer(OnlineTrainer):
         self._refuse_outputs(return_outputs)
         r = inputs.rollout
         side, aux_loss = completion_head_inputs(
-            model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask
+            model,
+            r.prompt_ids,
+            r.prompt_mask,
+            r.completion_ids,
+            r.completion_mask,
+            model_inputs=r.vision_kwargs(),
         )
         return side, aux_loss, ("train" if model.training else "eval")
 
@@ -147,6 +153,9 @@ class DistillationTrainer(TeacherStudentTrainer):
         self._served = isinstance(next(iter(sources.values())), teachers.TeacherServer)
         if self._served:
             self._check_served(args)
+        images = image_datasets(train_dataset, eval_dataset)
+        if images:
+            self._check_image_options(args, images[0])
         train_dataset, eval_dataset = self._prepare_datasets(train_dataset, eval_dataset, args)
         super().__init__(
             model,
@@ -165,8 +174,40 @@ class DistillationTrainer(TeacherStudentTrainer):
         self.teachers = {key: self._setup_teacher(source) for key, source in sources.items()}
         #: the teacher (a dict of them, keyed by ``teacher_id``, for several)
         self.teacher_model = self.teachers[None] if None in self.teachers else dict(self.teachers)
+        for teacher in self.teachers.values() if images else ():
+            if not loading.is_vision_model(teacher):
+                raise ValueError(
+                    f"{images[0]} has images, but the teacher is a {type(teacher).__name__}, a text-only model that "
+                    "cannot read them. Distil from a vision-language teacher that reads the student's processor "
+                    "inputs (e.g. a larger model of the student's family), or remove the image column."
+                )
 
     # ---- setup ---------------------------------------------------------------------------------
+
+    def _check_image_options(self, args: Any, name: str) -> None:
+        """What datasets with images cannot do yet, refused before any model loads.
+
+        Raises:
+            NotImplementedError: a served teacher, GOLD's cross-tokenizer loss, or ``lmbda`` below 1
+                (steps on the dataset's or the teacher's completions, not encoded with their images).
+        """
+        trainer = type(self).__name__
+        if self._served:
+            raise NotImplementedError(
+                f"{name} has images, but a served teacher (TeacherServer) with images is not built yet: it would score "
+                "the completions without the pixels. Load the teacher in this process (a model or a path)."
+            )
+        if getattr(args, "cross_tokenizer", False):
+            raise NotImplementedError(
+                f"{name} has images, but {trainer}'s cross-tokenizer loss with images is not built yet; distil from a "
+                "teacher that shares the student's tokenizer."
+            )
+        if getattr(args, "lmbda", 1.0) < 1.0:
+            raise NotImplementedError(
+                f"{name} has images, but {trainer} with images trains on the student's own samples only for now: "
+                f"lmbda={args.lmbda} would also train on the dataset's (or the teacher's) completions, which are not "
+                "encoded with their images yet. Set lmbda=1.0."
+            )
 
     def _prepare_datasets(self, train_dataset: Any, eval_dataset: Any, args: Any) -> tuple[Any, Any]:
         """The datasets as the sampler reads them (GKD turns ``messages`` into prompt and completion)."""
@@ -275,6 +316,7 @@ class DistillationTrainer(TeacherStudentTrainer):
                         sub.prompt_mask,
                         sub.completion_ids,
                         sub.completion_mask,
+                        model_inputs=sub.vision_kwargs(),  # the teacher reads the prompts' images too
                     )
                     teacher = side.rows(keep[rows] if rows is not None else keep)
             parts.append(self._token_losses(student.rows(sub_keep), teacher, inputs, sub_keep))
@@ -329,7 +371,18 @@ def select_rows(r: Rollout, rows: torch.Tensor) -> Rollout:
         r.prompt_ids[rows], r.prompt_mask[rows], r.completion_ids[rows], r.completion_mask[rows], r.is_terminated[rows],
         r.sampler_logps[rows] if r.sampler_logps is not None else None,
         r.tool_mask[rows] if r.tool_mask is not None else None,
+        vision=r.vision.select(rows.nonzero().flatten().tolist()) if r.vision is not None else None,
     )  # fmt: skip
+
+
+def image_datasets(train_dataset: Any, eval_dataset: Any) -> list[str]:
+    """The names of the datasets with an image column (``image`` / ``images``)."""
+    evals = eval_dataset.items() if isinstance(eval_dataset, dict) else [("eval_dataset", eval_dataset)]
+    return [
+        name
+        for name, dataset in [("train_dataset", train_dataset), *evals]
+        if vision.image_column(getattr(dataset, "column_names", None)) is not None
+    ]
 
 
 def _needs_copy(teacher: torch.nn.Module, student: torch.nn.Module) -> bool:

@@ -28,6 +28,7 @@ from transformers import PreTrainedModel, TrainerCallback
 from posttrain.data import distill as distill_data
 from posttrain.distill import losses, reprompt
 from posttrain.distill.config import SDFTConfig, SDPOConfig
+from posttrain.distill.distillation import image_datasets
 from posttrain.distill.trainer import TeacherStudentTrainer, select_rows
 from posttrain.grpo import advantages, objectives
 from posttrain.models import peft as peft_utils
@@ -199,6 +200,7 @@ class SDFTTrainer(SelfTeacherTrainer):
         args = args if args is not None else self.default_args(model, SDFTConfig, "SDFT")
         if not isinstance(args, SDFTConfig):
             raise TypeError(f"args is a {type(args).__name__}; SDFTTrainer needs an SDFTConfig.")
+        _refuse_images("SDFTTrainer", train_dataset, eval_dataset)
         distill_data.check_privileged_column(train_dataset, "train dataset")
         for name, dataset in (
             eval_dataset.items() if isinstance(eval_dataset, dict) else [("eval", eval_dataset)]
@@ -298,6 +300,7 @@ class SDPOTrainer(SelfTeacherTrainer):
         args = args if args is not None else self.default_args(model, SDPOConfig, "SDPO")
         if not isinstance(args, SDPOConfig):
             raise TypeError(f"args is a {type(args).__name__}; SDPOTrainer needs an SDPOConfig.")
+        _refuse_images("SDPOTrainer", train_dataset, eval_dataset)
         if args.include_environment_feedback:
             distill_data.check_privileged_column(train_dataset, "train dataset")
         super().__init__(
@@ -436,3 +439,18 @@ class SDPOTrainer(SelfTeacherTrainer):
             "self_distillation/policy_loss": values["p"] * inputs.norms.accumulation,
         }
         return self._finish_loss(loss, aux_loss, inputs, metrics, mode)
+
+
+def _refuse_images(trainer: str, train_dataset: Any, eval_dataset: Any) -> None:
+    """Self-distillation's teacher reads a rewritten prompt, which is not encoded with the images yet.
+
+    Raises:
+        NotImplementedError: a dataset with an ``image`` / ``images`` column.
+    """
+    named = image_datasets(train_dataset, eval_dataset)
+    if named:
+        raise NotImplementedError(
+            f"{named[0]} has images, but {trainer} with images is not built yet: its teacher scores the completions "
+            "after a rewritten prompt, which is not encoded with the images. Remove the image column, or distil "
+            "from a separate teacher (DistillationTrainer, GKDTrainer with lmbda=1.0)."
+        )

@@ -195,20 +195,28 @@ def completion_head_inputs(
     completion_ids: torch.Tensor,
     completion_mask: torch.Tensor,
     share_prompts: bool = True,
+    model_inputs: dict[str, torch.Tensor] | None = None,
 ) -> tuple[HeadInputs, Any]:
     """What ``model``'s LM head turns into the logits of each completion position (distillation).
 
     One forward of ``[prompt | completion]`` rows (each distinct prompt once where supported), with
     gradient if the caller has one. On the chunked path: the [B, T, H] hidden states that predict
     the completion tokens, with the head's weight and bias, so the vocabulary projection can be
-    chunked (``ops/divergence.py``); otherwise the model's own [B, T, V] logits.
+    chunked (``ops/divergence.py``); otherwise the model's own [B, T, V] logits. A vision-language
+    model's ``model_inputs`` (``Rollout.vision_kwargs``) go to the forward, the rows then whole.
 
     Returns:
         ``(HeadInputs, aux_loss)``: ``aux_loss`` is a Mixture-of-Experts model's router loss, or ``None``.
     """
-    inputs = _row_inputs(prompt_ids, prompt_mask, completion_ids, completion_mask)
+    inputs = _row_inputs(prompt_ids, prompt_mask, completion_ids, completion_mask, model, model_inputs)
     found = _completion_hidden(
-        model, inputs, prompt_ids, prompt_mask, completion_ids, completion_mask, share_prompts
+        model,
+        inputs,
+        prompt_ids,
+        prompt_mask,
+        completion_ids,
+        completion_mask,
+        share_prompts and not model_inputs,
     )
     if found is not None:
         out, predicting = found

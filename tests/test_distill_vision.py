@@ -1,0 +1,120 @@
+"""Distillation of vision-language models: the student samples from prompts with images, and the
+student and the teacher both read the pixels when the loss is computed.
+
+The loss must be the token mean of the divergence between the two models' own logits on the
+processor's encoding of each prompt with its images; what images cannot do yet is refused by name
+before any model loads.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import CPU_TEST_ARGS
+from test_divergence import _textbook
+from vision_models import build_qwen2_vl, image_dataset
+
+from posttrain import DistillationConfig, DistillationTrainer, GKDConfig, GKDTrainer, SDFTConfig, SDFTTrainer
+
+ARGS = {**CPU_TEST_ARGS, "per_device_train_batch_size": 2, "gradient_checkpointing": False}
+
+
+def _trainer(tmp_path, cls=DistillationTrainer, config=DistillationConfig, teacher=None, **overrides):
+    student, processor = build_qwen2_vl(seed=0)
+    teacher = teacher if teacher is not None else build_qwen2_vl(seed=1)[0]
+    budget = {"max_new_tokens": 6} if config is GKDConfig else {"max_completion_length": 6}
+    args = config(output_dir=str(tmp_path), **{**ARGS, **budget, **overrides})
+    return cls(
+        model=student,
+        teacher_model=teacher,
+        args=args,
+        train_dataset=image_dataset(4),
+        processing_class=processor,
+    )
+
+
+def _logits(model, r, images: bool) -> torch.Tensor:
+    """[B, T, V] logits of the completion positions, the plain way, with or without the pixels."""
+    ids = torch.cat([r.prompt_ids, r.completion_ids], 1)
+    mask = torch.cat([r.prompt_mask, r.completion_mask], 1)
+    extra = r.vision_kwargs() if images else {}
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask, **extra).logits
+    return logits[:, r.prompt_ids.shape[1] - 1 : -1].double()
+
+
+@pytest.mark.parametrize(
+    ("cls", "config", "overrides", "loss_temperature"),
+    [
+        (DistillationTrainer, DistillationConfig, {"beta": 1.0, "temperature": 0.7}, 0.7),
+        (GKDTrainer, GKDConfig, {"beta": 0.3, "temperature": 0.7, "lmbda": 1.0}, 1.0),
+    ],
+)
+def test_the_loss_is_the_divergence_of_both_models_logits_with_the_images(
+    tmp_path, cls, config, overrides, loss_temperature
+):
+    trainer = _trainer(tmp_path, cls, config, **overrides)
+    rows = [trainer.train_dataset[i] for i in range(2)]
+    (scored,) = trainer._generate_and_score(rows, "train", num_chunks=1)
+    r = scored.rollout
+    assert r.vision is not None and r.vision.has_images
+    loss = trainer.compute_loss(trainer.model, scored)
+    keep = r.completion_mask.bool()
+
+    def want(images: bool) -> float:
+        zs = _logits(trainer.model, r, images)[keep] / loss_temperature
+        zt = _logits(trainer.teacher_model, r, images)[keep] / loss_temperature
+        return (_textbook(zs, zt, trainer.args.beta).sum() / keep.sum()).item()
+
+    assert loss.item() == pytest.approx(want(images=True), rel=1e-5)
+    assert abs(want(images=False) - loss.item()) > 1e-3 * abs(loss.item())  # the pixels count
+
+
+def test_distillation_trains_the_students_vision_tower(tmp_path):
+    trainer = _trainer(tmp_path, learning_rate=5e-3)
+    tower = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "visual" in n}
+    trainer.train()
+    moved = [n for n, p in trainer.model.named_parameters() if n in tower and not torch.equal(p, tower[n])]
+    assert moved, "the images' gradient must reach the student's vision tower"
+
+
+def test_what_distillation_with_images_cannot_do_is_refused(tmp_path):
+    from conftest import build_tiny_model
+
+    from posttrain.distill.teachers import LocalTeacherServer
+
+    with pytest.raises(NotImplementedError, match=r"lmbda=0.5 would also train on the dataset's"):
+        _trainer(tmp_path, GKDTrainer, GKDConfig, lmbda=0.5)
+    with pytest.raises(
+        NotImplementedError, match="a served teacher \\(TeacherServer\\) with images is not built"
+    ):
+        _trainer(tmp_path, teacher=LocalTeacherServer(build_qwen2_vl(seed=1)[0], 0))
+    _, processor = build_qwen2_vl()
+    with pytest.raises(ValueError, match="the teacher is a .*, a text-only model that cannot read them"):
+        _trainer(tmp_path, teacher=build_tiny_model(processor.tokenizer, seed=1))
+    with pytest.raises(NotImplementedError, match="SDFTTrainer with images is not built yet"):
+        SDFTTrainer(
+            model=build_qwen2_vl()[0], args=SDFTConfig(output_dir=str(tmp_path), **ARGS, num_generations=2),
+            train_dataset=image_dataset(2), processing_class=processor,
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize("family", ["GOLD", "IWOPD"])
+def test_gold_and_iwopd_losses_read_the_images(tmp_path, family):
+    """Their losses are not the plain divergence; with the same rollout, its image inputs taken
+    away, the loss must change (both models read the pixels)."""
+    import dataclasses
+
+    import posttrain
+
+    cls, config = getattr(posttrain, f"{family}Trainer"), getattr(posttrain, f"{family}Config")
+    trainer = _trainer(tmp_path, cls, config, **({"lmbda": 1.0} if family == "GOLD" else {}))
+    (scored,) = trainer._generate_and_score(
+        [trainer.train_dataset[i] for i in range(2)], "train", num_chunks=1
+    )
+    assert scored.rollout.vision is not None
+    with torch.no_grad():
+        with_images = trainer.compute_loss(trainer.model, scored).item()
+        blind = dataclasses.replace(scored, rollout=dataclasses.replace(scored.rollout, vision=None))
+        without = trainer.compute_loss(trainer.model, blind).item()
+    assert abs(with_images - without) > 1e-4 * max(abs(with_images), 1e-3)
