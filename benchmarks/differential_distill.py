@@ -106,6 +106,11 @@ CONFIGS: dict[str, tuple[str, str, dict]] = {
         {"lmbda": 1.0, "beta": 0.0, "max_completion_length": 16},
     ),
     "iw_opd": ("iw_opd", "conversations", {}),  # distillation_objective iw_opd, lmbda 1
+    # a vision-language student (differential_vlm.py's tiny Qwen2-VL and LLaVA-NeXT, its prompts with
+    # an image block and one image each) and a teacher of its family with perturbed weights
+    "distill_vlm_qwen2_vl": ("distill", "vlm_qwen2_vl", {}),
+    "distill_vlm_llava_next": ("distill", "vlm_llava_next", {}),
+    "distill_vlm_qwen2_vl_jsd": ("distill", "vlm_qwen2_vl", {"beta": 0.5}),
     "iw_opd_gamma": ("iw_opd", "conversations", {"iw_opd_gamma": 2.0, "temperature": 0.7}),
     "iw_opd_same_count": ("iw_opd", "conversations", {"max_completion_length": 16}),
     "iw_opd_gamma_same_count": (
@@ -150,7 +155,12 @@ SAME_COUNT = "_same_count"
 
 
 def dataset(kind: str):
-    """The eight rows: conversational prompts (distillation) or offline's ``messages`` rows."""
+    """The eight rows: conversational prompts (distillation), differential_vlm's prompts with an image
+    each (``vlm_*``), or offline's ``messages`` rows."""
+    if kind.startswith("vlm_"):
+        from differential_vlm import dataset as vlm_dataset
+
+        return vlm_dataset("blocks")
     if kind == "prompts":
         from datasets import Dataset
 
@@ -233,19 +243,24 @@ def run_child(lib: str, name: str, work: str, out_path: str) -> None:
     else:
         module = importlib.import_module("posttrain")
         config_class, trainer_class = getattr(module, ours[0]), getattr(module, ours[1])
-    paths = build_models(work)
-    tok = AutoTokenizer.from_pretrained(paths["lm"])
+    if kind.startswith("vlm_"):
+        student, teacher, processing_class = vlm_models(work, kind[len("vlm_") :])
+        tok = processing_class.tokenizer
+    else:
+        paths = build_models(work)
+        student, teacher = paths["lm"], paths["teacher"]
+        tok = processing_class = AutoTokenizer.from_pretrained(paths["lm"])
     script = MixedScript(tok, dataset_lengths(tok) if name.endswith(SAME_COUNT) else None)
     result: dict = {"lib": lib, "config": name}
     with tempfile.TemporaryDirectory() as tmp:
         try:
             args = config_class(output_dir=tmp, **{**BASE, **FAMILY_BASE[family], **overrides})
             trainer = trainer_class(
-                model=paths["lm"],
-                teacher_model=paths["teacher"],
+                model=student,
+                teacher_model=teacher,
                 args=args,
                 train_dataset=dataset(kind),
-                processing_class=tok,
+                processing_class=processing_class,
             )
             if on_policy(name):
                 (script_trl(trainer, family, script) if lib == "trl" else script_posttrain(trainer, script))
@@ -259,6 +274,23 @@ def run_child(lib: str, name: str, work: str, out_path: str) -> None:
             return
         result["calls"] = script.calls
         record_run(out_path, result, trainer)
+
+
+def vlm_models(work: str, family: str):
+    """The family's student (loaded from its folder, built by the parent), a teacher of the same
+    weights perturbed by seeded noise, and the processor (``differential_vlm.load_processor``)."""
+    import torch
+    from differential_vlm import load_processor
+    from transformers import AutoModelForImageTextToText
+
+    path = os.path.join(work, family)
+    student = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32)
+    teacher = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in teacher.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    return student, teacher, load_processor(family, path)
 
 
 def step_1_loss(res: dict) -> str:
@@ -276,16 +308,20 @@ def run_parent(names: list[str], keep: str | None, verbose: bool) -> int:
 
     work = keep or tempfile.mkdtemp(prefix="differential-distill-")
     paths = build_models(work)
-    init = os.path.join(work, "init-lm.pt")
+    inits = {"lm": os.path.join(work, "init-lm.pt")}
     m = AutoModelForCausalLM.from_pretrained(paths["lm"], dtype=torch.float32)
-    torch.save({k: v.detach().float() for k, v in m.state_dict().items()}, init)
+    torch.save({k: v.detach().float() for k, v in m.state_dict().items()}, inits["lm"])
+    for kind in dict.fromkeys(CONFIGS[n][1] for n in names if CONFIGS[n][1].startswith("vlm_")):
+        from differential_vlm import prepare_family
+
+        inits[kind] = prepare_family(work, kind[len("vlm_") :])[1]
     script = os.path.abspath(__file__)
 
     return drive(
         names,
         work,
         lambda lib, name, out: [script, "--lib", lib, "--config", name, "--work", work, "--out", out],
-        lambda name: init,
+        lambda name: inits.get(CONFIGS[name][1], inits["lm"]),
         generation_calls_note,
         verbose,
         column=("step-1 loss trl / posttrain", step_1_loss),
