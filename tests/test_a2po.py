@@ -512,3 +512,42 @@ def test_cli_trains_and_saves(tmp_path, tiny_model_dir, capsys) -> None:
     assert any("v_star" in h for h in trainer.state.log_history)
     assert (out / "config.json").exists() and (out / VALUES_FILE).exists()
     assert f"posttrain a2po: saved the trained model to {out}" in capsys.readouterr().out
+
+
+# ---- prompts with images --------------------------------------------------------------------------
+
+
+def test_a_row_with_images_keys_by_its_pixels_not_its_memory_address() -> None:
+    """The stage-1 store's key of a row decoded twice is one key (it was a new one at every decode:
+    ``str`` of an image holds its address, so training could not find its own values); two rows with
+    the same text and other images are two prompts."""
+    from vision_models import image_dataset
+
+    data = image_dataset(2)
+    assert row_key(dict(data[0])) == row_key(dict(data[0]))
+    same_text = dict(data[1], prompt=data[0]["prompt"])
+    assert row_key(same_text) != row_key(dict(data[0]))
+
+
+def test_a2po_estimates_and_trains_on_prompts_with_images(tmp_path) -> None:
+    from vision_models import build_qwen2_vl, image_dataset
+
+    model, processor = build_qwen2_vl()
+
+    def reward(completion_ids, **kwargs):
+        return [float(sum(ids) % 2) for ids in completion_ids]
+
+    args = A2POConfig(
+        output_dir=str(tmp_path), **{**CPU_TEST_ARGS, "per_device_train_batch_size": 2, "gradient_checkpointing": False},
+        max_completion_length=6, num_value_samples=2, filter_all_incorrect=False,
+    )  # fmt: skip
+    trainer = A2POTrainer(
+        model=model,
+        reward_funcs=reward,
+        args=args,
+        train_dataset=image_dataset(4),
+        processing_class=processor,
+    )
+    trainer.train()
+    assert len(trainer.value_store.rewards) == 4  # one value per prompt and image
+    assert [h for h in trainer.state.log_history if "v_star" in h]

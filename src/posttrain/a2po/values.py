@@ -23,9 +23,23 @@ VALUES_FILE = "a2po_values.jsonl"
 
 
 def row_key(row: dict[str, Any]) -> str:
-    """A stable key of a dataset row: every column counts (the reward may read any of them)."""
-    text = json.dumps(row, sort_keys=True, default=str, ensure_ascii=False)
+    """A stable key of a dataset row: every column counts (the reward may read any of them).
+
+    An image counts by its pixels (a digest of its mode, size and bytes): a row decoded again is
+    the same row, and two rows with the same text and other images are two prompts.
+    """
+    text = json.dumps(row, sort_keys=True, default=_stable, ensure_ascii=False)
     return hashlib.sha1(text.encode("utf-8")).hexdigest()
+
+
+def _stable(value: Any) -> Any:
+    """A JSON stand-in for a value JSON cannot hold, the same for equal values (not ``str``, which
+    writes an image's memory address)."""
+    if all(hasattr(value, name) for name in ("tobytes", "mode", "size")):  # a PIL image
+        return {"image": hashlib.sha1(value.tobytes()).hexdigest(), "mode": value.mode, "size": list(value.size)}
+    if isinstance(value, (bytes, bytearray)):
+        return {"bytes": hashlib.sha1(bytes(value)).hexdigest()}
+    return str(value)
 
 
 @dataclass
