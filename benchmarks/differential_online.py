@@ -86,6 +86,9 @@ CONFIGS: dict[str, dict] = {
     "online_dpo_vlm_llava_next": {},
     "online_dpo_vlm_llava_next_ipo": {"loss_type": "ipo"},
     "online_dpo_vlm_qwen2_vl": {},
+    "rloo_vlm_qwen2_vl": {},
+    "rloo_vlm_llava_next": {},
+    "rloo_vlm_qwen2_vl_beta_0": {"beta": 0.0},
 }
 
 
@@ -254,7 +257,7 @@ def run_child(lib: str, name: str, model_dir: str, out_path: str) -> None:
                 train_dataset=train_dataset,
                 # the reference's online DPO needs the tokenizer (or processor) given (it pads left itself); the
                 # others load it
-                **({"processing_class": processor or script.tok} if online_dpo else {}),
+                **({"processing_class": processor or script.tok} if online_dpo or processor else {}),
             )
             if lib == "trl" and a2po:  # both stages call generate on the policy or the reference
                 for model in (trainer.model, trainer.ref_model):
@@ -276,10 +279,11 @@ def run_child(lib: str, name: str, model_dir: str, out_path: str) -> None:
 
 
 def vlm_family(name: str) -> str | None:
-    """The vision-language family of an ``online_dpo_vlm_*`` configuration, else ``None``."""
-    if not name.startswith("online_dpo_vlm_"):
+    """The vision-language family of an ``online_dpo_vlm_*`` or ``rloo_vlm_*`` configuration, else ``None``."""
+    if "_vlm_" not in name:
         return None
-    return next(f for f in ("qwen2_vl", "llava_next") if name[len("online_dpo_vlm_") :].startswith(f))
+    rest = name.split("_vlm_", 1)[1]
+    return next(f for f in ("qwen2_vl", "llava_next") if rest.startswith(f))
 
 
 def run_parent(names: list[str], keep: str | None, verbose: bool) -> int:

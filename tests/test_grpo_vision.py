@@ -627,3 +627,40 @@ def test_rollout_func_prompt_ids_without_the_expanded_image_tokens_are_refused(t
     )
     with pytest.raises(ValueError, match=r"row 0 of this batch hold 1 image tokens, but its images take \d+"):
         trainer.train()
+
+
+def test_rloo_trains_a_vision_language_model_whose_loss_reads_the_images(tmp_path):
+    """RLOO samples and scores as GRPO does: its loss on a rollout changes when the rollout's image
+    inputs are taken away, and training moves the vision tower (against the reference:
+    benchmarks/differential_online.py --only rloo_vlm)."""
+    import dataclasses
+
+    from posttrain import RLOOConfig, RLOOTrainer
+
+    model, processor = build_qwen2_vl()
+    visual = [p.detach().clone() for p in model.model.visual.parameters()]
+    args = RLOOConfig(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2, max_completion_length=6,
+        max_steps=2, learning_rate=1e-2, use_cpu=True, bf16=False, report_to="none", save_strategy="no",
+        gradient_checkpointing=False, logging_steps=1,
+    )  # fmt: skip
+
+    def token_sum(completion_ids, **kwargs):  # a spread in every group: advantages not zero
+        return [float(sum(ids)) for ids in completion_ids]
+
+    trainer = RLOOTrainer(
+        model=model, reward_funcs=token_sum, args=args, train_dataset=image_dataset(4),
+        processing_class=processor,
+    )  # fmt: skip
+    (scored,) = trainer._generate_and_score(
+        [trainer.train_dataset[i] for i in (0, 0, 1, 1)], "train", num_chunks=1
+    )
+    moved = copy.deepcopy(trainer.model)  # a policy one step away from the sampler: ratios and KL not trivial
+    with torch.no_grad():
+        for p in moved.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+        loss = trainer.compute_loss(moved, scored).item()
+        blind = dataclasses.replace(scored, rollout=dataclasses.replace(scored.rollout, vision=None))
+        assert abs(trainer.compute_loss(moved, blind).item() - loss) > 1e-3 * abs(loss)
+    trainer.train()
+    assert any(not torch.equal(a, b) for a, b in zip(visual, model.model.visual.parameters(), strict=True))
