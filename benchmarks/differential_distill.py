@@ -111,6 +111,9 @@ CONFIGS: dict[str, tuple[str, str, dict]] = {
     "distill_vlm_qwen2_vl": ("distill", "vlm_qwen2_vl", {}),
     "distill_vlm_llava_next": ("distill", "vlm_llava_next", {}),
     "distill_vlm_qwen2_vl_jsd": ("distill", "vlm_qwen2_vl", {"beta": 0.5}),
+    # the dataset's completions with their images (differential_offline_vlm's conversations)
+    "gold_vlm_qwen2_vl_jsd": ("gold", "vlm_qwen2_vl_pc", {"lmbda": 0.0}),
+    "gold_vlm_llava_next_jsd": ("gold", "vlm_llava_next_pc", {"lmbda": 0.0}),
     "iw_opd_gamma": ("iw_opd", "conversations", {"iw_opd_gamma": 2.0, "temperature": 0.7}),
     "iw_opd_same_count": ("iw_opd", "conversations", {"max_completion_length": 16}),
     "iw_opd_gamma_same_count": (
@@ -156,7 +159,12 @@ SAME_COUNT = "_same_count"
 
 def dataset(kind: str):
     """The eight rows: conversational prompts (distillation), differential_vlm's prompts with an image
-    each (``vlm_*``), or offline's ``messages`` rows."""
+    each (``vlm_*``; ``vlm_*_pc``: differential_offline_vlm's prompt-completion rows with an image
+    each), or offline's ``messages`` rows."""
+    if kind.endswith("_pc"):
+        from differential_offline_vlm import dataset as offline_vlm_dataset
+
+        return offline_vlm_dataset("pc")
     if kind.startswith("vlm_"):
         from differential_vlm import dataset as vlm_dataset
 
@@ -244,7 +252,7 @@ def run_child(lib: str, name: str, work: str, out_path: str) -> None:
         module = importlib.import_module("posttrain")
         config_class, trainer_class = getattr(module, ours[0]), getattr(module, ours[1])
     if kind.startswith("vlm_"):
-        student, teacher, processing_class = vlm_models(work, kind[len("vlm_") :])
+        student, teacher, processing_class = vlm_models(work, vlm_family(kind))
         tok = processing_class.tokenizer
     else:
         paths = build_models(work)
@@ -274,6 +282,11 @@ def run_child(lib: str, name: str, work: str, out_path: str) -> None:
             return
         result["calls"] = script.calls
         record_run(out_path, result, trainer)
+
+
+def vlm_family(kind: str) -> str:
+    """The vision-language family of a ``vlm_*`` data kind."""
+    return kind[len("vlm_") :].removesuffix("_pc")
 
 
 def vlm_models(work: str, family: str):
@@ -314,7 +327,7 @@ def run_parent(names: list[str], keep: str | None, verbose: bool) -> int:
     for kind in dict.fromkeys(CONFIGS[n][1] for n in names if CONFIGS[n][1].startswith("vlm_")):
         from differential_vlm import prepare_family
 
-        inits[kind] = prepare_family(work, kind[len("vlm_") :])[1]
+        inits[kind] = prepare_family(work, vlm_family(kind))[1]
     script = os.path.abspath(__file__)
 
     return drive(

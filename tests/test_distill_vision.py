@@ -19,7 +19,9 @@ from posttrain import DistillationConfig, DistillationTrainer, GKDConfig, GKDTra
 ARGS = {**CPU_TEST_ARGS, "per_device_train_batch_size": 2, "gradient_checkpointing": False}
 
 
-def _trainer(tmp_path, cls=DistillationTrainer, config=DistillationConfig, teacher=None, **overrides):
+def _trainer(
+    tmp_path, cls=DistillationTrainer, config=DistillationConfig, teacher=None, data=None, **overrides
+):
     student, processor = build_qwen2_vl(seed=0)
     teacher = teacher if teacher is not None else build_qwen2_vl(seed=1)[0]
     budget = {"max_new_tokens": 6} if config is GKDConfig else {"max_completion_length": 6}
@@ -28,7 +30,7 @@ def _trainer(tmp_path, cls=DistillationTrainer, config=DistillationConfig, teach
         model=student,
         teacher_model=teacher,
         args=args,
-        train_dataset=image_dataset(4),
+        train_dataset=data if data is not None else image_dataset(4),
         processing_class=processor,
     )
 
@@ -83,8 +85,10 @@ def test_what_distillation_with_images_cannot_do_is_refused(tmp_path):
 
     from posttrain.distill.teachers import LocalTeacherServer
 
-    with pytest.raises(NotImplementedError, match=r"lmbda=0.5 would also train on the dataset's"):
-        _trainer(tmp_path, GKDTrainer, GKDConfig, lmbda=0.5)
+    with pytest.raises(
+        NotImplementedError, match=r"teacher sampling \(seq_kd=True\) with images is not built yet"
+    ):
+        _trainer(tmp_path, GKDTrainer, GKDConfig, lmbda=0.5, seq_kd=True)
     with pytest.raises(
         NotImplementedError, match="a served teacher \\(TeacherServer\\) with images is not built"
     ):
@@ -118,3 +122,47 @@ def test_gold_and_iwopd_losses_read_the_images(tmp_path, family):
         blind = dataclasses.replace(scored, rollout=dataclasses.replace(scored.rollout, vision=None))
         without = trainer.compute_loss(trainer.model, blind).item()
     assert abs(with_images - without) > 1e-4 * max(abs(with_images), 1e-3)
+
+
+def _conversations(n=4):
+    """``messages`` rows (a question about the row's image, then the assistant's answer) with one image each."""
+    from datasets import Dataset
+    from vision_models import random_image
+
+    messages = [[{"role": "user", "content": f"What is {i} plus one?"}, {"role": "assistant", "content": f"{i + 1}."}]
+                for i in range(n)]  # fmt: skip
+    return Dataset.from_dict(
+        {"messages": messages, "image": [random_image(i, (28 + 7 * i, 40)) for i in range(n)]}
+    )
+
+
+def test_dataset_completions_with_images_score_as_the_processor_encodes_them(tmp_path):
+    """GKD's off-policy steps (lmbda=0) train on the dataset's completions: the rollout holds the
+    processor's encoding of each conversation with its image (placeholders expanded, the image
+    inputs carried), and the loss is the divergence of both models' logits with the pixels."""
+    trainer = _trainer(tmp_path, GKDTrainer, GKDConfig, data=_conversations(), lmbda=0.0, beta=0.5)
+    rows = [trainer.train_dataset[i] for i in range(2)]
+    (scored,) = trainer._generate_and_score(rows, "train", num_chunks=1)
+    assert scored.extra["source"] == "dataset"
+    r = scored.rollout
+    assert r.vision is not None and r.vision.has_images
+    processor = trainer.processing_class
+    for i, row in enumerate(rows):
+        question = row["prompt"][0]["content"]
+        prompt = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
+        text = processor.tokenizer.apply_chat_template(
+            prompt + row["completion"], tokenize=False, chat_template=processor.chat_template
+        )
+        expected = processor(text=[text], images=[row["image"]])["input_ids"][0]
+        prompt_ids = r.prompt_ids[i][r.prompt_mask[i].bool()].tolist()
+        assert prompt_ids + r.completion_ids[i][r.completion_mask[i].bool()].tolist() == expected
+    loss = trainer.compute_loss(trainer.model, scored)
+    keep = r.completion_mask.bool()
+    zs, zt = _logits(trainer.model, r, True)[keep], _logits(trainer.teacher_model, r, True)[keep]
+    assert loss.item() == pytest.approx((_textbook(zs, zt, 0.5).sum() / keep.sum()).item(), rel=1e-5)
+
+
+def test_a_max_length_that_cuts_a_dataset_prompts_images_is_refused(tmp_path):
+    trainer = _trainer(tmp_path, GKDTrainer, GKDConfig, data=_conversations(), lmbda=0.0, max_length=12)
+    with pytest.raises(ValueError, match=r"Row 0 of this batch: its prompt takes \d+ tokens with its images"):
+        trainer._generate_and_score([trainer.train_dataset[0]], "train", num_chunks=1)

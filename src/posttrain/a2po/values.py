@@ -36,7 +36,11 @@ def _stable(value: Any) -> Any:
     """A JSON stand-in for a value JSON cannot hold, the same for equal values (not ``str``, which
     writes an image's memory address)."""
     if all(hasattr(value, name) for name in ("tobytes", "mode", "size")):  # a PIL image
-        return {"image": hashlib.sha1(value.tobytes()).hexdigest(), "mode": value.mode, "size": list(value.size)}
+        return {
+            "image": hashlib.sha1(value.tobytes()).hexdigest(),
+            "mode": value.mode,
+            "size": list(value.size),
+        }
     if isinstance(value, (bytes, bytearray)):
         return {"bytes": hashlib.sha1(bytes(value)).hexdigest()}
     return str(value)

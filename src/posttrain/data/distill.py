@@ -12,12 +12,14 @@ tokenisation gives it (a chat template's tokens after the EOS included).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
 
-from posttrain.core.batch import Rollout
-from posttrain.data import sft
+from posttrain.core.batch import TOKEN_ALIGNED_INPUTS, Rollout, VisionInputs
+from posttrain.data import sft, vision
+from posttrain.data.preference_vision import encode_completions
 from posttrain.generation.base import Samples, build_rollout
 from posttrain.ops.padding import left_pad
 
@@ -81,6 +83,7 @@ def dataset_rollout(
     device: torch.device | str = "cpu",
     through_end: bool = True,
     max_prompt_length: int | None = None,
+    processor: Any = None,
 ) -> Rollout:
     """The rows' own completions as a ``Rollout``, tokenised as the sampler tokenises prompts.
 
@@ -101,10 +104,15 @@ def dataset_rollout(
       truncated, without EOS); a prompt that alone fills ``max_length`` keeps its last
       ``max_length - 1`` tokens.
 
+    A row with images (``image`` / ``images``, with a vision-language model's ``processor``) is
+    encoded by the processor, its prompt's placeholders expanded (``preference_vision.encode_completions``),
+    and the rollout carries its image inputs (``Rollout.vision``); a bound that would cut its image
+    tokens is an error.
+
     Raises:
-        ValueError: a row without a completion.
+        ValueError: a row without a completion, or a bound that cuts a prompt's image tokens.
     """
-    prompts, completions = [], []
+    prompts, completions, images = [], [], []
     for i, row in enumerate(rows):
         if row.get("completion") is None:
             raise ValueError(
@@ -112,26 +120,70 @@ def dataset_rollout(
                 "train on the dataset's completions. Give every row a completion (or 'messages' ending with the "
                 "assistant's), or set lmbda=1.0 or seq_kd=True."
             )
-        out = sft.tokenize_row(
-            {"prompt": row["prompt"], "completion": row["completion"]},
-            tokenizer,
-            "prompt_completion",
-            max_length=None,
-            completion_only_loss=True,
-            chat_template_kwargs=chat_template_kwargs,
-            index=i,
-        )
-        ids, mask = out["input_ids"], out["loss_mask"]
-        start = mask.index(1) if 1 in mask else len(ids)
-        prompt, completion = _bounded(ids[:start], ids[start:], max_length, max_prompt_length)
-        prompts.append(prompt)
+        prompt, completion, inputs = _encode_row(row, i, tokenizer, processor, chat_template_kwargs)
+        kept, completion = _bounded(prompt, completion, max_length, max_prompt_length)
+        if inputs:
+            inputs = _kept_images(inputs, prompt, len(kept), processor, tokenizer, i, max_length)
+        prompts.append(kept)
         completions.append(completion)
+        images.append(inputs)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_token_ids[0]
     prompt_ids, prompt_mask = left_pad(prompts, pad)
     samples = Samples.from_lists(completions, pad, device)
-    return build_rollout(
+    rollout = build_rollout(
         prompt_ids.to(device), prompt_mask.to(device), samples, eos_token_ids, pad, through_end=through_end
     )
+    return replace(rollout, vision=VisionInputs(images)) if any(images) else rollout
+
+
+def _encode_row(
+    row: Row, index: int, tokenizer: Any, processor: Any, chat_template_kwargs: dict[str, Any] | None
+) -> tuple[list[int], list[int], dict[str, torch.Tensor]]:
+    """A dataset row's prompt and completion tokens (and, with images, their inputs), unbounded."""
+    if processor is not None and vision.row_images(row):
+        prompt, completions, inputs = encode_completions(
+            row, processor, ("completion",), chat_template_kwargs=chat_template_kwargs, index=index
+        )
+        return prompt, completions["completion"], inputs
+    out = sft.tokenize_row(
+        {"prompt": row["prompt"], "completion": row["completion"]},
+        tokenizer,
+        "prompt_completion",
+        max_length=None,
+        completion_only_loss=True,
+        chat_template_kwargs=chat_template_kwargs,
+        index=index,
+    )
+    ids, mask = out["input_ids"], out["loss_mask"]
+    start = mask.index(1) if 1 in mask else len(ids)
+    return ids[:start], ids[start:], {}
+
+
+def _kept_images(
+    inputs: dict[str, torch.Tensor],
+    prompt: list[int],
+    kept: int,
+    processor: Any,
+    tokenizer: Any,
+    index: int,
+    max_length: int | None,
+) -> dict[str, torch.Tensor]:
+    """A row's image inputs for the last ``kept`` tokens of its prompt; a cut through its images refused."""
+    if kept == len(prompt):
+        return inputs
+    token = vision.image_token_of(processor)
+    image_id = (
+        tokenizer.convert_tokens_to_ids(token)
+        if token is not None
+        else getattr(processor, "image_token_id", None)
+    )
+    if image_id is not None and image_id in prompt[: len(prompt) - kept]:
+        raise ValueError(
+            f"Row {index} of this batch: its prompt takes {len(prompt)} tokens with its images, and max_length="
+            f"{max_length} keeps its last {kept}, which would cut its image tokens. Raise max_length (or set it to "
+            "None), or use smaller images."
+        )
+    return {k: v[-kept:] if k in TOKEN_ALIGNED_INPUTS else v for k, v in inputs.items()}
 
 
 def _bounded(

@@ -196,6 +196,7 @@ class GKDTrainer(DistillationTrainer):
             self.accelerator.device,
             through_end=self._dataset_completion_through_end,
             max_prompt_length=self._dataset_prompt_budget(),
+            processor=self.processing_class,
         )
         n = rollout.completion_ids.shape[0]
         completions = self._tokenizer.batch_decode(
