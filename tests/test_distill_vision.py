@@ -86,10 +86,6 @@ def test_what_distillation_with_images_cannot_do_is_refused(tmp_path):
     from posttrain.distill.teachers import LocalTeacherServer
 
     with pytest.raises(
-        NotImplementedError, match=r"teacher sampling \(seq_kd=True\) with images is not built yet"
-    ):
-        _trainer(tmp_path, GKDTrainer, GKDConfig, lmbda=0.5, seq_kd=True)
-    with pytest.raises(
         NotImplementedError, match="a served teacher \\(TeacherServer\\) with images is not built"
     ):
         _trainer(tmp_path, teacher=LocalTeacherServer(build_qwen2_vl(seed=1)[0], 0))
@@ -166,3 +162,17 @@ def test_a_max_length_that_cuts_a_dataset_prompts_images_is_refused(tmp_path):
     trainer = _trainer(tmp_path, GKDTrainer, GKDConfig, data=_conversations(), lmbda=0.0, max_length=12)
     with pytest.raises(ValueError, match=r"Row 0 of this batch: its prompt takes \d+ tokens with its images"):
         trainer._generate_and_score([trainer.train_dataset[0]], "train", num_chunks=1)
+
+
+def test_the_teachers_samples_read_the_images(tmp_path):
+    """``seq_kd=True``: the off-policy steps sample with the teacher, which reads each prompt's pixels
+    (its vision tower runs when it samples), and the rollout carries the images for the loss."""
+    trainer = _trainer(tmp_path, GKDTrainer, GKDConfig, lmbda=0.0, seq_kd=True)
+    calls = []
+    trainer.teacher_model.model.visual.register_forward_hook(lambda *args: calls.append(1))
+    (scored,) = trainer._generate_and_score(
+        [trainer.train_dataset[i] for i in range(2)], "train", num_chunks=1
+    )
+    assert scored.extra["source"] == "teacher" and calls
+    assert scored.rollout.vision is not None and scored.rollout.vision.has_images
+    trainer.train()

@@ -188,8 +188,7 @@ class DistillationTrainer(TeacherStudentTrainer):
         """What datasets with images cannot do yet, refused before any model loads.
 
         Raises:
-            NotImplementedError: a served teacher, GOLD's cross-tokenizer loss, or the teacher's
-                samples (``seq_kd`` with ``lmbda`` below 1).
+            NotImplementedError: a served teacher, or GOLD's cross-tokenizer loss.
         """
         trainer = type(self).__name__
         if self._served:
@@ -201,11 +200,6 @@ class DistillationTrainer(TeacherStudentTrainer):
             raise NotImplementedError(
                 f"{name} has images, but {trainer}'s cross-tokenizer loss with images is not built yet; distil from a "
                 "teacher that shares the student's tokenizer."
-            )
-        if getattr(args, "lmbda", 1.0) < 1.0 and getattr(args, "seq_kd", False):
-            raise NotImplementedError(
-                f"{name} has images, but {trainer}'s teacher sampling (seq_kd=True) with images is not built yet: "
-                "set seq_kd=False (the dataset's completions, with their images) or lmbda=1.0."
             )
 
     def _prepare_datasets(self, train_dataset: Any, eval_dataset: Any, args: Any) -> tuple[Any, Any]:
