@@ -40,6 +40,11 @@ CONFIGS = {
     for kind in ("pc", "messages")
 }
 CONFIGS["sft_qwen2_vl_pc_full"] = ("sft", "qwen2_vl", "pc", {"completion_only_loss": False})
+# whole conversations, the assistant's turns alone the targets (a marked copy of the family's template)
+CONFIGS.update(
+    {f"sft_{family}_messages_assistant": ("sft", family, "messages", {"assistant_only_loss": True})
+     for family in ("qwen2_vl", "llava_next")}
+)  # fmt: skip
 CONFIGS.update({f"dpo_{family}": ("dpo", family, "pairs", {}) for family in ("qwen2_vl", "llava_next")})
 CONFIGS["dpo_qwen2_vl_ipo"] = ("dpo", "qwen2_vl", "pairs", {"loss_type": ["ipo"]})
 CONFIGS["dpo_qwen2_vl_images"] = ("dpo", "qwen2_vl", "pairs_images", {})
@@ -92,7 +97,14 @@ def run_child(lib: str, name: str, model_dir: str, out_path: str) -> None:
     trainer_class = getattr(module, f"{trainer_name.upper()}Trainer")
 
     def make_trainer(folder: str):
-        args = config_class(output_dir=folder, max_length=None, **{**BASE, **overrides})
+        extra = {}
+        if overrides.get("assistant_only_loss"):
+            from differential_vlm import IMAGE_TEXT, _template
+
+            extra["chat_template_path"] = os.path.join(folder, "marked.jinja")
+            with open(extra["chat_template_path"], "w") as f:
+                f.write(_template(IMAGE_TEXT[family], marked=True))
+        args = config_class(output_dir=folder, max_length=None, **{**BASE, **overrides, **extra})
         processor = load_processor(family, model_dir)
         processor.tokenizer.padding_side = "right"
         return trainer_class(

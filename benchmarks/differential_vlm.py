@@ -120,15 +120,28 @@ def _tokenizer(extra_specials: list[str]):
     return tok
 
 
-def _template(image_text: str) -> str:
-    """ChatML; an image block renders as ``image_text``, a string content as itself."""
-    return (
-        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
+#: Each family's image placeholder in its chat template.
+IMAGE_TEXT = {"qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>", "llava_next": "<image>"}
+
+
+def _template(image_text: str, marked: bool = False) -> str:
+    """ChatML; an image block renders as ``image_text``, a string content as itself. ``marked``: each
+    assistant turn's content and end-of-turn token in ``{% generation %}`` markers (assistant_only_loss)."""
+    content = (
+        "{% if m['content'] is string %}{{ m['content'] }}"
         "{% else %}{% for c in m['content'] %}{% if c['type'] == 'image' %}"
         + image_text
         + "{% elif c['type'] "
-        "== 'text' %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
-        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+        "== 'text' %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}"
+    )
+    turn = "<|im_start|>{{ m['role'] }}\n" + content + "<|im_end|>\n"
+    if marked:
+        assistant = "<|im_start|>assistant\n{% generation %}" + content + "<|im_end|>{% endgeneration %}\n"
+        turn = "{% if m['role'] == 'assistant' %}" + assistant + "{% else %}" + turn + "{% endif %}"
+    return (
+        "{% for m in messages %}"
+        + turn
+        + "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     )
 
 
@@ -159,7 +172,7 @@ def build_family_dir(family: str, path: str) -> None:
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
         tok = _tokenizer(QWEN_SPECIALS)
-        tok.chat_template = _template("<|vision_start|><|image_pad|><|vision_end|>")
+        tok.chat_template = _template(IMAGE_TEXT["qwen2_vl"])
         image_processor = Qwen2VLImageProcessorPil(
             min_pixels=28 * 28, max_pixels=56 * 56, patch_size=14, merge_size=2, temporal_patch_size=2
         )
@@ -182,7 +195,7 @@ def build_family_dir(family: str, path: str) -> None:
     from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
 
     tok = _tokenizer(["<image>"])
-    tok.chat_template = _template("<image>")
+    tok.chat_template = _template(IMAGE_TEXT["llava_next"])
     grids = [[16, 32], [32, 16], [32, 32]]
     image_processor = LlavaNextImageProcessorPil(
         size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16}, image_grid_pinpoints=grids

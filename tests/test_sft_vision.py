@@ -150,7 +150,6 @@ def test_the_images_column_takes_a_list_per_row(tmp_path):
         ({"packing": True}, ValueError, "packing and padding_free join rows"),
         ({"padding_free": True}, ValueError, "packing and padding_free join rows"),
         ({"eval_packing": True}, ValueError, "packing and padding_free join rows"),
-        ({"assistant_only_loss": True}, NotImplementedError, "assistant_only_loss=True with images"),
     ],
 )
 def test_what_rows_with_images_cannot_do_is_refused_before_the_model_loads(
@@ -212,3 +211,78 @@ def test_a_cut_through_an_image_is_refused(tmp_path):
     trainer = _trainer(tmp_path, "qwen2_vl", _rows(1))
     with pytest.raises(ValueError, match="would cut its image tokens"):
         sft_vision.encode_row(trainer.train_dataset[0], trainer.processing_class, None, 4, "keep_start")
+
+
+def _marked_template(image_text: str) -> str:
+    """ChatML whose image blocks render as ``image_text``, assistant turns in {% generation %} markers."""
+    content = (
+        "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for c in m['content'] %}"
+        "{% if c['type'] == 'image' %}"
+        + image_text
+        + "{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}"
+        "{% endfor %}{% endif %}"
+    )
+    return (
+        "{% for m in messages %}{% if m['role'] == 'assistant' %}<|im_start|>assistant\n{% generation %}"
+        + content
+        + "<|im_end|>{% endgeneration %}\n{% else %}<|im_start|>{{ m['role'] }}\n"
+        + content
+        + "<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+
+
+IMAGE_TEXT = {"qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>", "smolvlm": "<image>"}
+
+
+@pytest.mark.parametrize("family", sorted(BUILDERS))
+def test_assistant_only_loss_targets_the_assistant_turns_of_a_conversation_with_images(tmp_path, family):
+    """Two turns, an image in each user turn: the targets are the two answers (and their end-of-turn
+    tokens), nothing of the user turns, the images or the template around them."""
+    from datasets import Dataset
+
+    template = tmp_path / "marked.jinja"
+    template.write_text(_marked_template(IMAGE_TEXT[family]))
+    messages = [
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "A cat."}]},
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "And this?"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "A dog, surely."}]},
+    ]
+    data = Dataset.from_dict(
+        {"messages": [messages], "images": [[random_image(0), random_image(1, (28, 56))]]}
+    )
+    trainer = _trainer(tmp_path, family, data, assistant_only_loss=True, chat_template_path=str(template))
+    processor = trainer.processing_class
+    ids, mask, inputs = sft_vision.encode_row(
+        trainer.train_dataset[0], processor, None, None, "keep_start", assistant_only_loss=True
+    )
+    full = processor(
+        text=[
+            processor.tokenizer.apply_chat_template(
+                messages, tokenize=False, chat_template=processor.chat_template
+            )
+        ],
+        images=data[0]["images"],
+    )["input_ids"][0]
+    assert ids == full  # the processor's tokens of the whole conversation
+    targets = processor.tokenizer.decode([t for t, m in zip(ids, mask, strict=True) if m])
+    assert targets == "A cat.<|im_end|>A dog, surely.<|im_end|>"
+    trainer.train()  # and it trains on them
+
+
+def test_assistant_only_loss_with_images_needs_a_marked_processor_template(tmp_path):
+    with pytest.raises(ValueError, match="needs the processor's chat template .* to wrap assistant turns"):
+        _trainer(tmp_path, "qwen2_vl", _messages(2), assistant_only_loss=True)
+
+
+def test_assistant_only_loss_on_plain_text_rows_with_images_is_refused(tmp_path):
+    from datasets import Dataset
+
+    data = Dataset.from_dict(
+        {"prompt": ["<|image_pad|> What?"], "completion": [" A cat."], "image": [random_image(0)]}
+    )
+    args = SFTConfig(output_dir=str(tmp_path), **CPU_TEST_ARGS, assistant_only_loss=True)
+    with pytest.raises(
+        ValueError, match="assistant_only_loss=True needs chat messages, but train_dataset has plain"
+    ):
+        SFTTrainer(model="never-loaded", args=args, train_dataset=data)

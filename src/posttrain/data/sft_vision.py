@@ -18,6 +18,7 @@ Targets: every token of a conversation, or the completion's tokens of a prompt-c
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -33,17 +34,18 @@ from posttrain.ops.padding import left_pad
 VISION_SFT_COLUMNS = ("messages", "prompt", "completion", *vision.IMAGE_COLUMNS)
 
 
-def check_vision_options(fmt: str, args: Any, name: str) -> None:
+def check_vision_options(fmt: str, args: Any, name: str, first_row: Mapping[str, Any] | None = None) -> None:
     """Refuse what rows with images cannot do, before the model loads.
 
     Args:
         fmt: the dataset's format (``sft.detect_format``).
         args: the ``SFTConfig`` (``packing``, ``eval_packing``, ``padding_free``, ``assistant_only_loss``).
         name: the dataset's name, for the message.
+        first_row: the dataset's first row (plain-text prompts have no assistant turns to mask).
 
     Raises:
-        ValueError: a language-modelling ``text`` dataset, packing or padding-free batches.
-        NotImplementedError: ``assistant_only_loss``.
+        ValueError: a language-modelling ``text`` dataset, packing or padding-free batches,
+            ``assistant_only_loss`` on plain-text prompt-completion rows.
     """
     packing = args.packing or bool(args.eval_packing)
     padding_free, assistant_only_loss = args.padding_free, args.assistant_only_loss
@@ -57,10 +59,27 @@ def check_vision_options(fmt: str, args: Any, name: str) -> None:
             f"{name} has images: packing and padding_free join rows into one sequence, which a vision-language "
             "model's image inputs cannot follow. Set packing=False (and eval_packing) and padding_free=False."
         )
-    if assistant_only_loss:
-        raise NotImplementedError(
-            f"assistant_only_loss=True with images ({name}) is not built yet: set assistant_only_loss=False (every "
-            "token of a conversation but the images' is a target), or give prompt and completion columns."
+    if assistant_only_loss and first_row is not None and isinstance(first_row.get("prompt"), str):
+        raise ValueError(
+            f"assistant_only_loss=True needs chat messages, but {name} has plain-text prompts and completions. Use "
+            "'messages' (or prompt/completion message lists), or set assistant_only_loss=False (the completion "
+            "alone is the target by default)."
+        )
+
+
+def check_assistant_markers(processor: Any) -> None:
+    """``assistant_only_loss`` with images reads the assistant's spans from the processor's chat
+    template (it renders the image blocks), which must mark them.
+
+    Raises:
+        ValueError: the processor's template has no ``{% generation %}`` markers.
+    """
+    template = getattr(processor, "chat_template", None)
+    if not chat.has_generation_markers(template):
+        raise ValueError(
+            "assistant_only_loss=True with images needs the processor's chat template (it renders the image blocks) "
+            "to wrap assistant turns in {% generation %} ... {% endgeneration %}, and it has no such markers. Give "
+            "SFTConfig(chat_template_path=...) a marked copy of it, or set assistant_only_loss=False."
         )
 
 
@@ -71,6 +90,7 @@ def encode_row(
     max_length: int | None,
     truncation_mode: str,
     eos_token: str | None = None,
+    assistant_only_loss: bool = False,
 ) -> tuple[list[int], list[int], dict[str, torch.Tensor]]:
     """One row's tokens, target mask and image inputs.
 
@@ -81,6 +101,9 @@ def encode_row(
         max_length: the most tokens a row keeps (``None``: all).
         truncation_mode: ``"keep_start"`` or ``"keep_end"``.
         eos_token: appended to a plain-text completion (default: the tokenizer's).
+        assistant_only_loss: targets only the assistant's tokens (the chat template's
+            ``{% generation %}`` spans), found on the text without the images and carried over to
+            the processor's tokens (:func:`_carried_mask`).
 
     Returns:
         ``(input_ids, loss_mask, image_inputs)``: ``loss_mask[t]`` is 1 when token ``t`` is a
@@ -92,10 +115,11 @@ def encode_row(
     tokenizer = getattr(processor, "tokenizer", processor)
     images = vision.row_images(row)
     variables = _template_variables(processor)
+    conversation = None
     if "messages" in row and row.get("messages") is not None:
-        messages = vision.place_images(list(row["messages"]), images)
-        vision.check_row_images(messages, images, "of the batch", vision.image_token_of(processor))
-        text = chat.render(tokenizer, messages, variables=variables)
+        conversation = vision.place_images(list(row["messages"]), images)
+        vision.check_row_images(conversation, images, "of the batch", vision.image_token_of(processor))
+        text = chat.render(tokenizer, conversation, variables=variables)
         prompt_text = None
     else:
         prompt, completion = row["prompt"], row["completion"]
@@ -105,11 +129,15 @@ def encode_row(
         else:
             prompt = vision.place_images(list(prompt), images)
             prompt_text = chat.render_prompt(prompt, tokenizer, variables)
-            text = chat.render(tokenizer, [*prompt, *completion], variables=variables)
+            conversation = [*prompt, *completion]
+            text = chat.render(tokenizer, conversation, variables=variables)
         vision.check_row_images(prompt, images, "of the batch", vision.image_token_of(processor))
     special = prompt_text is not None and isinstance(row.get("prompt"), str)
     ids, inputs = _encode(processor, tokenizer, text, images, special)
     targets = [1] * len(ids)
+    if assistant_only_loss and conversation is not None:
+        text_ids, assistant = chat.tokenize(tokenizer, conversation, variables=variables, assistant_mask=True)
+        targets = _carried_mask(text_ids, assistant or [], ids)
     if prompt_text is not None and completion_only_loss is not False:
         prompt_ids, _ = _encode(processor, tokenizer, prompt_text, images, special)
         start = common_prefix_length(ids, prompt_ids)
@@ -132,6 +160,31 @@ def collate(
         position_ids=position_ids_from_mask(attention_mask),
         vision=VisionInputs([inputs for _, _, inputs in rows]),
     )
+
+
+def _carried_mask(text_ids: list[int], mask: list[int], ids: list[int]) -> list[int]:
+    """``mask`` over ``text_ids`` (the conversation tokenised without its images) carried over to
+    ``ids`` (the processor's tokens, each image placeholder expanded): the tokens the two share, in
+    order (``difflib``'s matching blocks), keep their value; the images' tokens, and any text the
+    expansion tokenised otherwise next to them, get 0.
+
+    Raises:
+        ValueError: a masked token (an assistant's) has no counterpart in ``ids``.
+    """
+    out = [0] * len(ids)
+    matcher = difflib.SequenceMatcher(None, text_ids, ids, autojunk=False)
+    carried = 0
+    for a, b, size in matcher.get_matching_blocks():
+        for k in range(size):
+            out[b + k] = mask[a + k]
+            carried += mask[a + k]
+    if carried != sum(mask):
+        raise ValueError(
+            f"{sum(mask) - carried} of the assistant's {sum(mask)} tokens could not be found among the tokens the "
+            "processor gives the row with its images. Put images in user messages only, or set "
+            "assistant_only_loss=False."
+        )
+    return out
 
 
 def _template_variables(processor: Any) -> dict[str, Any]:

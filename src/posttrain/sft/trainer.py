@@ -121,6 +121,8 @@ class SFTTrainer(BaseTrainer):
                 self.processing_class.chat_template = self._tokenizer.chat_template
         if needs_markers:
             chat_templates.ensure_generation_markers(self._tokenizer)
+        if self._vision and args.assistant_only_loss:
+            sft_vision.check_assistant_markers(self.processing_class)
         self.loss_fn = losses.resolve_loss_type(args.loss_type)
         self.train_dataset = self._prepare(self.train_dataset, args.packing)
         self._map_eval(lambda dataset: self._prepare(dataset, args.eval_packing))
@@ -183,6 +185,7 @@ class SFTTrainer(BaseTrainer):
                     a.max_length,
                     a.truncation_mode,
                     a.eos_token,
+                    a.assistant_only_loss,
                 )
                 for r in rows
             ]
@@ -306,7 +309,7 @@ def _check_formats(
         columns = list(getattr(dataset, "column_names", None) or dataset[0])
         fmt = sft.detect_format(columns, dataset[0], dataset_text_field=args.dataset_text_field)
         if vision.image_column(columns) is not None:
-            sft_vision.check_vision_options(fmt, args, name)
+            sft_vision.check_vision_options(fmt, args, name, dataset[0])
             images = True
         chats |= fmt == "conversational" or (
             fmt == "prompt_completion" and not isinstance(dataset[0]["prompt"], str)
