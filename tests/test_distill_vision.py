@@ -92,11 +92,6 @@ def test_what_distillation_with_images_cannot_do_is_refused(tmp_path):
     _, processor = build_qwen2_vl()
     with pytest.raises(ValueError, match="the teacher is a .*, a text-only model that cannot read them"):
         _trainer(tmp_path, teacher=build_tiny_model(processor.tokenizer, seed=1))
-    with pytest.raises(NotImplementedError, match="SDFTTrainer with images is not built yet"):
-        SDFTTrainer(
-            model=build_qwen2_vl()[0], args=SDFTConfig(output_dir=str(tmp_path), **ARGS, num_generations=2),
-            train_dataset=image_dataset(2), processing_class=processor,
-        )  # fmt: skip
 
 
 @pytest.mark.parametrize("family", ["GOLD", "IWOPD"])
@@ -175,4 +170,63 @@ def test_the_teachers_samples_read_the_images(tmp_path):
     )
     assert scored.extra["source"] == "teacher" and calls
     assert scored.rollout.vision is not None and scored.rollout.vision.has_images
+    trainer.train()
+
+
+def _with_context(data):
+    return data.add_column("privileged_context", [f"The answer is {i + 1}." for i in range(len(data))])
+
+
+def test_sdft_teacher_reads_its_prompt_with_the_images_and_the_context(tmp_path):
+    """SDFT's teacher prompt is the row's prompt (its image placed as the student's) with the
+    privileged context filled in: its tokens are the processor's encoding of that prompt with the
+    image, and the teacher's divergence reads the pixels."""
+    import dataclasses
+
+    model, processor = build_qwen2_vl()
+    args = SDFTConfig(output_dir=str(tmp_path), **ARGS, num_generations=2, max_completion_length=6)
+    trainer = SDFTTrainer(
+        model=model, args=args, train_dataset=_with_context(image_dataset(2)), processing_class=processor
+    )
+    row = trainer.train_dataset[0]
+    (scored,) = trainer._generate_and_score([row, row], "train", num_chunks=1)
+    assert scored.teacher_vision is not None and scored.teacher_vision.has_images
+    question = row["prompt"][0]["content"][-1]["text"]
+    filled = args.teacher_prompt_template.format(prompt=question, privileged_context="The answer is 1.")
+    teacher_prompt = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": filled}]}]
+    text = processor.tokenizer.apply_chat_template(
+        teacher_prompt, tokenize=False, add_generation_prompt=True, chat_template=processor.chat_template
+    )
+    expected = processor(text=[text], images=[row["image"]])["input_ids"][0]
+    assert scored.teacher_prompt_ids[0][scored.teacher_prompt_mask[0].bool()].tolist() == expected
+    model.eval()
+    with torch.no_grad():
+        student, _, _ = trainer._student_side(model, scored, False)
+        mask = trainer._loss_mask(scored.rollout).float()
+        seeing, _ = trainer._distillation_per_sample(student, scored, mask)
+        blind, _ = trainer._distillation_per_sample(
+            student, dataclasses.replace(scored, teacher_vision=None), mask
+        )
+    assert (seeing - blind).abs().max() > 1e-6
+
+
+def test_sdpo_trains_with_images_its_reprompts_reading_them(tmp_path):
+    from posttrain import SDPOConfig, SDPOTrainer
+
+    def first_succeeds(completion_ids, **kwargs):  # each group's first sample: the others reprompt with it
+        return [float(i % 4 == 0) for i in range(len(completion_ids))]
+
+    model, processor = build_qwen2_vl()
+    args = SDPOConfig(output_dir=str(tmp_path), **{**ARGS, "per_device_train_batch_size": 4}, num_generations=4,
+                      max_completion_length=6)  # fmt: skip
+    trainer = SDPOTrainer(
+        model=model,
+        reward_funcs=first_succeeds,
+        args=args,
+        train_dataset=image_dataset(4),
+        processing_class=processor,
+    )
+    (scored,) = trainer._generate_and_score([trainer.train_dataset[0]] * 4, "train", num_chunks=1)
+    assert scored.teacher_rows is not None and scored.teacher_rows.sum() == 3
+    assert scored.teacher_vision is not None and scored.teacher_vision.has_images
     trainer.train()

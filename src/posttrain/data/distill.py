@@ -253,7 +253,8 @@ def context_text(context: Any) -> str:
 
 
 def fill_prompt(prompt: Any, fill: Any, index: int | str) -> Any:
-    """``fill(text)`` of a standard prompt, or the messages with the last user message's content filled.
+    """``fill(text)`` of a standard prompt, or the messages with the last user message's content filled
+    (a content of blocks: its text blocks' text filled as one block after its other blocks, images).
 
     Raises:
         ValueError: a conversational prompt without a user message.
@@ -266,5 +267,11 @@ def fill_prompt(prompt: Any, fill: Any, index: int | str) -> Any:
         raise ValueError(
             f"Row {index}: the conversational prompt has no user message to add the teacher's context to."
         )
-    messages[last_user]["content"] = fill(messages[last_user]["content"])
+    content = messages[last_user]["content"]
+    if isinstance(content, list):  # content blocks (images): their text filled, the other blocks kept
+        texts = [b.get("text") or "" for b in content if isinstance(b, dict) and b.get("type") == "text"]
+        others = [b for b in content if not (isinstance(b, dict) and b.get("type") == "text")]
+        messages[last_user]["content"] = [*others, {"type": "text", "text": fill("".join(texts))}]
+    else:
+        messages[last_user]["content"] = fill(content)
     return messages

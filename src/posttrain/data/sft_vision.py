@@ -115,23 +115,7 @@ def encode_row(
     tokenizer = getattr(processor, "tokenizer", processor)
     images = vision.row_images(row)
     variables = _template_variables(processor)
-    conversation = None
-    if "messages" in row and row.get("messages") is not None:
-        conversation = vision.place_images(list(row["messages"]), images)
-        vision.check_row_images(conversation, images, "of the batch", vision.image_token_of(processor))
-        text = chat.render(tokenizer, conversation, variables=variables)
-        prompt_text = None
-    else:
-        prompt, completion = row["prompt"], row["completion"]
-        if isinstance(prompt, str):
-            prompt_text = prompt
-            text = prompt + with_eos(completion, eos_token or tokenizer.eos_token)
-        else:
-            prompt = vision.place_images(list(prompt), images)
-            prompt_text = chat.render_prompt(prompt, tokenizer, variables)
-            conversation = [*prompt, *completion]
-            text = chat.render(tokenizer, conversation, variables=variables)
-        vision.check_row_images(prompt, images, "of the batch", vision.image_token_of(processor))
+    text, prompt_text, conversation = _rendered(row, processor, tokenizer, images, variables, eos_token)
     special = prompt_text is not None and isinstance(row.get("prompt"), str)
     ids, inputs = _encode(processor, tokenizer, text, images, special)
     targets = [1] * len(ids)
@@ -145,6 +129,32 @@ def encode_row(
     image_id = _image_token_id(processor, tokenizer)
     mask = [0] + [int(t and token != image_id) for t, token in zip(targets[1:], ids[1:], strict=True)]
     return _truncated(ids, mask, inputs, max_length, truncation_mode, image_id)
+
+
+def _rendered(
+    row: Mapping[str, Any],
+    processor: Any,
+    tokenizer: Any,
+    images: list[Any],
+    variables: dict[str, Any],
+    eos_token: str | None,
+) -> tuple[str, str | None, list[Any] | None]:
+    """A row's text, its prompt's text (``None`` for a conversation) and its chat messages (``None``
+    for plain text), its images placed and checked against their placeholders."""
+    token = vision.image_token_of(processor)
+    if "messages" in row and row.get("messages") is not None:
+        conversation = vision.place_images(list(row["messages"]), images)
+        vision.check_row_images(conversation, images, "of the batch", token)
+        return chat.render(tokenizer, conversation, variables=variables), None, conversation
+    prompt, completion = row["prompt"], row["completion"]
+    if isinstance(prompt, str):
+        vision.check_row_images(prompt, images, "of the batch", token)
+        return prompt + with_eos(completion, eos_token or tokenizer.eos_token), prompt, None
+    prompt = vision.place_images(list(prompt), images)
+    vision.check_row_images(prompt, images, "of the batch", token)
+    conversation = [*prompt, *completion]
+    text = chat.render(tokenizer, conversation, variables=variables)
+    return text, chat.render_prompt(prompt, tokenizer, variables), conversation
 
 
 def collate(

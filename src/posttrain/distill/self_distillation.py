@@ -26,9 +26,9 @@ from accelerate.utils import gather, gather_object
 from transformers import PreTrainedModel, TrainerCallback
 
 from posttrain.data import distill as distill_data
+from posttrain.data import vision
 from posttrain.distill import losses, reprompt
 from posttrain.distill.config import SDFTConfig, SDPOConfig
-from posttrain.distill.distillation import image_datasets
 from posttrain.distill.trainer import TeacherStudentTrainer, select_rows
 from posttrain.grpo import advantages, objectives
 from posttrain.models import peft as peft_utils
@@ -89,6 +89,28 @@ class SelfTeacherTrainer(TeacherStudentTrainer):
         if self.args.teacher_model_kind == "ema":
             self._load_reference(folder, self.teacher_model)
 
+    def _encode_teacher_prompts(
+        self, scored: ScoredRollout, prompts: list[Any], batch: list[dict[str, Any]], limit: int | None
+    ) -> None:
+        """The teacher prompts' tokens (their images expanded, with their image inputs, for rows with images).
+
+        Raises:
+            ValueError: a teacher prompt with images longer than ``limit`` tokens (a cut would cut them).
+        """
+        images = [vision.row_images(row) for row in batch]
+        if not any(images):
+            scored.teacher_prompt_ids, scored.teacher_prompt_mask = self.sampler.encode_prompts(
+                prompts, limit
+            )
+            return
+        ids, mask, scored.teacher_vision = self.sampler.encode_with_images(prompts, images)
+        if limit is not None and int(mask.sum(dim=1).max()) > limit:
+            raise ValueError(
+                f"A teacher prompt with images takes {int(mask.sum(dim=1).max())} tokens, more than "
+                f"max_reprompt_len={limit}; cutting it would cut its image tokens. Raise max_reprompt_len."
+            )
+        scored.teacher_prompt_ids, scored.teacher_prompt_mask = ids, mask
+
     def _distillation_per_sample(
         self, student: HeadInputs, inputs: ScoredRollout, mask: torch.Tensor
     ) -> tuple[torch.Tensor, float]:
@@ -114,8 +136,21 @@ class SelfTeacherTrainer(TeacherStudentTrainer):
         with torch.no_grad(), self.accelerator.autocast(), self._teacher() as teacher_model:
             prompt_ids = inputs.teacher_prompt_ids if rows is None else inputs.teacher_prompt_ids[rows]
             prompt_mask = inputs.teacher_prompt_mask if rows is None else inputs.teacher_prompt_mask[rows]
+            images = None
+            if inputs.teacher_vision is not None:
+                rows_vision = inputs.teacher_vision
+                if rows is not None:
+                    rows_vision = rows_vision.select(rows.nonzero().flatten().tolist())
+                images = rows_vision.model_kwargs(
+                    prompt_ids.shape[1], sub.completion_ids.shape[1], prompt_ids.device
+                )
             teacher, _ = completion_head_inputs(
-                teacher_model, prompt_ids, prompt_mask, sub.completion_ids, sub.completion_mask
+                teacher_model,
+                prompt_ids,
+                prompt_mask,
+                sub.completion_ids,
+                sub.completion_mask,
+                model_inputs=images,
             )
         sub_keep = keep if rows is None else keep[rows]
         per_token = self._token_divergences(
@@ -200,7 +235,6 @@ class SDFTTrainer(SelfTeacherTrainer):
         args = args if args is not None else self.default_args(model, SDFTConfig, "SDFT")
         if not isinstance(args, SDFTConfig):
             raise TypeError(f"args is a {type(args).__name__}; SDFTTrainer needs an SDFTConfig.")
-        _refuse_images("SDFTTrainer", train_dataset, eval_dataset)
         distill_data.check_privileged_column(train_dataset, "train dataset")
         for name, dataset in (
             eval_dataset.items() if isinstance(eval_dataset, dict) else [("eval", eval_dataset)]
@@ -225,10 +259,10 @@ class SDFTTrainer(SelfTeacherTrainer):
         """The teacher's prompt of every row: the template with its privileged context."""
         template = self.args.teacher_prompt_template
         prompts = [
-            distill_data.teacher_prompt(row["prompt"], row.get(distill_data.PRIVILEGED_COLUMN), template, i)
+            distill_data.teacher_prompt(_placed(row), row.get(distill_data.PRIVILEGED_COLUMN), template, i)
             for i, row in enumerate(batch)
         ]
-        scored.teacher_prompt_ids, scored.teacher_prompt_mask = self.sampler.encode_prompts(prompts)
+        self._encode_teacher_prompts(scored, prompts, batch, None)
 
     def _loss_mask(self, rollout: Any) -> torch.Tensor:
         """The shared mask, less the first ``num_loss_tokens_to_skip`` completion tokens."""
@@ -300,7 +334,6 @@ class SDPOTrainer(SelfTeacherTrainer):
         args = args if args is not None else self.default_args(model, SDPOConfig, "SDPO")
         if not isinstance(args, SDPOConfig):
             raise TypeError(f"args is a {type(args).__name__}; SDPOTrainer needs an SDPOConfig.")
-        _refuse_images("SDPOTrainer", train_dataset, eval_dataset)
         if args.include_environment_feedback:
             distill_data.check_privileged_column(train_dataset, "train dataset")
         super().__init__(
@@ -384,12 +417,10 @@ class SDPOTrainer(SelfTeacherTrainer):
         start = self.accelerator.process_index * n
         fills = plan.fills[start : start + n]
         prompts = [
-            distill_data.fill_prompt(row["prompt"], fill, i) if fill is not None else row["prompt"]
+            distill_data.fill_prompt(_placed(row), fill, i) if fill is not None else _placed(row)
             for i, (row, fill) in enumerate(zip(batch, fills, strict=True))
         ]
-        scored.teacher_prompt_ids, scored.teacher_prompt_mask = self.sampler.encode_prompts(
-            prompts, a.max_reprompt_len
-        )
+        self._encode_teacher_prompts(scored, prompts, batch, a.max_reprompt_len)
         scored.teacher_rows = torch.tensor(
             [fill is not None for fill in fills], device=r.completion_ids.device
         )
@@ -441,16 +472,7 @@ class SDPOTrainer(SelfTeacherTrainer):
         return self._finish_loss(loss, aux_loss, inputs, metrics, mode)
 
 
-def _refuse_images(trainer: str, train_dataset: Any, eval_dataset: Any) -> None:
-    """Self-distillation's teacher reads a rewritten prompt, which is not encoded with the images yet.
-
-    Raises:
-        NotImplementedError: a dataset with an ``image`` / ``images`` column.
-    """
-    named = image_datasets(train_dataset, eval_dataset)
-    if named:
-        raise NotImplementedError(
-            f"{named[0]} has images, but {trainer} with images is not built yet: its teacher scores the completions "
-            "after a rewritten prompt, which is not encoded with the images. Remove the image column, or distil "
-            "from a separate teacher (DistillationTrainer, GKDTrainer with lmbda=1.0)."
-        )
+def _placed(row: dict[str, Any]) -> Any:
+    """A row's prompt with its images placed (blocks at the start of the first user message when it
+    has none), as the student's prompt is."""
+    return vision.place_images(row["prompt"], vision.row_images(row))

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from posttrain.core.batch import Rollout
+from posttrain.core.batch import Rollout, VisionInputs
 from posttrain.ops.reductions import Normalizers
 
 # Per-token tensors of a ScoredRollout, [N, T] (or [N, T, K]) like the completions, sliced and
@@ -47,6 +47,7 @@ class ScoredRollout:
             completions after, left padded (self-distillation's privileged context), or ``None``.
         teacher_index: [N] which of several teachers scores each row (multi-teacher distillation), or ``None``.
         teacher_rows: [N] bool, the rows that have a teacher prompt (SDPO: the others add 0), or ``None``: all.
+        teacher_vision: the image inputs of the teacher prompts (rows with images), or ``None``.
         norms: the counts the micro-batch losses are normalised by (``ops.reductions.Normalizers``).
         extra: a family's other values, shared by every micro-batch.
     """
@@ -64,6 +65,7 @@ class ScoredRollout:
     teacher_prompt_mask: torch.Tensor | None = None
     teacher_index: torch.Tensor | None = None
     teacher_rows: torch.Tensor | None = None
+    teacher_vision: VisionInputs | None = None
     norms: Normalizers = field(default_factory=Normalizers)
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -96,6 +98,7 @@ class ScoredRollout:
             teacher_prompt_mask=teacher_mask,
             teacher_index=self.teacher_index[rows] if self.teacher_index is not None else None,
             teacher_rows=self.teacher_rows[rows] if self.teacher_rows is not None else None,
+            teacher_vision=self.teacher_vision.select(rows) if self.teacher_vision is not None else None,
             extra=dict(self.extra),
             **per_token,
         )

@@ -115,6 +115,15 @@ class SFTTrainer(BaseTrainer):
         self._check_attention()
         loading.check_reads_images(self.model, self.processing_class, self._vision)
         self._apply_pad_token(args.pad_token)
+        self._set_up_templates(needs_markers)
+        self.loss_fn = losses.resolve_loss_type(args.loss_type)
+        self.train_dataset = self._prepare(self.train_dataset, args.packing)
+        self._map_eval(lambda dataset: self._prepare(dataset, args.eval_packing))
+
+    def _set_up_templates(self, needs_markers: bool) -> None:
+        """``chat_template_path`` applied (to the processor too, for rows with images), and the
+        ``{% generation %}`` markers ``assistant_only_loss`` reads."""
+        args = self.args
         if args.chat_template_path is not None:
             loading.apply_chat_template_path(args.chat_template_path, self._tokenizer, self.model)
             if self._vision:  # rows with images render with the processor's template
@@ -123,9 +132,6 @@ class SFTTrainer(BaseTrainer):
             chat_templates.ensure_generation_markers(self._tokenizer)
         if self._vision and args.assistant_only_loss:
             sft_vision.check_assistant_markers(self.processing_class)
-        self.loss_fn = losses.resolve_loss_type(args.loss_type)
-        self.train_dataset = self._prepare(self.train_dataset, args.packing)
-        self._map_eval(lambda dataset: self._prepare(dataset, args.eval_packing))
 
     # ---- data ------------------------------------------------------------------------------------
 
