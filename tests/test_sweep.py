@@ -752,3 +752,43 @@ def test_lora_flags_without_use_peft_are_refused(tmp_path, tiny_model_dir, capsy
         main(["grpo", "--model_name_or_path", tiny_model_dir, "--lora_r", "8", "--output_dir", str(tmp_path)])
     assert exit_info.value.code == 2
     assert "--lora_r describe a LoRA adapter" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("shared_generation", [False, True])
+def test_vision_language_runs_each_equal_the_run_trained_alone(tmp_path, shared_generation):
+    """Runs on prompts with images (a Qwen2-VL base): each samples and trains with its own adapter
+    and its rows' images, as it would alone (with shared generation, a call with image inputs is
+    the run's own)."""
+    from vision_models import build_qwen2_vl, image_dataset
+
+    _, processor = build_qwen2_vl()
+    specs = [
+        ("five", prefers_token(5), {"seed": 3}),
+        ("six", prefers_token(6), {"seed": 4, "learning_rate": 2e-2}),
+    ]
+    overrides = {"max_steps": 2, "per_device_train_batch_size": 4, "gradient_checkpointing": False}
+
+    def run_config(root, name, values):
+        return config(root, name, **overrides, **values)
+
+    runs = [
+        SweepRun(
+            name, run_config(tmp_path, name, values), reward_funcs=reward, train_dataset=image_dataset(4)
+        )
+        for name, reward, values in specs
+    ]
+    sweep = GRPOSweep(
+        build_qwen2_vl()[0], runs, peft_config=lora(target_modules=["q_proj", "v_proj"]), processing_class=processor,
+        shared_generation=shared_generation,
+    )  # fmt: skip
+    sweep.train()
+    for name, reward, values in specs:
+        args = run_config(tmp_path / "alone", name, values)
+        base = build_qwen2_vl()[0]  # before set_seed: the builder seeds the weights itself
+        set_seed(args.seed)
+        alone = GRPOTrainer(
+            model=base, reward_funcs=reward, args=args, train_dataset=image_dataset(4),
+            processing_class=processor, peft_config=lora(target_modules=["q_proj", "v_proj"]),
+        )  # fmt: skip
+        alone.train()
+        assert_same_weights(adapter_weights(sweep.model, name), adapter_weights(alone.model, "default"))
