@@ -304,13 +304,13 @@ def test_the_head_runs_on_the_target_positions_only_with_the_same_statistics(tok
 @pytest.mark.parametrize("shared", [True, False], ids=["prompts-once", "whole-rows"])
 def test_score_completions_runs_the_head_on_completion_tokens_only(tok, monkeypatch, shared):
     """Both paths of ``score_completions`` project only the completions' real tokens (no padding)."""
-    from posttrain.ops import chunked, logprobs
+    from posttrain.ops import chunked, online_logps
 
     model = build_tiny_model(tok)
     split = preference.collate_pair_prompts(token_rows(len(tok), seed=5), tok.eos_token_id)
     before = score_split(model, split)
     if not shared:  # the whole-rows path, as for a model the shared prefix does not support
-        monkeypatch.setattr(logprobs, "_completion_hidden", lambda *a, **k: None)
+        monkeypatch.setattr(online_logps, "_completion_hidden", lambda *a, **k: None)
     head_rows = []
     real = chunked.token_stats
     monkeypatch.setattr(

@@ -171,12 +171,7 @@ def _kept_images(
     """A row's image inputs for the last ``kept`` tokens of its prompt; a cut through its images refused."""
     if kept == len(prompt):
         return inputs
-    token = vision.image_token_of(processor)
-    image_id = (
-        tokenizer.convert_tokens_to_ids(token)
-        if token is not None
-        else getattr(processor, "image_token_id", None)
-    )
+    image_id = vision.image_token_id(processor, tokenizer)
     if image_id is not None and image_id in prompt[: len(prompt) - kept]:
         raise ValueError(
             f"Row {index} of this batch: its prompt takes {len(prompt)} tokens with its images, and max_length="

@@ -167,12 +167,12 @@ def encode_completions(
     prompt_text, side_texts, special = _texts(
         row, processor, tokenizer, images, columns, eos_token, tools, chat_template_kwargs, index
     )
-    prompt_ids, inputs = _encode_prompt(processor, tokenizer, prompt_text, images, special)
+    prompt_ids, inputs = vision.encode_row_text(processor, tokenizer, prompt_text, images, special)
     text_prompt = list(tokenizer(prompt_text, add_special_tokens=special)["input_ids"])
     sides = [list(tokenizer(text, add_special_tokens=special)["input_ids"]) for text in side_texts]
     start = min(common_prefix_length(text_prompt, ids) for ids in sides)
     prompt_ids, inputs = _cut_prompt(prompt_ids, inputs, text_prompt, start, index)
-    image_id = _image_token_id(processor, tokenizer)
+    image_id = vision.image_token_id(processor, tokenizer)
     completions: dict[str, list[int]] = {}
     for column, ids in zip(columns, sides, strict=True):
         completion = ids[start:]
@@ -225,14 +225,6 @@ def _texts(
     return head, sides, False
 
 
-def _encode_prompt(
-    processor: Any, tokenizer: Any, text: str, images: list[Any], special: bool
-) -> tuple[list[int], dict[str, torch.Tensor]]:
-    if not images:
-        return list(tokenizer(text, add_special_tokens=special)["input_ids"]), {}
-    return vision.encode_text(processor, text, images, add_special_tokens=special)
-
-
 def _cut_prompt(
     prompt_ids: list[int],
     inputs: dict[str, torch.Tensor],
@@ -265,13 +257,6 @@ def _cut_prompt(
     kept = len(prompt_ids) - drop
     cut = {k: v[:kept] if k in TOKEN_ALIGNED_INPUTS else v for k, v in inputs.items()}
     return prompt_ids[:kept], cut
-
-
-def _image_token_id(processor: Any, tokenizer: Any) -> int | None:
-    token = vision.image_token_of(processor)
-    if token is None:
-        return getattr(processor, "image_token_id", None)
-    return tokenizer.convert_tokens_to_ids(token)
 
 
 def _truncated(pair: dict[str, Any], max_length: int | None, index: int | None) -> dict[str, Any]:

@@ -117,16 +117,16 @@ def encode_row(
     variables = _template_variables(processor)
     text, prompt_text, conversation = _rendered(row, processor, tokenizer, images, variables, eos_token)
     special = prompt_text is not None and isinstance(row.get("prompt"), str)
-    ids, inputs = _encode(processor, tokenizer, text, images, special)
+    ids, inputs = vision.encode_row_text(processor, tokenizer, text, images, special)
     targets = [1] * len(ids)
     if assistant_only_loss and conversation is not None:
         text_ids, assistant = chat.tokenize(tokenizer, conversation, variables=variables, assistant_mask=True)
         targets = _carried_mask(text_ids, assistant or [], ids)
     if prompt_text is not None and completion_only_loss is not False:
-        prompt_ids, _ = _encode(processor, tokenizer, prompt_text, images, special)
+        prompt_ids, _ = vision.encode_row_text(processor, tokenizer, prompt_text, images, special)
         start = common_prefix_length(ids, prompt_ids)
         targets[:start] = [0] * start
-    image_id = _image_token_id(processor, tokenizer)
+    image_id = vision.image_token_id(processor, tokenizer)
     mask = [0] + [int(t and token != image_id) for t, token in zip(targets[1:], ids[1:], strict=True)]
     return _truncated(ids, mask, inputs, max_length, truncation_mode, image_id)
 
@@ -201,21 +201,6 @@ def _template_variables(processor: Any) -> dict[str, Any]:
     """Render with the processor's chat template (it knows the image blocks) when it has one."""
     template = getattr(processor, "chat_template", None)
     return {"chat_template": template} if isinstance(template, str) else {}
-
-
-def _encode(
-    processor: Any, tokenizer: Any, text: str, images: Sequence[Any], special: bool
-) -> tuple[list[int], dict[str, torch.Tensor]]:
-    if not images:
-        return list(tokenizer(text, add_special_tokens=special)["input_ids"]), {}
-    return vision.encode_text(processor, text, images, add_special_tokens=special)
-
-
-def _image_token_id(processor: Any, tokenizer: Any) -> int | None:
-    token = vision.image_token_of(processor)
-    if token is None:
-        return getattr(processor, "image_token_id", None)
-    return tokenizer.convert_tokens_to_ids(token)
 
 
 def _truncated(

@@ -239,6 +239,23 @@ def encode_text(
     return out["input_ids"][0].tolist(), _row_inputs(out)
 
 
+def encode_row_text(
+    processor: Any, tokenizer: Any, text: str, images: Sequence[Any], add_special_tokens: bool
+) -> tuple[list[int], dict[str, torch.Tensor]]:
+    """``encode_text`` for a row with images; the tokenizer alone (no image inputs) for one without."""
+    if not images:
+        return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]), {}
+    return encode_text(processor, text, images, add_special_tokens=add_special_tokens)
+
+
+def image_token_id(processor: Any, tokenizer: Any) -> int | None:
+    """The id of the processor's image placeholder token (``image_token``, else ``image_token_id``), or ``None``."""
+    token = image_token_of(processor)
+    if token is None:
+        return getattr(processor, "image_token_id", None)
+    return tokenizer.convert_tokens_to_ids(token)
+
+
 def _row_inputs(out: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     """A one-row processor output without its tokens: image tensors, and token-aligned ones as 1-D."""
     row: dict[str, torch.Tensor] = {}

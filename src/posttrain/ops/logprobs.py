@@ -26,11 +26,10 @@ import torch
 from posttrain.ops import chunked
 from posttrain.ops.online_logps import (  # noqa: F401  (re-exported)
     PolicyOutput,
-    _completion_hidden,
-    _row_inputs,
     completion_head_inputs,
     completion_logps,
     position_ids_from_mask,
+    rows_and_hidden,
     sampler_topk,
     sampler_topk_truncated,
 )
@@ -135,18 +134,8 @@ def score_completions(
             rows (``VisionInputs.model_kwargs``); the rows are then scored whole (a prompt's
             images are read with it).
     """
-    inputs = _row_inputs(prompt_ids, prompt_mask, completion_ids, completion_mask, model, model_inputs)
-    found = None
-    if chunk_size is not None:
-        found = _completion_hidden(
-            model,
-            inputs,
-            prompt_ids,
-            prompt_mask,
-            completion_ids,
-            completion_mask,
-            share_prompts=not model_inputs,
-        )
+    rows = (prompt_ids, prompt_mask, completion_ids, completion_mask)
+    inputs, found = rows_and_hidden(model, *rows, model_inputs, True, chunk_size is not None)
     if found is not None:
         out, predicting = found
         stats = _stats_from_hidden(

@@ -84,21 +84,17 @@ def completion_logps(
     Returns:
         A ``PolicyOutput``.
     """
-    inputs = _row_inputs(prompt_ids, prompt_mask, completion_ids, completion_mask, model, model_inputs)
-    share_prompts = share_prompts and not model_inputs
     targets = (
         completion_ids if extra_ids is None else torch.cat([completion_ids.unsqueeze(-1), extra_ids], -1)
     )
-    if chunk_size is not None:
-        found = _completion_hidden(
-            model, inputs, prompt_ids, prompt_mask, completion_ids, completion_mask, share_prompts
+    rows = (prompt_ids, prompt_mask, completion_ids, completion_mask)
+    inputs, found = rows_and_hidden(model, *rows, model_inputs, share_prompts, chunk_size is not None)
+    if found is not None:
+        out, predicting = found
+        result = _stats_output(
+            model, out, predicting, targets, temperature, with_entropy, entropy_grad, chunk_size
         )
-        if found is not None:
-            out, predicting = found
-            result = _stats_output(
-                model, out, predicting, targets, temperature, with_entropy, entropy_grad, chunk_size
-            )
-            return _split_extra(result, extra_ids is not None)
+        return _split_extra(result, extra_ids is not None)
     result = _naive_output(model, inputs, targets, temperature, with_entropy, entropy_grad)
     return _split_extra(result, extra_ids is not None)
 
@@ -208,16 +204,8 @@ def completion_head_inputs(
     Returns:
         ``(HeadInputs, aux_loss)``: ``aux_loss`` is a Mixture-of-Experts model's router loss, or ``None``.
     """
-    inputs = _row_inputs(prompt_ids, prompt_mask, completion_ids, completion_mask, model, model_inputs)
-    found = _completion_hidden(
-        model,
-        inputs,
-        prompt_ids,
-        prompt_mask,
-        completion_ids,
-        completion_mask,
-        share_prompts and not model_inputs,
-    )
+    rows = (prompt_ids, prompt_mask, completion_ids, completion_mask)
+    inputs, found = rows_and_hidden(model, *rows, model_inputs, share_prompts)
     if found is not None:
         out, predicting = found
         head = chunked.causal_lm(model).get_output_embeddings()
@@ -227,6 +215,28 @@ def completion_head_inputs(
     T = completion_ids.shape[1]
     out = model(**inputs, logits_to_keep=T + 1)
     return HeadInputs(out.logits[:, :-1, :]), getattr(out, "aux_loss", None)  # [B, T, V]
+
+
+def rows_and_hidden(
+    model: torch.nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+    model_inputs: dict[str, torch.Tensor] | None,
+    share_prompts: bool,
+    chunked_path: bool = True,
+) -> tuple[dict[str, Any], tuple[Any, torch.Tensor] | None]:
+    """The ``[prompt | completion]`` rows' model inputs, and (on the chunked path, ``chunked_path``)
+    ``_completion_hidden``'s result, each distinct prompt once when ``share_prompts`` and the rows
+    have no image inputs (a prompt's images are read with it)."""
+    inputs = _row_inputs(prompt_ids, prompt_mask, completion_ids, completion_mask, model, model_inputs)
+    if not chunked_path:
+        return inputs, None
+    share = share_prompts and not model_inputs
+    return inputs, _completion_hidden(
+        model, inputs, prompt_ids, prompt_mask, completion_ids, completion_mask, share
+    )
 
 
 def _row_inputs(
