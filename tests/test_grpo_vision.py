@@ -5,10 +5,11 @@ from __future__ import annotations
 import copy
 import math
 
+import numpy as np
 import pytest
 import torch
 from conftest import build_tiny_model, build_tiny_tokenizer
-from helpers import make_config
+from helpers import ScriptedGenerator, make_config
 from vision_models import (
     build_gemma3,
     build_llava_next,
@@ -664,3 +665,66 @@ def test_rloo_trains_a_vision_language_model_whose_loss_reads_the_images(tmp_pat
         assert abs(trainer.compute_loss(moved, blind).item() - loss) > 1e-3 * abs(loss)
     trainer.train()
     assert any(not torch.equal(a, b) for a, b in zip(visual, model.model.visual.parameters(), strict=True))
+
+
+# ---- engines that run the processor themselves (vLLM) ---------------------------------------------
+
+
+class _EngineSideGenerator(ScriptedGenerator):
+    """A scripted generator that, like vLLM's, takes rows with images as ``EnginePrompts``."""
+
+    runs_processor = True
+
+    def __init__(self, completions, pad_token_id):
+        super().__init__(completions, pad_token_id)
+        self.prompts = []
+
+    def generate(self, prompt_ids, prompt_mask, engine_prompts=None):
+        self.prompts.append((prompt_ids, prompt_mask, engine_prompts))
+        return super().generate(prompt_ids, prompt_mask)
+
+
+def test_an_engine_that_runs_the_processor_gets_one_placeholder_per_image_and_the_images(tmp_path):
+    """What vLLM is sent (tests/test_vllm_engine_vision.py runs it): each row's tokens as the
+    tokenizer alone gives them (the placeholder unexpanded) and the row's own images; the trainer
+    keeps the processor's expansion for its forwards, and its loss reads the images."""
+    model, processor = build_qwen2_vl()
+    tok = processor.tokenizer
+    dataset = image_dataset(4, column="images", images_per_row=2)
+    trainer = GRPOTrainer(
+        model=model, reward_funcs=even_token_reward, args=_vision_args(tmp_path, max_steps=1),
+        train_dataset=dataset, processing_class=processor,
+    )  # fmt: skip
+    generator = _EngineSideGenerator([[7, 8, tok.eos_token_id], [9, tok.eos_token_id]], tok.pad_token_id)
+    trainer.generator = generator
+    trainer.train()
+    ((prompt_ids, prompt_mask, sent),) = generator.prompts
+    rows = [[np.asarray(im).tobytes() for im in row] for row in dataset["images"]]
+    pad = tok.convert_tokens_to_ids("<|image_pad|>")
+    for i, (ids, images) in enumerate(zip(sent.ids, sent.images, strict=True)):
+        assert [np.asarray(im).tobytes() for im in images] in rows  # a row's own images, in order
+        assert ids.count(pad) == 2  # one placeholder per image, left for the engine to expand
+        expanded = prompt_ids[i][prompt_mask[i].bool()].tolist()
+        assert expanded.count(pad) > 2  # the trainer's rows hold the expansion
+        assert [t for t in expanded if t != pad] == [t for t in ids if t != pad]
+        assert sent.requests()[i] == {"prompt_token_ids": ids, "multi_modal_data": {"image": images}}
+
+
+def test_agent_episodes_with_images_through_vllm_are_not_built_yet(tmp_path):
+    model, processor = build_qwen2_vl()
+
+    def lookup(word: str) -> str:
+        """Look a word up.
+
+        Args:
+            word: the word.
+        """
+        return word
+
+    with pytest.raises(
+        NotImplementedError, match=r"train_dataset has images and the model samples with tools"
+    ):
+        GRPOTrainer(
+            model=model, reward_funcs=even_token_reward, args=_vision_args(tmp_path, use_vllm=True),
+            train_dataset=image_dataset(4), processing_class=processor, tools=[lookup],
+        )  # fmt: skip

@@ -269,6 +269,10 @@ def test_vllm_serve_command_has_what_server_mode_needs() -> None:
     cpu, _ = serve_command(["--model", "m"], cpu_build=True)
     assert "--weight-transfer-config" not in cpu  # the CPU build has no NCCL: weights come through a folder
     assert "--gpu-memory-utilization 0.3 --dtype float32" in " ".join(cpu)
+    # the token-in, token-out route of prompts with images, where the installed vLLM has it
+    assert "--enable-scale-out" not in command
+    scale_out, _ = serve_command(["--model", "m", "--enforce-eager"], cpu_build=True, scale_out=True)
+    assert "--enable-scale-out" in scale_out and scale_out[-1] == "--enforce-eager"
 
 
 def test_vllm_serve_without_vllm_names_the_extra(monkeypatch) -> None:
@@ -528,3 +532,20 @@ def test_adapter_sync_blocker_names_what_vllm_cannot_serve(options, reason):
         assert vllm_lora.lora_engine_kwargs(wrapped)["max_lora_rank"] == (
             8 if options.get("r", 4) <= 8 else 32
         )
+
+
+def test_an_engine_that_expands_images_otherwise_is_refused():
+    """check_expansion: the engine's expanded prompts against the trainer's (tests/test_vllm_engine_vision.py
+    meets it through a processor with other image sizes on the real engine)."""
+    from posttrain.generation.base import EnginePrompts, check_expansion
+
+    check_expansion([[1, 5, 5, 2]], [[1, 5, 5, 2]], "vLLM")
+    with pytest.raises(
+        ValueError, match=r"vLLM expanded row 1's prompt with images into 3 tokens where the trainer's"
+    ):
+        check_expansion([[1, 5, 5, 2], [1, 5, 2]], [[1, 5, 5, 2], [1, 5, 5, 2]], "vLLM")
+    prompts = EnginePrompts([[1, 5, 2], [3, 4]], [["an image"], []])
+    assert prompts.requests() == [
+        {"prompt_token_ids": [1, 5, 2], "multi_modal_data": {"image": ["an image"]}},
+        {"prompt_token_ids": [3, 4]},
+    ]

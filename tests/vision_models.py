@@ -56,8 +56,12 @@ def assemble_processor(processor_class: type, **parts: Any) -> Any:
 QWEN_SPECIALS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 
 
-def build_qwen2_vl(seed: int = 0, family: str = "qwen2_vl") -> tuple[Any, Any]:
-    """Qwen2-VL (or ``family="qwen2_5_vl"``): 14-pixel patches merged 2 x 2, images of 28-56 pixels a side."""
+def build_qwen2_vl(seed: int = 0, family: str = "qwen2_vl", for_vllm: bool = False) -> tuple[Any, Any]:
+    """Qwen2-VL (or ``family="qwen2_5_vl"``): 14-pixel patches merged 2 x 2, images of 28-56 pixels a side.
+
+    ``for_vllm``: the shapes vLLM's CPU backend runs (attention heads of 32, rotary sections summing
+    to 16) and the processor's video part, which saving it needs (built with torchvision).
+    """
     import torch
     from transformers import Qwen2VLProcessor
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
@@ -68,11 +72,16 @@ def build_qwen2_vl(seed: int = 0, family: str = "qwen2_vl") -> tuple[Any, Any]:
     image_processor = Qwen2VLImageProcessorPil(
         min_pixels=28 * 28, max_pixels=56 * 56, patch_size=14, merge_size=2, temporal_patch_size=2
     )
+    video_processor = None
+    if for_vllm:
+        from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
+
+        video_processor = Qwen2VLVideoProcessor()
     processor = assemble_processor(
         Qwen2VLProcessor,
         image_processor=image_processor,
         tokenizer=tok,
-        video_processor=None,
+        video_processor=video_processor,
         chat_template=template,
     )
     ids = {name: tok.convert_tokens_to_ids(t) for name, t in zip(
@@ -88,18 +97,23 @@ def build_qwen2_vl(seed: int = 0, family: str = "qwen2_vl") -> tuple[Any, Any]:
         "bos_token_id": None,
         "tie_word_embeddings": False,
     }
+    width = 32
+    if for_vllm:
+        width = 64
+        text.update(hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1)
+        text["rope_scaling"] = {"type": "mrope", "mrope_section": [4, 6, 6]}
     torch.manual_seed(seed)
     if family == "qwen2_5_vl":
         from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-        vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 32,
+        vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": width,
                   "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 56,
                   "fullatt_block_indexes": [0]}  # fmt: skip
         config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, **ids)
         return Qwen2_5_VLForConditionalGeneration(config), processor
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
-    vision = {"depth": 1, "embed_dim": 32, "hidden_size": 32, "num_heads": 2, "mlp_ratio": 2, "patch_size": 14,
+    vision = {"depth": 1, "embed_dim": 32, "hidden_size": width, "num_heads": 2, "mlp_ratio": 2, "patch_size": 14,
               "spatial_merge_size": 2, "temporal_patch_size": 2}  # fmt: skip
     config = Qwen2VLConfig(text_config=text, vision_config=vision, **ids)
     return Qwen2VLForConditionalGeneration(config), processor

@@ -214,7 +214,7 @@ class ToolLoop:
         if any(e.vision.has_images for e in active):  # the whole episode so far is the prompt
             inputs = batch_inputs([e.vision for e in active], [len(e.prompt_ids) for e in active])
             kwargs["model_inputs"] = inputs.model_kwargs(ids.shape[1], 0, device)
-            check_takes_images(generator)
+            check_takes_images(generator, ("model_inputs",))
         samples = generator.generate(ids.to(device), mask.to(device), **kwargs)
         eos = set(self.settings.eos_token_ids)
         rows = samples.completion_ids.tolist()

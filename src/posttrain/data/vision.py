@@ -166,16 +166,12 @@ def encode_with_images(
     Raises:
         ValueError: a row's images do not match its placeholders (``check_row_images``).
     """
-    variables = dict(chat_template_kwargs or {})
-    template = getattr(processor, "chat_template", None)
-    if isinstance(template, str) and "chat_template" not in variables:
-        variables["chat_template"] = template
     ids: list[list[int]] = []
     rows: list[dict[str, torch.Tensor]] = []
     token = image_token_of(processor)
     for i, (prompt, row_images_) in enumerate(zip(prompts, images, strict=True)):
         check_row_images(prompt, row_images_, f"{i} of this batch", token)
-        text = chat.render_prompt(prompt, tokenizer, variables if not isinstance(prompt, str) else None)
+        text = _render(processor, tokenizer, prompt, chat_template_kwargs)
         special = isinstance(prompt, str)
         if not row_images_:
             ids.append(tokenizer(text, add_special_tokens=special)["input_ids"])
@@ -185,6 +181,37 @@ def encode_with_images(
         ids.append(row_ids)
         rows.append(row)
     return ids, VisionInputs(rows)
+
+
+def placeholder_ids(
+    processor: Any,
+    tokenizer: Any,
+    prompts: Sequence[Any],
+    chat_template_kwargs: Mapping[str, Any] | None = None,
+) -> list[list[int]]:
+    """Each prompt rendered as ``encode_with_images`` renders it and tokenised by the tokenizer
+    alone: one placeholder per image, as the chat template writes it. An inference engine that
+    runs the model's processor itself (vLLM) takes these with the images and expands them."""
+    return [
+        list(tokenizer(_render(processor, tokenizer, p, chat_template_kwargs), add_special_tokens=isinstance(p, str))[
+            "input_ids"
+        ])
+        for p in prompts
+    ]  # fmt: skip
+
+
+def _render(
+    processor: Any, tokenizer: Any, prompt: Any, chat_template_kwargs: Mapping[str, Any] | None
+) -> str:
+    """A prompt's text: a conversation rendered with the processor's chat template when it has one
+    (it knows the image blocks), else the tokenizer's; a plain-text prompt as it is."""
+    if isinstance(prompt, str):
+        return chat.render_prompt(prompt, tokenizer, None)
+    variables = dict(chat_template_kwargs or {})
+    template = getattr(processor, "chat_template", None)
+    if isinstance(template, str) and "chat_template" not in variables:
+        variables["chat_template"] = template
+    return chat.render_prompt(prompt, tokenizer, variables)
 
 
 def follow_prompt(

@@ -37,6 +37,7 @@ from posttrain.distill.distillation import (  # noqa: F401  (re-exported)
     TeacherStudentTrainer,
     select_rows,
 )
+from posttrain.models.loading import image_placeholder_ids
 from posttrain.ops.divergence import HeadInputs, target_logps, top_ids
 from posttrain.sampling import setup
 from posttrain.sampling.rollout import ScoredRollout
@@ -232,8 +233,9 @@ class GKDTrainer(DistillationTrainer):
         """Sample with the teacher (``seq_kd``): its own generator, built once."""
         if self._teacher_generator is None:
             self._teacher_generator = setup.build_generator(
-                self.args, self.accelerator, lambda: self.teacher_model, self._tokenizer, self._eos_token_ids
-            )
+                self.args, self.accelerator, lambda: self.teacher_model, self._tokenizer, self._eos_token_ids,
+                suppress=image_placeholder_ids(self.teacher_model), processor=self._image_processor,
+            )  # fmt: skip
         student = self.sampler.generator
         self.sampler.generator = self._teacher_generator
         try:

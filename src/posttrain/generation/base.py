@@ -10,7 +10,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -61,6 +61,45 @@ class Samples:
         return cls(completion_ids=ids.to(device), logps=values, lengths=lengths.to(device))
 
 
+@dataclass
+class EnginePrompts:
+    """A batch's rows with images for an engine that runs the model's processor itself (vLLM).
+
+    Attributes:
+        ids: each row's prompt tokens with one placeholder per image, as the chat template writes
+            it (``vision.placeholder_ids``); the engine expands each into its image's tokens.
+        images: each row's images (PIL images; none for a text row).
+    """
+
+    ids: list[list[int]]
+    images: list[list[Any]]
+
+    def requests(self) -> list[dict[str, Any]]:
+        """vLLM's prompt of each row: its tokens, and its images as ``multi_modal_data``."""
+        return [
+            {"prompt_token_ids": ids, **({"multi_modal_data": {"image": list(images)}} if images else {})}
+            for ids, images in zip(self.ids, self.images, strict=True)
+        ]
+
+
+def check_expansion(expanded: Sequence[Sequence[int]], trainer: Sequence[Sequence[int]], engine: str) -> None:
+    """Check that an engine expanded each row's image placeholders into the tokens the trainer's
+    processor gives (the prompt the trainer scores the completion after).
+
+    Raises:
+        ValueError: a row differs; names the row, both lengths and the likely cause.
+    """
+    for i, (theirs, ours) in enumerate(zip(expanded, trainer, strict=True)):
+        if list(theirs) != list(ours):
+            raise ValueError(
+                f"{engine} expanded row {i}'s prompt with images into {len(theirs)} tokens where the trainer's "
+                f"processor gives {len(ours)} (or other tokens): the engine's processor, loaded from the model's "
+                "folder, differs from processing_class (image sizes, min_pixels/max_pixels, patch or merge size). "
+                "Save the trainer's processor to that folder (processor.save_pretrained) or pass the folder's "
+                "processor as processing_class."
+            )
+
+
 @runtime_checkable
 class Generator(Protocol):
     """Samples one completion per row of a left-padded prompt batch."""
@@ -70,19 +109,26 @@ class Generator(Protocol):
         ...
 
 
-def check_takes_images(generator: Generator) -> None:
-    """Refuse a generator whose ``generate`` takes no ``model_inputs`` (a vision-language model's
-    image inputs): sampling without them would ignore the images.
+def check_takes_images(
+    generator: Generator, takes: tuple[str, ...] = ("model_inputs", "engine_prompts")
+) -> None:
+    """Refuse a generator whose ``generate`` takes neither ``model_inputs`` (a vision-language
+    model's image inputs) nor ``engine_prompts`` (``EnginePrompts``: the images for an engine that
+    runs the processor itself, which says so with ``runs_processor = True``): sampling without
+    them would ignore the images. ``takes``: the keywords that count (an agent's episodes pass
+    ``model_inputs`` alone).
 
     Raises:
         NotImplementedError: naming the generator and the backend that takes images.
     """
     params = inspect.signature(generator.generate).parameters
-    if "model_inputs" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+    if "engine_prompts" in takes and getattr(generator, "runs_processor", False):
+        return
+    if set(takes) & set(params) or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return
     raise NotImplementedError(
         f"{type(generator).__name__} does not take image inputs; vision-language models sample with the "
-        "transformers backend (use_vllm=False, use_transformers_continuous_batching=False)."
+        "transformers backend or vLLM (use_transformers_continuous_batching=False)."
     )
 
 

@@ -38,14 +38,17 @@ from typing import Any
 
 import torch
 
-from posttrain.generation.base import Samples
+from posttrain.generation.base import EnginePrompts, Samples, check_expansion
 from posttrain.generation.vllm_common import (  # noqa: F401  (re-exported)
     VLLM_EXTRA,
+    launcher_environment,
     merged_adapters,
     require_vllm,
+    reset_encoder_cache,
     samples_from_outputs,
     sampling_kwargs,
     shutdown_engine,
+    tensor_parallel_slice,
     unpadded_prompts,
     weight_items,
 )
@@ -173,30 +176,6 @@ def reload_engine_weights(engine: Any, items: list[tuple[str, torch.Tensor]]) ->
     engine.apply_model(lambda engine_model: engine_model.load_weights(items))
 
 
-def launcher_environment(process_index: int, local_index: int, world_size: int) -> dict[str, str]:
-    """The variables vLLM's external launcher reads, for a process that torchrun did not start
-    (the spec: ``MASTER_ADDR=localhost``, ``MASTER_PORT=12345`` unless already set)."""
-    return {
-        "RANK": str(process_index),
-        "LOCAL_RANK": str(local_index),
-        "WORLD_SIZE": str(world_size),
-        "MASTER_ADDR": os.environ.get("MASTER_ADDR", "localhost"),
-        "MASTER_PORT": os.environ.get("MASTER_PORT", "12345"),
-        # the engine core in this process, so apply_model reaches the model without serialisation
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    }
-
-
-def tensor_parallel_slice(counts: Sequence[int], rank_in_group: int) -> slice:
-    """Where one process's rows lie in its tensor-parallel group's gathered batch.
-
-    Every engine of a group generates for the whole group's prompts (the engines run one model in
-    lockstep); each process keeps its own rows. ``counts``: the rows of each process of the group.
-    """
-    start = sum(counts[:rank_in_group])
-    return slice(start, start + counts[rank_in_group])
-
-
 class VLLMColocateGenerator:
     """Generates with a ``vllm.LLM`` inside the training process (``vllm_mode="colocate"``).
 
@@ -217,6 +196,9 @@ class VLLMColocateGenerator:
         shared: the engine is shared with other generators (``vllm_lora.SharedEngine``: a sweep's
             runs, each its own adapter); ``close`` then leaves it running for them.
     """
+
+    #: Takes rows with images as ``EnginePrompts``: the engine runs the model's processor on them.
+    runs_processor = True
 
     def __init__(
         self,
@@ -270,6 +252,7 @@ class VLLMColocateGenerator:
                     self.adapter.base_loaded = True
                 self.adapter.push(self.engine, model)
         self.engine.reset_prefix_cache()
+        reset_encoder_cache(self.engine)
         self.stale = False
         self.pushes += 1
 
@@ -297,23 +280,34 @@ class VLLMColocateGenerator:
             if self.sleep:
                 self.engine.sleep(level=2)
 
-    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> Samples:
-        """Args: prompt_ids [N, P], prompt_mask [N, P] (left-padded). Returns one completion per row."""
+    def generate(
+        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, engine_prompts: EnginePrompts | None = None
+    ) -> Samples:
+        """Args: prompt_ids [N, P], prompt_mask [N, P] (left-padded); ``engine_prompts``: the rows
+        with their images (a vision-language model's), which the engine's processor expands, checked
+        against ``prompt_ids`` (``check_expansion``). Returns one completion per row."""
         self.start()
         prompts = unpadded_prompts(prompt_ids, prompt_mask)
-        mine = slice(0, len(prompts))
+        requests = (
+            [{"prompt_token_ids": p} for p in prompts]
+            if engine_prompts is None
+            else engine_prompts.requests()
+        )
+        rows = list(zip(requests, prompts, strict=True))
+        mine = slice(0, len(rows))
         if self.gather_group is not None:
-            groups = self.gather_group(prompts)
+            groups = self.gather_group(rows)
             mine = tensor_parallel_slice([len(g) for g in groups], self.rank_in_group)
-            prompts = [p for g in groups for p in g]
+            rows = [row for g in groups for row in g]
         self.ready()
-        outputs = self.engine.generate(
-            [{"prompt_token_ids": p} for p in prompts], self.make_params(self.params), use_tqdm=False,
-            **self.lora_request(),
-        )  # fmt: skip
+        outputs = list(self.engine.generate(
+            [request for request, _ in rows], self.make_params(self.params), use_tqdm=False, **self.lora_request(),
+        ))  # fmt: skip
         if self.sleep:
             self.engine.sleep(level=2)
-        return samples_from_outputs(list(outputs)[mine], self.pad_token_id, prompt_ids.device)
+        if engine_prompts is not None:
+            check_expansion([o.prompt_token_ids for o in outputs], [p for _, p in rows], "vLLM")
+        return samples_from_outputs(outputs[mine], self.pad_token_id, prompt_ids.device)
 
     def ready(self) -> None:
         """Start the engine if needed, wake it (sleep mode) and give it the trainer's current weights."""
@@ -350,7 +344,8 @@ def engine_model_path(model: torch.nn.Module, tokenizer: Any, output_dir: str) -
 
     The model's own ``name_or_path`` when it names a folder or a hub id; a model built in memory
     is saved once to ``{output_dir}/vllm-model`` (the trainer's weights replace these before the
-    first generation anyway).
+    first generation anyway), with ``tokenizer`` (a vision-language model's processor, which the
+    engine runs on the images).
     """
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     name = getattr(base.config, "_name_or_path", "") or getattr(base, "name_or_path", "")
@@ -370,8 +365,14 @@ def build_vllm_generator(
     eos: list[int],
     full_parameters: Callable[[torch.nn.Module], Any],
     shared: SharedEngine | None = None,
+    processor: Any = None,
+    suppress: Sequence[int] = (),
 ) -> VLLMColocateGenerator | VLLMServerGenerator:
     """The vLLM generator ``args.vllm_mode`` asks for, checked before any training step.
+
+    ``processor``: a vision-language model's processor (saved beside a model built in memory, for
+    the engine to expand images as the trainer does); ``suppress``: token ids never sampled (its
+    image placeholders), biased by -100 (vLLM's floor) unless ``generation_kwargs`` sets ``logit_bias``.
 
     Colocate: the engine is built here (so a GPU-memory or model error shows now, not at the
     first step); with ``shared`` (a sweep's runs) the first generator builds it and the others
@@ -393,9 +394,13 @@ def build_vllm_generator(
         )
     extra_stops = [t for t in eos if t != tokenizer.eos_token_id]
     params = sampling_kwargs(args, extra_stops)
+    if suppress:
+        params.setdefault("logit_bias", {int(t): -100.0 for t in suppress})
     if args.vllm_mode == "server":
         return _server_generator(args, accelerator, get_model, tokenizer, params, shared)
-    return _colocate_generator(vllm, args, accelerator, get_model, tokenizer, params, full_parameters, shared)
+    return _colocate_generator(
+        vllm, args, accelerator, get_model, tokenizer, params, full_parameters, shared, processor
+    )
 
 
 def _server_generator(
@@ -450,6 +455,7 @@ def _colocate_generator(
     params: dict[str, Any],
     full_parameters: Callable[[torch.nn.Module], Any],
     shared: SharedEngine | None = None,
+    processor: Any = None,
 ) -> VLLMColocateGenerator:
     """An engine in this process (spanning ``vllm_tensor_parallel_size`` processes), built and
     started now; with ``shared``, the engine of a sweep's runs (built by the first of them)."""
@@ -478,7 +484,8 @@ def _colocate_generator(
         args.per_device_train_batch_size * (args.steps_per_generation or 1), args.per_device_eval_batch_size
     )
     model = get_model()
-    adapter, make_engine = _engine_maker(vllm, args, accelerator, model, tokenizer, rows, shared)
+    files = processor if processor is not None else tokenizer  # saved beside a model built in memory
+    adapter, make_engine = _engine_maker(vllm, args, accelerator, model, files, rows, shared)
     gather_group, rank_in_group = _tensor_parallel_gather(accelerator, tp)
     generator = VLLMColocateGenerator(
         get_model=get_model,

@@ -1,6 +1,7 @@
 """What both vLLM generators share: the vLLM import and its install hint, the sampling parameters,
-prompts without their padding, vLLM's outputs read into ``Samples``, and the trainer's weights as
-``(name, tensor)`` items (PEFT adapters merged in while they are read).
+prompts without their padding, vLLM's outputs read into ``Samples``, the trainer's weights as
+``(name, tensor)`` items (PEFT adapters merged in while they are read), and the colocated
+engines' launcher variables and tensor-parallel row slices.
 
 ``generation/vllm_backend.py`` builds the generators; the colocated one is there, the server's in
 ``generation/vllm_server.py``.
@@ -9,6 +10,7 @@ prompts without their padding, vLLM's outputs read into ``Samples``, and the tra
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -148,3 +150,36 @@ def shutdown_engine(engine: Any) -> None:
     core = getattr(getattr(engine, "llm_engine", None), "engine_core", None)
     if core is not None and hasattr(core, "shutdown"):
         core.shutdown()
+
+
+def launcher_environment(process_index: int, local_index: int, world_size: int) -> dict[str, str]:
+    """The variables vLLM's external launcher reads, for a process that torchrun did not start
+    (the spec: ``MASTER_ADDR=localhost``, ``MASTER_PORT=12345`` unless already set)."""
+    return {
+        "RANK": str(process_index),
+        "LOCAL_RANK": str(local_index),
+        "WORLD_SIZE": str(world_size),
+        "MASTER_ADDR": os.environ.get("MASTER_ADDR", "localhost"),
+        "MASTER_PORT": os.environ.get("MASTER_PORT", "12345"),
+        # the engine core in this process, so apply_model reaches the model without serialisation
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    }
+
+
+def tensor_parallel_slice(counts: Sequence[int], rank_in_group: int) -> slice:
+    """Where one process's rows lie in its tensor-parallel group's gathered batch.
+
+    Every engine of a group generates for the whole group's prompts (the engines run one model in
+    lockstep); each process keeps its own rows. ``counts``: the rows of each process of the group.
+    """
+    start = sum(counts[:rank_in_group])
+    return slice(start, start + counts[rank_in_group])
+
+
+def reset_encoder_cache(engine: Any) -> None:
+    """Drop a colocated engine's cached image encodings: after a weight push they hold the old
+    vision tower's outputs (and a kept entry whose tensors were freed stopped the next call with
+    "Encoder cache miss"). An engine without the method (older vLLM, a text stand-in) is left."""
+    reset = getattr(getattr(engine, "llm_engine", None), "reset_encoder_cache", None)
+    if reset is not None:
+        reset()

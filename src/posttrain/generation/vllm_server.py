@@ -9,6 +9,9 @@ a CUDA GPU, else as a safetensors file in a folder the server reloads (:class:`F
 
 from __future__ import annotations
 
+import base64
+import concurrent.futures
+import io
 import json
 import os
 import time
@@ -20,7 +23,7 @@ from typing import Any
 
 import torch
 
-from posttrain.generation.base import Samples
+from posttrain.generation.base import EnginePrompts, Samples, check_expansion
 from posttrain.generation.vllm_common import (
     merged_adapters,
     samples_from_outputs,
@@ -119,6 +122,16 @@ class VLLMServerClient:
             raise
         self._request("reset_prefix_cache", {}, timeout=self.request_timeout)
 
+    def reset_encoder_cache(self) -> None:
+        """Drop the server's cached image encodings (``POST /reset_encoder_cache``, a dev-mode
+        route): after a push they hold the old vision tower's outputs. A server without the route
+        (older vLLM) is left as it is."""
+        try:
+            self._request("reset_encoder_cache", {}, timeout=self.request_timeout)
+        except urllib.error.HTTPError as error:
+            if error.code != 404:
+                raise
+
     def load_adapter(self, name: str, folder: str) -> None:
         """Have the server load (or reload in place) the LoRA adapter saved in ``folder`` as ``name``
         (``POST /v1/load_lora_adapter``, open with ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``, which
@@ -151,10 +164,67 @@ class VLLMServerClient:
             )
         return [_ServerOutput(c) for c in sorted(choices, key=lambda c: c["index"])]
 
+    def complete_with_images(
+        self, prompts: EnginePrompts, params: dict[str, Any], model: str | None = None
+    ) -> list[Any]:
+        """One completion per row with images: its tokens (one placeholder per image) and its images
+        go to the token-in, token-out route ``POST /inference/v1/generate`` (images as PNG data URLs
+        in ``content_parts``; the server's processor expands the placeholders), one request per row,
+        sent together. Each output carries the prompt tokens the server expanded.
+
+        Raises:
+            RuntimeError: the route is closed or missing (names ``--enable-scale-out`` and vLLM 0.32).
+        """
+        sampling = {k: v for k, v in params.items() if k != "n"}
+
+        def one(ids: list[int], images: list[Any]) -> Any:
+            payload = {
+                "token_ids": ids, "sampling_params": sampling, "model": model or self.model(),
+                "return_token_ids": True, "content_parts": [{"type": "image_url", "url": _data_url(im)} for im in images],
+            }  # fmt: skip
+            if not images:
+                del payload["content_parts"]
+            try:
+                return _GenerateOutput(
+                    self._request("inference/v1/generate", payload, timeout=self.request_timeout)
+                )
+            except urllib.error.HTTPError as error:
+                if error.code in (403, 404):
+                    raise RuntimeError(
+                        f"the vLLM server at {self.base_url} does not serve POST /inference/v1/generate ({error.code}), "
+                        "through which prompts with images go: start it with --enable-scale-out (posttrain vllm-serve "
+                        "does, on vLLM 0.32 or newer)."
+                    ) from error
+                raise
+
+        with concurrent.futures.ThreadPoolExecutor(max_workers=min(32, max(1, len(prompts.ids)))) as pool:
+            return list(pool.map(one, prompts.ids, prompts.images))
+
+
+def _data_url(image: Any) -> str:
+    """A PIL image as a PNG data URL (lossless: the server's processor reads the same pixels)."""
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
 
 class _Logprob:
     def __init__(self, value: float) -> None:
         self.logprob = value
+
+
+class _GenerateOutput:
+    """A ``/inference/v1/generate`` answer read like vLLM's ``RequestOutput`` (its completion's
+    tokens and log-probs, and the prompt tokens the server expanded)."""
+
+    def __init__(self, answer: dict[str, Any]) -> None:
+        choice = answer["choices"][0]
+        content = (choice.get("logprobs") or {}).get("content")
+        values = None if content is None else [entry["logprob"] for entry in content]
+        self.outputs = [
+            _ServerCompletion({**choice, "logprobs": None if values is None else {"token_logprobs": values}})
+        ]
+        self.prompt_token_ids = list(answer.get("prompt_token_ids") or [])
 
 
 class _ServerCompletion:
@@ -286,6 +356,9 @@ class VLLMServerGenerator:
             ``vllm_lora.SharedEngine``, whose base is pushed once for all).
     """
 
+    #: Takes rows with images as ``EnginePrompts``: the server runs the model's processor on them.
+    runs_processor = True
+
     def __init__(
         self,
         client: VLLMServerClient,
@@ -306,6 +379,8 @@ class VLLMServerGenerator:
         self.sync: Any = None
         self.stale = True
         self.pushes = 0
+        #: Whether prompts with images were sent: their encodings are dropped at every push.
+        self.serves_images = False
 
     def weights_changed(self) -> None:
         """The optimizer stepped: send the trainer's weights before the next generation."""
@@ -325,6 +400,8 @@ class VLLMServerGenerator:
         else:
             with merged_adapters(model):
                 self._sync(model).send_weights()
+        if self.serves_images:
+            self.client.reset_encoder_cache()
         self.stale = False
         self.pushes += 1
 
@@ -333,10 +410,30 @@ class VLLMServerGenerator:
             self.sync = self.make_sync(model)
         return self.sync
 
-    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> Samples:
-        """Args: prompt_ids [N, P], prompt_mask [N, P] (left-padded). Returns one completion per row."""
+    def generate(
+        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, engine_prompts: EnginePrompts | None = None
+    ) -> Samples:
+        """Args: prompt_ids [N, P], prompt_mask [N, P] (left-padded); ``engine_prompts``: the rows
+        with their images (``VLLMServerClient.complete_with_images``), the server's expansion checked
+        against ``prompt_ids``. Returns one completion per row."""
+        if engine_prompts is None:
+            self.ready()
+            return self.complete(prompt_ids, prompt_mask)
+        self.serves_images = True
         self.ready()
-        return self.complete(prompt_ids, prompt_mask)
+        outputs = self.client.complete_with_images(engine_prompts, self.params, model=self._served())
+        check_expansion(
+            [o.prompt_token_ids for o in outputs],
+            unpadded_prompts(prompt_ids, prompt_mask),
+            "The vLLM server",
+        )
+        return samples_from_outputs(outputs, self.pad_token_id, prompt_ids.device)
+
+    def _served(self) -> str | None:
+        """The model to ask for: this generator's adapter while the model's adapters are on, else the base."""
+        if self.adapter is not None and adapters_enabled(self.get_model()):
+            return self.adapter.name
+        return None
 
     def ready(self) -> None:
         """Give the server the trainer's current weights (or adapter) if they changed."""
@@ -346,8 +443,7 @@ class VLLMServerGenerator:
     def complete(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> Samples:
         """The server's completions of the prompts, from the weights it holds (with this generator's
         adapter while the model's adapters are on)."""
-        serve = None
-        if self.adapter is not None and adapters_enabled(self.get_model()):
-            serve = self.adapter.name
-        outputs = self.client.complete(unpadded_prompts(prompt_ids, prompt_mask), self.params, model=serve)
+        outputs = self.client.complete(
+            unpadded_prompts(prompt_ids, prompt_mask), self.params, model=self._served()
+        )
         return samples_from_outputs(outputs, self.pad_token_id, prompt_ids.device)

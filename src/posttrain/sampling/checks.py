@@ -108,18 +108,18 @@ def check_chat_template(dataset: Any, processing_class: Any) -> None:
 
 
 def check_vision_inputs(
-    train_dataset: Any, eval_dataset: Any, model: Any, processing_class: Any, args: Any
+    train_dataset: Any, eval_dataset: Any, model: Any, processing_class: Any, args: Any, agent: bool = False
 ) -> None:
     """Datasets with images need a vision-language model, its processor and a backend that takes images.
 
     Checked before training: each dataset's image column (``image`` / ``images``) against the
     model and the processing class, and the first row's images against its prompt's placeholders
-    (every other row is checked when it is sampled).
+    (every other row is checked when it is sampled). ``agent``: tools or environments sample.
 
     Raises:
         ValueError: an image column with a text-only model, or with a processing class that
             has no image processor; the first row's images do not match its placeholders.
-        NotImplementedError: images with vLLM or continuous batching.
+        NotImplementedError: images with continuous batching, or with vLLM and tools or environments.
     """
     evals = eval_dataset.items() if isinstance(eval_dataset, Mapping) else [("", eval_dataset)]
     named = [("train_dataset", train_dataset)] + [
@@ -129,7 +129,7 @@ def check_vision_inputs(
         column = vision.image_column(getattr(dataset, "column_names", None))
         if column is None:
             continue
-        _check_image_model(name, column, model, processing_class, args)
+        _check_image_model(name, column, model, processing_class, args, agent)
         if hasattr(dataset, "__len__") and len(dataset) > 0 and formats.PROMPT_COLUMN in dataset.column_names:
             first = dataset[0]
             images = vision.row_images(first)
@@ -137,7 +137,9 @@ def check_vision_inputs(
             vision.check_row_images(prompt, images, f"0 of {name}", vision.image_token_of(processing_class))
 
 
-def _check_image_model(name: str, column: str, model: Any, processing_class: Any, args: Any) -> None:
+def _check_image_model(
+    name: str, column: str, model: Any, processing_class: Any, args: Any, agent: bool
+) -> None:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     if not loading.is_vision_model(model):
         raise ValueError(
@@ -151,10 +153,15 @@ def _check_image_model(name: str, column: str, model: Any, processing_class: Any
             f"an image processor; pass the processor of the {type(base).__name__} "
             "(AutoProcessor.from_pretrained(...)), or leave processing_class None to load it with the model."
         )
-    if getattr(args, "use_vllm", False) or getattr(args, "use_transformers_continuous_batching", False):
+    if getattr(args, "use_transformers_continuous_batching", False):
         raise NotImplementedError(
-            f"{name} has images; vision-language models sample with the transformers backend only for now: set "
-            "use_vllm=False and use_transformers_continuous_batching=False."
+            f"{name} has images; vision-language models sample with the transformers backend or vLLM, not "
+            "continuous batching for now: set use_transformers_continuous_batching=False."
+        )
+    if agent and getattr(args, "use_vllm", False):
+        raise NotImplementedError(
+            f"{name} has images and the model samples with tools or environments; their episodes with images "
+            "sample with the transformers backend only for now: set use_vllm=False."
         )
 
 

@@ -23,7 +23,7 @@ from accelerate.utils import gather, gather_object
 
 from posttrain.core.batch import Rollout
 from posttrain.data import chat, formats, vision
-from posttrain.generation.base import Generator, build_rollout, check_takes_images
+from posttrain.generation.base import EnginePrompts, Generator, build_rollout, check_takes_images
 from posttrain.generation.rollout_func import call_rollout_func
 from posttrain.observe.metrics import MetricStore
 from posttrain.ops.padding import left_pad
@@ -153,7 +153,9 @@ class OnlineSampler:
         """Render and tokenise the prompts (``encode_prompts``) and sample one completion each.
 
         ``images``: each row's images; with any, the processor encodes the rows
-        (``encode_with_images``) and the image inputs go to the generator and the rollout.
+        (``encode_with_images``) and the image inputs go to the rollout and to the generator: the
+        processor's tensors (``model_inputs``), or the images themselves with one placeholder per
+        image (``EnginePrompts``) to an engine that runs the processor itself (vLLM).
         """
         if not images or not any(images):
             prompt_ids, prompt_mask = self.encode_prompts(prompts)
@@ -161,8 +163,15 @@ class OnlineSampler:
             inputs = None
         else:
             prompt_ids, prompt_mask, inputs = self.encode_with_images(prompts, images)
-            kwargs = inputs.model_kwargs(prompt_ids.shape[1], 0, self.device)
-            samples = self.generator.generate(prompt_ids, prompt_mask, model_inputs=kwargs)
+            if getattr(self.generator, "runs_processor", False):
+                ids = vision.placeholder_ids(
+                    self.processor, self.tokenizer, prompts, self.settings.chat_template_kwargs
+                )
+                engine_prompts = EnginePrompts(ids, [list(row) for row in images])
+                samples = self.generator.generate(prompt_ids, prompt_mask, engine_prompts=engine_prompts)
+            else:
+                kwargs = inputs.model_kwargs(prompt_ids.shape[1], 0, self.device)
+                samples = self.generator.generate(prompt_ids, prompt_mask, model_inputs=kwargs)
         self._log_path()
         s = self.settings
         rollout = build_rollout(

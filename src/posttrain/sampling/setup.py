@@ -109,6 +109,7 @@ def build_generator(
     eos: list[int],
     suppress: list[int] | None = None,
     shared_engine: Any = None,
+    processor: Any = None,
 ) -> Generator:
     """transformers ``generate`` (shared prompt prefill, the lean loop, prepacked weights), its
     continuous batching engine with ``use_transformers_continuous_batching``, or vLLM with
@@ -120,9 +121,9 @@ def build_generator(
         model: returns the trainer's model (wrapped or not; FSDP may replace it).
         tokenizer: for the pad token.
         eos: ids that end a completion.
-        suppress: token ids never sampled (a vision-language model's image placeholders: one in a
-            completion would ask for an image that is not there); ``generation_kwargs`` may override.
+        suppress: token ids never sampled (a VLM's image placeholders); ``generation_kwargs`` may override.
         shared_engine: with ``use_vllm``, the ``vllm_lora.SharedEngine`` of a sweep's runs.
+        processor: a vision-language model's processor (vLLM runs it on the images itself).
     """
     generation_kwargs = dict(args.generation_kwargs or {})
     if suppress:
@@ -146,9 +147,8 @@ def build_generator(
     if getattr(args, "use_vllm", False):
         from posttrain.generation.vllm_backend import build_vllm_generator
 
-        return build_vllm_generator(
-            args, accelerator, get_model, tokenizer, eos, full_parameters, shared=shared_engine
-        )
+        vllm_args = (args, accelerator, get_model, tokenizer, eos, full_parameters, shared_engine, processor)
+        return build_vllm_generator(*vllm_args, suppress=suppress or ())
     if args.use_transformers_continuous_batching:
         return ContinuousBatchingGenerator(
             get_model=get_model,

@@ -90,13 +90,14 @@ class OnlineTrainer(BaseTrainer):
             optimizers=optimizers,
         )
         checks.check_chat_template(train_dataset, self.processing_class)
-        checks.check_vision_inputs(train_dataset, eval_dataset, self.model, self.processing_class, args)
+        agent = bool(tools) or environment_factory is not None
+        checks.check_vision_inputs(
+            train_dataset, eval_dataset, self.model, self.processing_class, args, agent
+        )
         for reward_model in reward_models(rewards.funcs):
             reward_model.to(self.accelerator.device)
-        self.rewards = rewards
-        self.rollout_func = rollout_func
-        self.agent = None
-        if tools or environment_factory is not None:
+        self.rewards, self.rollout_func, self.agent = rewards, rollout_func, None
+        if agent:
             max_length = getattr(self.model.config, "max_position_embeddings", None)
             self.agent = setup.build_agent(
                 tools, environment_factory, self._tokenizer, args, max_length, self._eos_token_ids,
@@ -143,6 +144,7 @@ class OnlineTrainer(BaseTrainer):
         generator = setup.build_generator(
             a, self.accelerator, lambda: self.model, self._tokenizer, self._eos_token_ids,
             suppress=image_placeholder_ids(self.model), shared_engine=self._shared_vllm_engine,
+            processor=self._image_processor,
         )  # fmt: skip
         if self._bf16_sampler_copy:  # under bf16=True on a bf16 CPU: the decode steps on a bf16 copy
             own_sampling = self.agent is None and self.rollout_func is None

@@ -80,14 +80,18 @@ class SharedGeneration:
 
     def attach(self, name: str, generator: Any) -> None:
         """Route run ``name``'s generator calls through the shared call (the instance's ``generate``)."""
+        own = type(generator).generate
         if _on_vllm(generator):
 
-            def generate_on_vllm(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> Samples:
+            def generate_on_vllm(
+                prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, engine_prompts: Any = None
+            ) -> Samples:
+                if engine_prompts is not None:  # rows with images: this run's own call
+                    return own(generator, prompt_ids, prompt_mask, engine_prompts=engine_prompts)
                 return self.request(Request(name, generator, prompt_ids, prompt_mask, None))
 
             generator.generate = generate_on_vllm
             return
-        own = type(generator).generate
 
         def generate(
             prompt_ids: torch.Tensor,
