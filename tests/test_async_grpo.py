@@ -210,18 +210,60 @@ def test_config_rejects_bad_values(tmp_path, overrides, error, match) -> None:
         async_config(tmp_path, **overrides)
 
 
-def test_trainer_refuses_tools_and_other_configs(tmp_path) -> None:
+def test_trainer_refuses_a_rollout_func_and_other_configs(tmp_path) -> None:
     tok = build_tiny_tokenizer()
     args = GRPOConfig(output_dir=str(tmp_path), bf16=False, use_cpu=True)
     with pytest.raises(TypeError, match="AsyncGRPOConfig"):
         AsyncGRPOTrainer(
             build_tiny_model(tok), token_sum_reward, args, standard_dataset(), processing_class=tok
         )
-    with pytest.raises(NotImplementedError, match=r"AsyncGRPOTrainer\(tools=...\) is not built"):
+    with pytest.raises(NotImplementedError, match=r"AsyncGRPOTrainer\(rollout_func=...\) is not built"):
         AsyncGRPOTrainer(
             build_tiny_model(tok), token_sum_reward, async_config(tmp_path), standard_dataset(),
-            processing_class=tok, tools=[len],
+            processing_class=tok, rollout_func=lambda prompts, trainer: {},
         )  # fmt: skip
+
+
+def test_tools_and_environments_run_in_the_background_sampler(tmp_path) -> None:
+    """The environment episodes of tests/test_agent_loop.py, sampled by the background thread with
+    its own environments: the same tool metrics and environment rewards as GRPOTrainer logs there,
+    and the tool results' tokens kept out of the loss."""
+    from helpers import TurnScriptedGenerator
+    from test_agent_loop import SCRIPTS, IncrementEnv, long_context_model, qwen_tokenizer, task_dataset
+
+    tok = qwen_tokenizer()
+    environments_seen = []
+
+    def env_state(completions, environments, **kwargs):
+        environments_seen.append(environments)
+        return [0.0] * len(completions)
+
+    args = async_config(
+        tmp_path, per_device_train_batch_size=8, num_generations=2, max_steps=1, max_completion_length=200,
+        max_staleness=0,
+    )  # fmt: skip
+    trainer = AsyncGRPOTrainer(
+        long_context_model(tok), env_state, args, task_dataset(), processing_class=tok,
+        environment_factory=IncrementEnv,
+    )  # fmt: skip
+    trainer.generator = TurnScriptedGenerator(tok, SCRIPTS)
+    made, build = [], trainer._background_agent
+    trainer._background_agent = lambda: made.append(build()) or made[-1]
+    batches = []
+    take = trainer._take_batch
+    trainer._take_batch = lambda step: batches.append(take(step)) or batches[-1]
+    trainer.train()
+    logs = next(entry for entry in trainer.state.log_history if "tools/call_frequency" in entry)
+    assert logs["tools/call_frequency"] == pytest.approx(6 / 8)
+    assert logs["tools/failure_frequency"] == pytest.approx(4 / 6)
+    assert logs["rewards/IncrementEnv/mean"] == pytest.approx(2 / 8)
+    assert made and made[0] is not None and made[0] is not trainer.agent  # the thread's own tool loop
+    assert len(environments_seen[0]) == 8 and all(isinstance(e, IncrementEnv) for e in environments_seen[0])
+    rollouts = [scored.rollout for scored in batches[0]]
+    assert sum(int((r.completion_mask.bool() & ~r.model_token_mask.bool()).sum()) for r in rollouts) > 0
+    assert all(
+        torch.equal(trainer._loss_mask(r), r.model_token_mask) for r in rollouts
+    )  # results not trained on
 
 
 # ---- the trainer ---------------------------------------------------------------------------------

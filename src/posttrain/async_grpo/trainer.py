@@ -53,19 +53,10 @@ def _check_async_arguments(
             f"args is a {type(args).__name__}; AsyncGRPOTrainer needs an AsyncGRPOConfig (max_staleness, "
             "score_centering, num_sampler_logprobs)."
         )
-    given = [
-        n
-        for n, v in (
-            ("tools", tools),
-            ("environment_factory", environment_factory),
-            ("rollout_func", rollout_func),
-        )
-        if v
-    ]
-    if given:
+    if rollout_func is not None:
         raise NotImplementedError(
-            f"AsyncGRPOTrainer({', '.join(given)}=...) is not built yet: the background sampler generates plain "
-            "completions. Use GRPOTrainer for tools, environments or a rollout_func."
+            "AsyncGRPOTrainer(rollout_func=...) is not built yet: the background sampler scores its batches with "
+            "its own copy of the policy, which a rollout_func's sampler is not. Use GRPOTrainer for a rollout_func."
         )
     if args.use_vllm and (args.world_size > 1 or eval_dataset is not None):
         raise NotImplementedError(
@@ -92,8 +83,9 @@ class AsyncGRPOTrainer(OnlineTrainer):
         train_dataset, eval_dataset: datasets with a ``prompt`` column (text or messages).
         processing_class: the policy's tokenizer; reward_processing_classes: the reward models'.
         callbacks, optimizers, peft_config, quantization_config: as ``GRPOTrainer``.
-        tools, environment_factory, rollout_func: not built for the background sampler yet
-            (``NotImplementedError``).
+        tools, environment_factory: tool-calling and environment episodes, run by the background
+            sampler (its own tool loop and environments) as ``GRPOTrainer`` runs them.
+        rollout_func: not built for the background sampler yet (``NotImplementedError``).
     """
 
     _tag_names = ["posttrain", "async-grpo"]
@@ -133,7 +125,10 @@ class AsyncGRPOTrainer(OnlineTrainer):
             optimizers=optimizers,
             quantization_config=quantization_config,
             peft_config=peft_config,
+            tools=tools,
+            environment_factory=environment_factory,
         )
+        self._agent_parts = (tools, environment_factory)
         self.epsilon_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
         self._truncation = Truncation(args.top_k, args.top_p, args.min_p)
         self._built_generator = self.sampler.generator
@@ -179,6 +174,8 @@ class AsyncGRPOTrainer(OnlineTrainer):
             metrics=store,
             device=self.accelerator.device,
             trainer=self,
+            agent=self._background_agent(),
+            collective=False,
         )
         ready = [b for b in self._resumed if b.index >= step]
         self._resumed = []
@@ -199,6 +196,23 @@ class AsyncGRPOTrainer(OnlineTrainer):
             truncation=self._truncation,
         )
         self.background.start()
+
+    def _background_agent(self) -> Any:
+        """The background sampler's own tool loop, with its own environments (evaluation runs the
+        trainer's on the main thread meanwhile); None without tools or environments."""
+        if self.agent is None:
+            return None
+        from posttrain.sampling import setup
+
+        max_length = getattr(self.model.config, "max_position_embeddings", None)
+        return setup.build_agent(
+            self._agent_parts[0],
+            self._agent_parts[1],
+            self._tokenizer,
+            self.args,
+            max_length,
+            self._eos_token_ids,
+        )
 
     def _batch_rows(self, start: int) -> Iterator[list[dict[str, Any]]]:
         """This process's rows of generation batches ``start``, ``start + 1``, ... across epochs."""

@@ -81,6 +81,9 @@ class OnlineSampler:
         sampled_text: prompts, completions and extra columns of the last call.
         logged_paths: the generator's ``GenerationPath`` records already logged (each is logged
             once, at the first call that takes it: which path sampled, and why not the faster ones).
+        collective: whether the processes sample together (the training loop's sampler), so counts
+            may be summed over them; a background thread (asynchronous GRPO) samples alone and
+            records its own process's ``tools/*`` frequencies.
     """
 
     tokenizer: Any
@@ -97,6 +100,7 @@ class OnlineSampler:
     log_extra_columns: dict[str, list[Any]] = field(default_factory=dict)
     sampled_text: Texts = field(default_factory=lambda: ([], [], {}))
     logged_paths: set[Any] = field(default_factory=set)
+    collective: bool = True
 
     @property
     def reward_names(self) -> list[str]:
@@ -345,9 +349,10 @@ class OnlineSampler:
 
     def _record_tool_metrics(self, mode: str, calls: list[int], failures: list[int]) -> None:
         """``tools/call_frequency`` (calls per completion) and ``tools/failure_frequency`` (failed calls
-        per call), from counts summed over processes."""
+        per call), from counts summed over processes (``collective``; else this process's)."""
         local = torch.tensor([float(len(calls)), float(sum(calls)), float(sum(failures))], device=self.device)
-        completions, total_calls, total_failures = gather(local.unsqueeze(0)).sum(dim=0).tolist()
+        summed = gather(local.unsqueeze(0)).sum(dim=0) if self.collective else local
+        completions, total_calls, total_failures = summed.tolist()
         self.metrics.add_all(
             mode,
             {
