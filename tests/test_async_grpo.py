@@ -575,3 +575,33 @@ def test_cli_trains_and_saves(tmp_path, tiny_model_dir, capsys) -> None:
     assert trainer.args.max_staleness == 1
     assert (out / "config.json").exists()
     assert f"posttrain grpo-async: saved the trained model to {out}" in capsys.readouterr().out
+
+
+def test_a_vision_language_model_samples_and_trains_with_the_images(tmp_path) -> None:
+    """Asynchronous GRPO on Qwen2-VL: the thread samples with each prompt's images (the processor
+    encodes them), its log-probs come from a teacher-forced pass with the pixels, and the policy's
+    loss reads them: on policy (batch 0, ``max_staleness=0``) the sampler's log-probs equal the
+    policy's with the images and differ from the policy's without them."""
+    import copy
+
+    from vision_models import build_qwen2_vl, image_dataset, logps_with_and_without_images
+
+    model, processor = build_qwen2_vl()
+    start = copy.deepcopy(model).eval()
+    args = async_config(
+        tmp_path, per_device_train_batch_size=4, num_generations=2, max_staleness=0, max_steps=2
+    )
+    trainer = AsyncGRPOTrainer(model, token_sum_reward, args, image_dataset(4), processing_class=processor)
+    batches = []
+    take = trainer._take_batch
+    trainer._take_batch = lambda step: batches.append(take(step)) or batches[-1]
+    visual = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "visual" in n}
+    trainer.train()
+    assert any(not torch.equal(visual[n], p) for n, p in trainer.model.named_parameters() if n in visual)
+    for scored in batches[0]:
+        r = scored.rollout
+        assert r.vision is not None and r.vision.has_images
+        with_images, without = logps_with_and_without_images(start, r)
+        mask = r.completion_mask.bool()
+        assert (scored.sampler_logps - with_images).abs()[mask].max() < 1e-5
+        assert (scored.sampler_logps - without).abs()[mask].max() > 1e-3

@@ -248,6 +248,7 @@ def sampler_report(
     teacher-forced pass of ``model``: ``(logps, top_logps, top_ids, support or None)``."""
     r = rollout
     args = (model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, temperature, k)
+    images = {"model_inputs": r.vision_kwargs()}  # a vision-language model's image inputs, or None
     if truncation is None or not truncation.active:
-        return (*sampler_topk(*args), None)
-    return sampler_topk_truncated(*args, truncation)
+        return (*sampler_topk(*args, **images), None)
+    return sampler_topk_truncated(*args, truncation, **images)

@@ -26,6 +26,7 @@ from transformers import PreTrainedModel, TrainerCallback
 from posttrain.async_grpo import losses
 from posttrain.async_grpo.config import AsyncGRPOConfig
 from posttrain.async_grpo.sampler import BackgroundSampler, SampledBatch, sampler_report
+from posttrain.models.loading import image_placeholder_ids
 from posttrain.observe.metrics import MetricStore, clip_ratios
 from posttrain.ops import support
 from posttrain.ops.logprobs import PolicyOutput
@@ -164,8 +165,9 @@ class AsyncGRPOTrainer(OnlineTrainer):
             from posttrain.sampling import setup
 
             generator = setup.build_generator(
-                a, self.accelerator, lambda: own, self._tokenizer, self._eos_token_ids
-            )
+                a, self.accelerator, lambda: own, self._tokenizer, self._eos_token_ids,
+                suppress=image_placeholder_ids(own), processor=self._image_processor,
+            )  # fmt: skip
         sampler = OnlineSampler(
             tokenizer=self._tokenizer,
             generator=generator,
@@ -175,6 +177,7 @@ class AsyncGRPOTrainer(OnlineTrainer):
             device=self.accelerator.device,
             trainer=self,
             agent=self._background_agent(),
+            processor=self._image_processor,
             collective=False,
         )
         ready = [b for b in self._resumed if b.index >= step]

@@ -118,17 +118,19 @@ def sampler_topk(
     temperature: float,
     k: int,
     chunk_size: int = chunked.DEFAULT_CHUNK_SIZE,
+    model_inputs: dict[str, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """What a sampler reports of its completions: each token's log-prob and its top-``k`` tokens.
 
     One teacher-forced pass of the sampling model, without gradient, projected onto the
-    vocabulary ``chunk_size`` positions at a time.
+    vocabulary ``chunk_size`` positions at a time; a vision-language model's ``model_inputs``
+    (``Rollout.vision_kwargs``) go to the forward.
 
     Returns:
         ``(logps [B, T], top_logps [B, T, k], top_ids [B, T, k])`` in float32.
     """
-    inputs = _row_inputs(prompt_ids, prompt_mask, completion_ids, completion_mask)
-    found = _completion_hidden(model, inputs, prompt_ids, prompt_mask, completion_ids, completion_mask, True)
+    rows = (prompt_ids, prompt_mask, completion_ids, completion_mask)
+    inputs, found = rows_and_hidden(model, *rows, model_inputs, share_prompts=True)
     if found is not None:
         head = chunked.causal_lm(model).get_output_embeddings()
         return topk.token_topk(
@@ -157,18 +159,20 @@ def sampler_topk_truncated(
     k: int,
     truncation: Any,
     chunk_size: int = chunked.DEFAULT_CHUNK_SIZE,
+    model_inputs: dict[str, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``sampler_topk`` for a sampler with top-k / top-p / min-p (``ops/support.Truncation``).
 
     The support of each position is the sampler's filters applied to its own teacher-forced scores
-    (the drawn token always in it); the log-probs are the softmax restricted to it.
+    (the drawn token always in it); the log-probs are the softmax restricted to it. ``model_inputs``:
+    as ``sampler_topk``.
 
     Returns:
         ``(logps [B, T], top_logps [B, T, k], top_ids [B, T, k], support [B, T, M])``; top slots
         past a support's size have log-prob ``-inf``, support ids past it are ``-1``.
     """
-    inputs = _row_inputs(prompt_ids, prompt_mask, completion_ids, completion_mask)
-    found = _completion_hidden(model, inputs, prompt_ids, prompt_mask, completion_ids, completion_mask, True)
+    rows = (prompt_ids, prompt_mask, completion_ids, completion_mask)
+    inputs, found = rows_and_hidden(model, *rows, model_inputs, share_prompts=True)
     if found is not None:
         head = chunked.causal_lm(model).get_output_embeddings()
         return topk.token_topk_truncated(
