@@ -162,6 +162,24 @@ def test_rloo_colocate_samples_with_the_images(tmp_path, vlm_dir, monkeypatch):
     _check_trained_on_the_images(trainer, gaps, steps=2)
 
 
+def test_online_dpo_colocate_samples_with_the_images(tmp_path, vlm_dir, monkeypatch):
+    from posttrain import OnlineDPOConfig, OnlineDPOTrainer
+
+    args = OnlineDPOConfig(
+        output_dir=str(tmp_path), per_device_train_batch_size=2, max_new_tokens=6, max_steps=2, use_vllm=True,
+        bf16=False, use_cpu=True, report_to="none", save_strategy="no", disable_tqdm=True, logging_steps=1,
+        temperature=1.0, learning_rate=5e-2, vllm_engine_kwargs={**ENGINE, "max_model_len": 256},
+        gradient_checkpointing=False,
+    )  # fmt: skip
+    trainer = OnlineDPOTrainer(
+        model=vlm_dir, reward_funcs=even_token_reward, args=args, train_dataset=image_dataset(4)
+    )
+    gaps = watch_rollouts(monkeypatch)
+    trainer.train()
+    _check_trained_on_the_images(trainer, gaps, steps=2)
+    assert any("rewards/margins" in h for h in trainer.state.log_history)
+
+
 def test_gkd_samples_the_student_and_the_teacher_with_the_images(tmp_path, vlm_dir, monkeypatch):
     """GKD with ``seq_kd``: the student's steps sample its engine, the teacher's steps a second engine
     (built from the teacher with the trainer's processor), each with the images and each agreeing
