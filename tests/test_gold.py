@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -146,7 +147,7 @@ def test_config_defaults_are_the_references(tmp_path) -> None:
         ({"use_uld_loss": True, "xtoken_loss_type": "p_kl", "xtoken_projection_matrix_path": "w.pt"}, ValueError, "pick one"),
         ({"xtoken_loss_type": "p_kl"}, ValueError, "X-Token needs both"),
         ({"uld_use_hybrid_loss": True}, ValueError, "set use_uld_loss=True as well"),
-        ({"log_completions_steps": 10}, NotImplementedError, "log_completions_steps"),
+        ({"log_completions_steps": 0}, ValueError, "log_completions_steps=0 is invalid"),
         ({"seq_kd": True, "use_uld_loss": True}, NotImplementedError, "seq_kd=True with a cross-tokenizer loss"),
     ],
     ids=['lmbda', 'beta', 'num_generations', 'uld_ce_weight', 'uld_temperature', 'merge_strategy', 'xtoken_type', 'xtoken_temperature', 'lengths', 'callbacks', 'two_losses', 'xtoken_both', 'hybrid', 'log_completions_steps', 'seq_kd'],
@@ -154,6 +155,25 @@ def test_config_defaults_are_the_references(tmp_path) -> None:
 def test_config_rejects_bad_values(tmp_path, overrides, error, match) -> None:
     with pytest.raises(error, match=match):
         GOLDConfig(output_dir=str(tmp_path), **overrides)
+
+
+def test_log_completions_steps_logs_the_completions_of_every_that_many_steps(tmp_path) -> None:
+    """The reference's period: the training completions of steps 0 and 2 of 4 with
+    ``log_completions_steps=2``, each step's sampled rows (lmbda=1: every step samples)."""
+    tok = build_tiny_tokenizer()
+    trainer = gold(
+        tmp_path,
+        (tok, tok),
+        teacher_tok=False,
+        lmbda=1.0,
+        max_steps=4,
+        log_completions=True,
+        log_completions_steps=2,
+    )
+    trainer.train()
+    rows = [json.loads(line) for line in (tmp_path / "completions.jsonl").read_text().splitlines()]
+    assert sorted({row["step"] for row in rows}) == [0, 2]
+    assert len(rows) == 2 * CPU_TEST_ARGS["per_device_train_batch_size"]
 
 
 # ---- same tokenizer: the JSD of logits / temperature ---------------------------------------------------

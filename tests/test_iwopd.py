@@ -5,6 +5,7 @@ prompt-only dataset the reference turns into NaN parameters.
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -68,12 +69,29 @@ def test_config_has_the_reference_fields_and_defaults(tmp_path) -> None:
         ({"loss_top_k": -1}, ValueError, "loss_top_k=-1 is invalid"),
         ({"distillation_objective": "kl"}, ValueError, "distillation_objective='kl' is invalid"),
         ({"use_teacher_server": True}, NotImplementedError, "use_teacher_server"),
+        ({"log_completions_steps": 0}, ValueError, "log_completions_steps=0 is invalid"),
     ],
-    ids=["lmbda", "lengths", "gamma", "loss_top_k", "objective", "use_teacher_server"],
+    ids=[
+        "lmbda",
+        "lengths",
+        "gamma",
+        "loss_top_k",
+        "objective",
+        "use_teacher_server",
+        "log_completions_steps",
+    ],
 )
 def test_config_rejects_bad_values(tmp_path, overrides, error, match) -> None:
     with pytest.raises(error, match=match):
         IWOPDConfig(output_dir=str(tmp_path), **overrides)
+
+
+def test_log_completions_steps_logs_the_completions_of_every_that_many_steps(tmp_path) -> None:
+    assert IWOPDConfig(output_dir=str(tmp_path)).log_completions_steps == 100  # the reference's default
+    trainer = iwopd_trainer(tmp_path, max_steps=3, log_completions=True, log_completions_steps=2)
+    trainer.train()
+    rows = [json.loads(line) for line in (tmp_path / "completions.jsonl").read_text().splitlines()]
+    assert sorted({row["step"] for row in rows}) == [0, 2]
 
 
 def test_position_weights_by_hand() -> None:

@@ -500,6 +500,7 @@ _IWOPD_RULES: tuple[Rule, ...] = (
     Rule("max_length", positive_int, "a positive integer (the most prompt + completion tokens)", "set max_length=1024 (the default)"),
     Rule("max_prompt_length", optional(positive_int), "None (max_length - max_completion_length) or a positive integer", "leave max_prompt_length=None, or set a positive integer"),
     Rule("teacher_model_server_url", optional(lambda v: isinstance(v, str)), "None or a URL", "leave teacher_model_server_url=None"),
+    Rule("log_completions_steps", positive_int, "a positive integer (the steps between logged completions)", "set log_completions_steps=100 (the default)"),
 ) + choice_rules(IWOPD_CHOICES) + _RULES
 # fmt: on
 
@@ -541,6 +542,8 @@ class IWOPDConfig(DistillationConfig):
         vllm_sync_frequency (`int`, defaults to `1`): With `use_vllm=True`, the engine gets the
             student's weights every this many optimizer steps and samples with the last ones in
             between (the rollout log-probs of the advantage are then the engine's).
+        log_completions_steps (`int`, defaults to `100`): With `log_completions`, the training
+            completions of every this many optimizer steps are logged (step 0 included).
         teacher_model_name_or_path, teacher_model_revision, teacher_model_init_kwargs: as
             ``DistillationConfig``.
     """
@@ -565,6 +568,9 @@ class IWOPDConfig(DistillationConfig):
     teacher_model_server_url: str | None = field(default=None, metadata={"help": "Not built."})
     vllm_sync_frequency: int = field(
         default=1, metadata={"help": "Optimizer steps between vLLM weight syncs (with use_vllm)."}
+    )
+    log_completions_steps: int = field(
+        default=100, metadata={"help": "Optimizer steps between logged training completions."}
     )
 
     _rules: ClassVar[tuple[Rule, ...]] = _IWOPD_RULES

@@ -43,10 +43,7 @@ _GOLD_RULES: tuple[Rule, ...] = (
     Rule("callbacks", lambda v: isinstance(v, (list, tuple)), "a list", "leave callbacks=[] and pass callbacks to the trainer"),
 ) + choice_rules({"uld_token_merge_strategy": ("observed", "bayesian")}) + DistillationConfig._rules
 
-_GOLD_UNBUILT: dict[str, UnbuiltOption] = {
-    **ONLINE_UNBUILT,
-    "log_completions_steps": UnbuiltOption(100, "logging completions at their own period", "Leave log_completions_steps=100: completions are logged at every logging step (logging_steps).", 10),
-}
+_GOLD_UNBUILT: dict[str, UnbuiltOption] = dict(ONLINE_UNBUILT)
 # fmt: on
 
 
@@ -98,8 +95,8 @@ class GOLDConfig(DistillationConfig):
             ``GRPOConfig``; docs/vllm.md); the engine gets the student's weights every
             `vllm_sync_frequency` optimizer steps.
         log_completions (`bool`, defaults to `False`), num_completions_to_print (`int | None`).
-        log_completions_steps (`int`, defaults to `100`): Not built: completions are logged at
-            every logging step; another value raises `NotImplementedError`.
+        log_completions_steps (`int`, defaults to `100`): With `log_completions`, the training
+            completions of every this many optimizer steps are logged (step 0 included).
         wandb_log_unique_prompts (`bool`, defaults to `True`): The reference's name for
             `log_unique_prompts` (each distinct prompt once in the completions table); either
             turns it on.
@@ -168,7 +165,9 @@ class GOLDConfig(DistillationConfig):
     vllm_server_port: int = field(default=8001, metadata={"help": "Port of the vLLM server."})
     vllm_gpu_memory_utilization: float = field(default=0.9, metadata={"help": "vLLM's GPU memory share."})
     vllm_sync_frequency: int = field(default=1, metadata={"help": "Steps between vLLM weight syncs."})
-    log_completions_steps: int = field(default=100, metadata={"help": "Not built (logging_steps applies)."})
+    log_completions_steps: int = field(
+        default=100, metadata={"help": "Optimizer steps between logged training completions."}
+    )
     wandb_log_unique_prompts: bool = field(
         default=True, metadata={"help": "Log each distinct prompt once (log_unique_prompts)."}
     )

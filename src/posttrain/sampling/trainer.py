@@ -415,7 +415,8 @@ class OnlineTrainer(BaseTrainer):
         rewards = gather(rewards_local.to(self.accelerator.device)).cpu()  # [N, F]
         adv, adv_metrics = self._advantages(scored, rewards, group)  # [N] over every process
         self._record_rollout_metrics(mode, rollout, rewards, adv_metrics)
-        if self._completion_logs:
+        period = getattr(self.args, "log_completions_steps", None)  # GOLD, IW-OPD: every that many steps
+        if self._completion_logs and (mode != "train" or not period or self.state.global_step % period == 0):
             self._add_completions(mode, rewards, adv)
         start = self.accelerator.process_index * n
         scored.advantages = adv[start : start + n]
