@@ -68,7 +68,6 @@ def test_config_has_the_reference_fields_and_defaults(tmp_path) -> None:
         ({"iw_opd_gamma": -1.0}, ValueError, "iw_opd_gamma=-1.0 is invalid"),
         ({"loss_top_k": -1}, ValueError, "loss_top_k=-1 is invalid"),
         ({"distillation_objective": "kl"}, ValueError, "distillation_objective='kl' is invalid"),
-        ({"use_teacher_server": True}, NotImplementedError, "use_teacher_server"),
         ({"log_completions_steps": 0}, ValueError, "log_completions_steps=0 is invalid"),
     ],
     ids=[
@@ -77,7 +76,6 @@ def test_config_has_the_reference_fields_and_defaults(tmp_path) -> None:
         "gamma",
         "loss_top_k",
         "objective",
-        "use_teacher_server",
         "log_completions_steps",
     ],
 )
@@ -92,6 +90,29 @@ def test_log_completions_steps_logs_the_completions_of_every_that_many_steps(tmp
     trainer.train()
     rows = [json.loads(line) for line in (tmp_path / "completions.jsonl").read_text().splitlines()]
     assert sorted({row["step"] for row in rows}) == [0, 2]
+
+
+@pytest.mark.parametrize(
+    "overrides, teacher, match",
+    [
+        ({}, None, "needs teacher_model_server_url"),
+        ({"teacher_model_server_url": "http://127.0.0.1:1", "temperature": 0.7}, None, "temperature=0.7"),
+        ({"teacher_model_server_url": "http://127.0.0.1:1"}, "a teacher", r"a teacher_model \(or teacher_model_name_or_path\)"),
+    ],
+    ids=["no-address", "temperature", "two-teachers"],
+)  # fmt: skip
+def test_a_served_teacher_needs_its_address_temperature_one_and_no_other_teacher(
+    tmp_path, overrides, teacher, match
+) -> None:
+    """use_teacher_server=True (tests/test_vllm_engine.py trains through a real vLLM server)."""
+    tok = build_tiny_tokenizer()
+    args = IWOPDConfig(output_dir=str(tmp_path), use_teacher_server=True, **CPU_TEST_ARGS, **overrides)
+    given = build_tiny_model(tok, seed=2) if teacher else None
+    with pytest.raises(ValueError, match=match):
+        IWOPDTrainer(
+            model=build_tiny_model(tok), teacher_model=given, args=args, train_dataset=conversations(),
+            processing_class=tok,
+        )  # fmt: skip
 
 
 def test_position_weights_by_hand() -> None:

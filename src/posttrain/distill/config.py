@@ -537,8 +537,9 @@ class IWOPDConfig(DistillationConfig):
         max_prompt_length (`int | None`, defaults to `None`): Most prompt tokens; `None` is
             `max_length - max_completion_length`.
         disable_dropout (`bool`, defaults to `True`).
-        use_teacher_server, teacher_model_server_url: Not built (`use_teacher_server=True` raises
-            `NotImplementedError`).
+        use_teacher_server (`bool`, defaults to `False`), teacher_model_server_url (`str | None`):
+            The teacher served by vLLM at that address (``teachers.VLLMTeacherServer``: the sampled
+            tokens' log-probs at temperature 1; `teacher_model` is then left `None`).
         vllm_sync_frequency (`int`, defaults to `1`): With `use_vllm=True`, the engine gets the
             student's weights every this many optimizer steps and samples with the last ones in
             between (the rollout log-probs of the advantage are then the engine's).
@@ -564,8 +565,8 @@ class IWOPDConfig(DistillationConfig):
         default=None, metadata={"help": "Most prompt tokens; None: max_length - max_completion_length."}
     )
     disable_dropout: bool = field(default=True, metadata={"help": "Disable dropout in the student."})
-    use_teacher_server: bool = field(default=False, metadata={"help": "Not built."})
-    teacher_model_server_url: str | None = field(default=None, metadata={"help": "Not built."})
+    use_teacher_server: bool = field(default=False, metadata={"help": "Score with a teacher vLLM serves."})
+    teacher_model_server_url: str | None = field(default=None, metadata={"help": "That server's address."})
     vllm_sync_frequency: int = field(
         default=1, metadata={"help": "Optimizer steps between vLLM weight syncs (with use_vllm)."}
     )
@@ -574,10 +575,7 @@ class IWOPDConfig(DistillationConfig):
     )
 
     _rules: ClassVar[tuple[Rule, ...]] = _IWOPD_RULES
-    _unbuilt: ClassVar[dict[str, UnbuiltOption]] = {
-        **ONLINE_UNBUILT,
-        "use_teacher_server": SELF_UNBUILT["use_teacher_server"],
-    }
+    _unbuilt: ClassVar[dict[str, UnbuiltOption]] = ONLINE_UNBUILT
     _method: ClassVar[str] = "IW-OPD"
 
     def _check_combinations(self) -> None:

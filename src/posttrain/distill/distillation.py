@@ -149,6 +149,8 @@ class DistillationTrainer(TeacherStudentTrainer):
                 f"args is a {type(args).__name__}; {type(self).__name__} needs a {self._config_class.__name__} "
                 "(its beta is the divergence's, in [0, 1], not a KL coefficient)."
             )
+        if getattr(args, "use_teacher_server", False):  # IW-OPD's served teacher, from the config
+            teacher_model = _config_teacher_server(args, teacher_model)
         sources = teachers.teacher_sources(teacher_model, args.teacher_model_name_or_path)  # paths checked
         self._served = isinstance(next(iter(sources.values())), teachers.TeacherServer)
         if self._served:
@@ -382,3 +384,26 @@ def _needs_copy(teacher: torch.nn.Module, student: torch.nn.Module) -> bool:
     """Whether the teacher object is the student itself (self-distillation from the start weights):
     it is then copied, so training the student leaves the teacher as it was."""
     return chunked.causal_lm(student) is teacher
+
+
+def _config_teacher_server(args: Any, teacher_model: Any) -> teachers.VLLMTeacherServer:
+    """The teacher ``use_teacher_server=True`` names: a client of the vLLM server at
+    ``teacher_model_server_url``.
+
+    Raises:
+        ValueError: a ``teacher_model`` is given as well; no address; a temperature other than 1.
+    """
+    if not args.teacher_model_server_url or args.temperature != 1.0:
+        raise ValueError(
+            "use_teacher_server=True needs teacher_model_server_url (the vLLM server holding the teacher) and "
+            f"temperature=1.0 (vLLM's prompt log-probs are untempered); got {args.teacher_model_server_url!r} and "
+            f"temperature={args.temperature}."
+        )
+    if teacher_model is not None or args.teacher_model_name_or_path is not None:
+        raise ValueError(
+            "use_teacher_server=True scores with the teacher served at teacher_model_server_url, but a teacher_model "
+            "(or teacher_model_name_or_path) is given too; leave it None, or set use_teacher_server=False."
+        )
+    return teachers.VLLMTeacherServer(
+        args.teacher_model_server_url, getattr(args, "vllm_server_timeout", 240.0)
+    )

