@@ -16,7 +16,6 @@ otherwise than the engine's is refused at the first generation.
 
 from __future__ import annotations
 
-import gc
 import os
 
 import pytest
@@ -28,7 +27,7 @@ else:
     pytest.importorskip("vllm", reason="vLLM is not installed (CI runs this file in .venv-vllm)")
 pytest.importorskip("torchvision", reason="vLLM's vision models import torchvision (.ci/vllm.sh installs it)")
 
-from test_vllm_engine import ENGINE, GAP, _moved, _serve  # noqa: E402
+from test_vllm_engine import ENGINE, GAP, _moved, _serve, restore_environment  # noqa: E402, F401 (autouse)
 from vision_models import build_qwen2_vl, image_dataset  # noqa: E402
 
 from posttrain import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer  # noqa: E402
@@ -49,15 +48,6 @@ def vlm_dir(request, tmp_path_factory):
     model.save_pretrained(path)
     processor.save_pretrained(path)
     return str(path)
-
-
-@pytest.fixture(autouse=True)
-def restore_environment():
-    saved = dict(os.environ)
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
-    gc.collect()
 
 
 def _config(tmp_path, config_cls=GRPOConfig, **overrides):
