@@ -166,6 +166,48 @@ def test_online_dpo_colocate_samples_with_the_images(tmp_path, vlm_dir, monkeypa
     assert any("rewards/margins" in h for h in trainer.state.log_history)
 
 
+def test_a2po_samples_both_stages_with_the_images(tmp_path, vlm_dir, monkeypatch):
+    """A*-PO: stage 1's values sampled by the engine holding the reference, stage 2 by the policy's,
+    each with the images and agreeing with the model it samples given them."""
+    from test_a2po import odd_sum
+
+    from posttrain import A2POConfig, A2POTrainer
+
+    args = A2POConfig(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, max_completion_length=6, num_value_samples=2,
+        max_steps=2, use_vllm=True, bf16=False, use_cpu=True, report_to="none", save_strategy="no",
+        disable_tqdm=True, logging_steps=1, learning_rate=5e-2, temperature=1.0, gradient_checkpointing=False,
+        filter_all_incorrect=False, vllm_engine_kwargs={**ENGINE, "max_model_len": 256},
+    )  # fmt: skip
+    trainer = A2POTrainer(model=vlm_dir, reward_funcs=odd_sum, args=args, train_dataset=image_dataset(4))
+    with torch.no_grad():  # the policy leaves its reference before training, so the two differ
+        for p in trainer.model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    gaps = watch_rollouts(monkeypatch)
+    trainer.train()
+    assert len(gaps) >= 3  # stage 1's value samples, then one generation a step
+    _check_trained_on_the_images(trainer, gaps, steps=len(gaps))
+
+
+def test_sdft_samples_the_student_with_the_images(tmp_path, vlm_dir, monkeypatch):
+    """SDFT: the student samples its prompts with the images from the engine; the teacher's prompt
+    (with the privileged context) keeps them for the loss."""
+    from posttrain import SDFTConfig, SDFTTrainer
+
+    data = image_dataset(4)
+    data = data.add_column("privileged_context", [f"The answer is {i + 1}." for i in range(len(data))])
+    args = SDFTConfig(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2, max_completion_length=6,
+        max_steps=2, use_vllm=True, bf16=False, use_cpu=True, report_to="none", save_strategy="no",
+        disable_tqdm=True, logging_steps=1, learning_rate=5e-2, temperature=1.0, gradient_checkpointing=False,
+        distillation_topk=6, vllm_engine_kwargs={**ENGINE, "max_model_len": 256},
+    )  # fmt: skip
+    trainer = SDFTTrainer(model=vlm_dir, args=args, train_dataset=data)
+    gaps = watch_rollouts(monkeypatch)
+    trainer.train()
+    _check_trained_on_the_images(trainer, gaps, steps=2)
+
+
 def test_gkd_samples_the_student_and_the_teacher_with_the_images(tmp_path, vlm_dir, monkeypatch):
     """GKD with ``seq_kd``: the student's steps sample its engine, the teacher's steps a second engine
     (built from the teacher with the trainer's processor), each with the images and each agreeing
