@@ -334,3 +334,26 @@ def test_grpo_server_samples_with_the_images(tmp_path, vlm_server, monkeypatch):
     trainer.train()
     assert trainer.generator.sync.sends == 3  # the weights after every step, the vision tower's too
     _check_trained_on_the_images(trainer, gaps)
+
+
+def test_async_grpo_through_the_server_samples_with_the_images(tmp_path, vlm_server, monkeypatch):
+    """Asynchronous GRPO's background sampler through the server: each batch's rows with their
+    images, from the weights of the sampler's copy (pushed, image encodings dropped), its log-probs
+    agreeing with that copy given the images."""
+    from posttrain import AsyncGRPOConfig, AsyncGRPOTrainer
+
+    folder, url = vlm_server
+    args = AsyncGRPOConfig(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2, max_steps=3,
+        learning_rate=5e-2, bf16=False, use_cpu=True, report_to="none", save_strategy="no", disable_tqdm=True,
+        logging_steps=1, max_completion_length=6, num_sampler_logprobs=3, max_staleness=1, temperature=1.0,
+        use_vllm=True, vllm_mode="server", vllm_server_base_url=url, request_timeout=120,
+        gradient_checkpointing=False,
+    )  # fmt: skip
+    trainer = AsyncGRPOTrainer(folder, even_token_reward, args, image_dataset(4))
+    gaps = watch_rollouts(monkeypatch)
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert [h["batch/sampler_version"] for h in logs] == [0.0, 0.0, 1.0]
+    _check_trained_on_the_images(trainer, gaps, steps=len(gaps))
+    assert len(gaps) >= 3
